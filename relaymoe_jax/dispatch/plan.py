@@ -1,0 +1,79 @@
+"""Pair bookkeeping shared by the dispatchers: indices only, never activations.
+
+A (token, slot) *pair* is one entry of `expert_ids[T, k]`, flattened to `pair = t * k + slot`.
+Pairs whose id lies outside [0, E) are *ignored*: they sort after every real expert (key E), fall in
+no segment and contribute nothing (documented in the README).
+"""
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def poison_unwritten():
+    """Fill every "never read" row (padding of chunks and buffers) with NaN instead of 0.
+
+    Used by tests: a NaN that reaches an output or gradient means a padding row was read. GPUs leave
+    unwritten memory as garbage while XLA:CPU zero-fills, so this is how CPU tests catch it. Read at
+    trace time: call the op (or jit it) inside the context.
+    """
+    old = getattr(_state, "poison", False)
+    _state.poison = True
+    try:
+        yield
+    finally:
+        _state.poison = old
+
+
+def poisoning() -> bool:
+    return getattr(_state, "poison", False)
+
+
+def dont_care_fill(poison: bool) -> float:
+    return float("nan") if poison else 0.0
+
+
+def pair_keys(ids_tk, num_experts):
+    """[T*k] int32 sort keys: the global expert id, or `num_experts` for an out-of-range id."""
+    flat = ids_tk.reshape(-1).astype(jnp.int32)
+    valid = (flat >= 0) & (flat < num_experts)
+    return jnp.where(valid, flat, num_experts)
+
+
+def sort_pairs(ids_tk, num_experts):
+    """Sort pairs once by (owning partition, local expert) == global expert id.
+
+    Returns (order [T*k] int32 pair indices, counts_e [E] int32 pairs per global expert).
+    The stable sort keeps pairs of one expert in token order.
+    """
+    key = pair_keys(ids_tk, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
+    return order, counts[:num_experts]
+
+
+def exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def chunk_group_sizes(seg_counts_g, pos0, chunk):
+    """Rows of each group inside chunk [pos0, pos0 + chunk) of a segment with group counts `seg_counts_g`.
+
+    The segment's rows are sorted by group; the result sums to min(chunk, total - pos0).
+    """
+    end_g = jnp.cumsum(seg_counts_g)
+    start_g = end_g - seg_counts_g
+    return jnp.clip(end_g - pos0, 0, chunk) - jnp.clip(start_g - pos0, 0, chunk)
+
+
+def vary_like(z, *refs):
+    """pcast `z` to vary over every manual mesh axis that any of `refs` varies over (check_vma typing)."""
+    want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
+    missing = want - jax.typeof(z).manual_axis_type.varying
+    return lax.pcast(z, tuple(sorted(missing)), to="varying") if missing else z

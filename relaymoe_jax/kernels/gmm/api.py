@@ -1,0 +1,143 @@
+"""Public grouped-matmul entry points: argument checks and choice of implementation.
+
+Row layout (both ops): rows of `lhs` are sorted by group; group g owns rows
+[off_g, off_g + group_sizes[g]) with off = exclusive cumsum(group_sizes).
+`sum(group_sizes) <= M` is the caller's promise. If it is broken, groups are
+truncated at row M (rows past M do not exist, so they are simply ignored);
+negative sizes count as 0. Rows >= sum(group_sizes) are "padding": gmm returns
+exact zeros there and tgmm ignores them, even if they hold NaN/Inf (impl="xla"
+masks with selects by construction; impl="ragged_dot" meets this on CPU in
+jax 0.12, as the tests check, but that rests on XLA's lowering). Math is
+accumulated in float32. Zero groups (G == 0) give all-zero outputs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
+from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
+
+IMPLS = ("auto", "xla", "ragged_dot", "pallas")
+
+
+def resolve_impl(impl: str) -> str:
+    """Holds the concrete implementation name for `impl`.
+
+    "auto" is "xla" on every backend for now. When the Pallas GPU kernel lands,
+    "auto" should pick "pallas" when `jax.default_backend() == "gpu"`.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "xla"
+    if impl == "pallas":
+        raise NotImplementedError(
+            "impl='pallas': the Pallas GPU kernel is not implemented yet (tracked "
+            "separately); use impl='xla' or 'ragged_dot'"
+        )
+    return impl
+
+
+def _check_tile_m(tile_m) -> int:
+    """Holds the row-tile size to use (checked to be a positive int)."""
+    if tile_m is None:
+        return DEFAULT_TILE_M
+    if isinstance(tile_m, bool) or not isinstance(tile_m, (int, np.integer)) or tile_m < 1:
+        raise ValueError(f"tile_m must be a positive int (>= 1) or None, got {tile_m!r}")
+    return int(tile_m)
+
+
+def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:
+    """Holds group_sizes as an int32 [G] array (checked: 1-D, integer, length G)."""
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1:
+        raise ValueError(f"group_sizes must be 1-D [G], got shape {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must have an integer dtype, got {group_sizes.dtype}")
+    if group_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"group_sizes must have length G={num_groups}, got length {group_sizes.shape[0]}"
+        )
+    return group_sizes.astype(jnp.int32)
+
+
+def _out_dtype(preferred_element_type, lhs) -> np.dtype:
+    """Holds the output dtype: preferred_element_type, else lhs.dtype."""
+    return np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+
+
+def gmm(lhs, rhs, group_sizes, *, impl="auto", preferred_element_type=None,
+        transpose_rhs=False, tile_m=None) -> jax.Array:
+    """Grouped matmul: out[M, N], rows of group g times rhs[g] (rhs[g].T if transpose_rhs).
+
+    Args:
+      lhs: [M, K] rows sorted by group.
+      rhs: [G, K, N], or [G, N, K] when `transpose_rhs` (then rhs[g].T is used).
+      group_sizes: [G] integer rows per group; traced values are fine.
+      impl: "auto" | "xla" | "ragged_dot" | "pallas" (not implemented yet).
+      preferred_element_type: output dtype (default lhs.dtype); math is float32.
+      transpose_rhs: see `rhs`.
+      tile_m: row-tile size of the "xla" implementation (default 128).
+
+    Rows >= sum(group_sizes) come back as exact zeros. See the module docstring
+    for sum(group_sizes) > M. Differentiable in lhs and rhs.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
+    if rhs.ndim != 3:
+        layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+        raise ValueError(f"rhs must be 3-D {layout}, got shape {rhs.shape}")
+    rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if rhs_k != lhs.shape[1]:
+        axis = 2 if transpose_rhs else 1
+        raise ValueError(
+            f"rhs.shape[{axis}] must equal K=lhs.shape[1]={lhs.shape[1]} "
+            f"(transpose_rhs={transpose_rhs}), got {rhs_k}"
+        )
+    group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
+    tm = _check_tile_m(tile_m)
+    out_dtype = _out_dtype(preferred_element_type, lhs)
+    impl = resolve_impl(impl)
+    if rhs.shape[0] == 0:  # no groups: every row is padding
+        return jnp.zeros((lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]),
+                         out_dtype)
+    if impl == "xla":
+        return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
+    return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
+
+
+def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto",
+         preferred_element_type=None, tile_m=None) -> jax.Array:
+    """Transposed grouped matmul: out[g] = lhs[rows of g].T @ rhs[rows of g], out [G, K, N].
+
+    This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
+    integer. `num_groups` (optional) states G and must equal len(group_sizes).
+    Rows >= sum(group_sizes) are ignored in both operands, NaN included; empty
+    groups give exact zeros. Differentiable in lhs and rhs.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
+    if rhs.ndim != 2:
+        raise ValueError(f"rhs must be 2-D [M, N], got shape {rhs.shape}")
+    if rhs.shape[0] != lhs.shape[0]:
+        raise ValueError(
+            f"rhs.shape[0] must equal M=lhs.shape[0]={lhs.shape[0]}, got {rhs.shape[0]}"
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if num_groups is None:
+        num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
+    elif isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)):
+        raise ValueError(f"num_groups must be an int or None, got {num_groups!r}")
+    group_sizes = _check_group_sizes(group_sizes, int(num_groups))
+    tm = _check_tile_m(tile_m)
+    out_dtype = _out_dtype(preferred_element_type, lhs)
+    impl = resolve_impl(impl)
+    if num_groups == 0:
+        return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
+    if impl == "xla":
+        return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype)
+    return tgmm_ragged(lhs, rhs, group_sizes, out_dtype)

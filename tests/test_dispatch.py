@@ -1,0 +1,134 @@
+"""Ring and all-to-all against the dense reference: values and all five gradients.
+
+One test base, subclassed per dispatcher. Every run poisons padding rows with NaN, so a row an
+implementation should never read shows up as a non-finite output or gradient.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_cases import assert_matches, make_inputs, mesh, place, run, uniform_ids
+
+T = 64  # global tokens: 8 per device on an 8-way token mesh
+
+
+def _uniform(rng, e, k):
+    return uniform_ids(rng, T, e, k)
+
+
+def _one_expert(rng, e, k):                 # slot 0 of every token is expert 5
+    ids = uniform_ids(rng, T, e - 1, k)
+    ids[ids >= 5] += 1
+    ids[:, 0] = 5
+    return ids
+
+
+def _one_partition(rng, e, k):              # every pair in partition 3 (experts 6, 7 of 16)
+    return np.where(rng.random((T, k)) < 0.5, 6, 7) if k == 1 else np.tile([6, 7], (T, 1))
+
+
+def _all_experts(rng, e, k):                # top_k == num_experts, shuffled per token
+    return np.stack([rng.permutation(e) for _ in range(T)])
+
+
+def _repeated(rng, e, k):                   # repeated ids within a token, and weight ties
+    ids = uniform_ids(rng, T, e, k)
+    ids[:, 1] = ids[:, 0]
+    ids[::3] = 9
+    return ids
+
+
+# name -> (ids maker, E, k, extra moe_ffn kwargs)
+PATTERNS = {
+    "uniform": (_uniform, 16, 4, {}),
+    "all_to_one_expert_k1": (lambda rng, e, k: np.full((T, 1), 5), 16, 1, {}),
+    "one_expert_in_every_token": (_one_expert, 16, 4, {}),
+    "all_to_one_partition": (_one_partition, 16, 2, {}),
+    "top_k_equals_E": (_all_experts, 8, 8, {}),
+    "E_equals_EP": (_uniform, 8, 2, {}),
+    "pairs_not_multiple_of_chunk": (_uniform, 16, 3, {"chunk_size": 5}),
+    "chunk_1": (_uniform, 16, 2, {"chunk_size": 1}),
+    "chunk_larger_than_T_k": (_uniform, 16, 4, {"chunk_size": 1000}),
+    "repeated_ids_and_ties": (_repeated, 16, 4, {}),
+}
+
+RING_ONLY = ("chunk_size",)
+
+
+class DispatcherParity:
+    dispatcher: str
+
+    def kwargs(self, extra):
+        if self.dispatcher != "ring":
+            extra = {k: v for k, v in extra.items() if k not in RING_ONLY}
+        return extra
+
+    def check(self, ids, e, mesh_name="ep8", token_axes=("expert",), dtype=np.float32,
+              tol=1e-5, **kw):
+        m = mesh(mesh_name)
+        inp = place(make_inputs(ids, e, dtype=dtype), m, token_axes)
+        ta = dict(token_axes=token_axes) if token_axes != m.axis_names else {}
+        y, stats, g = run(self.dispatcher, inp, m, **ta, **self.kwargs(kw))
+        y_ref, _, g_ref = run("reference", inp, m, poison=False, **ta)
+        assert_matches((y, g), (y_ref, g_ref), tol, f"{self.dispatcher}")
+        assert int(stats["dropped_pairs"]) == 0
+        return y, g, y_ref, g_ref
+
+    @pytest.mark.parametrize("pattern", PATTERNS)
+    def test_routing_patterns(self, pattern):
+        make, e, k, kw = PATTERNS[pattern]
+        self.check(make(np.random.default_rng(1), e, k), e, **kw)
+
+    def test_weight_ties(self):
+        ids = uniform_ids(np.random.default_rng(2), T, 16, 4)
+        m = mesh("ep8")
+        inp = make_inputs(ids, 16)
+        inp["wts"] = jnp.full_like(inp["wts"], 0.25)    # every weight equal
+        inp = place(inp, m, ("expert",))
+        y, _, g = run(self.dispatcher, inp, m)
+        y_ref, _, g_ref = run("reference", inp, m, poison=False)
+        assert_matches((y, g), (y_ref, g_ref), 1e-5, "ties")
+
+    def test_bfloat16(self):
+        ids = uniform_ids(np.random.default_rng(3), T, 16, 4)
+        self.check(ids, 16, dtype=jnp.bfloat16, tol=3e-2)
+
+    def test_data_and_expert_mesh(self):
+        ids = uniform_ids(np.random.default_rng(4), T, 16, 4)
+        self.check(ids, 16, mesh_name="dp2_ep4", token_axes=("data", "expert"))
+
+    def test_expert_and_replicated_tensor_axis(self):
+        ids = uniform_ids(np.random.default_rng(5), T, 16, 4)
+        self.check(ids, 16, mesh_name="ep4_tp2", token_axes=("expert",))
+
+    def test_out_of_range_ids_are_ignored(self):
+        ids = uniform_ids(np.random.default_rng(6), T, 16, 4)
+        ids[0, 0], ids[9, 2], ids[33, 1] = -1, 16, 1000
+        m = mesh("ep8")
+        inp = place(make_inputs(ids, 16), m, ("expert",))
+        y, stats, g = run(self.dispatcher, inp, m)
+        y_ref, _, g_ref = run("reference", inp, m, poison=False)
+        assert_matches((y, g), (y_ref, g_ref), 1e-5, "out-of-range")
+        assert int(stats["ignored_pairs"]) == 3
+        gw = np.asarray(g["wts"])
+        assert gw[0, 0] == 0 and gw[9, 2] == 0 and gw[33, 1] == 0
+
+    def test_one_misweighted_pair_is_detected(self):
+        """The comparison itself: changing a single pair's weight must break the match."""
+        ids = uniform_ids(np.random.default_rng(7), T, 16, 4)
+        m = mesh("ep8")
+        inp = make_inputs(ids, 16)
+        y_ref, _, g_ref = run("reference", place(inp, m, ("expert",)), m, poison=False)
+        bad = dict(inp, wts=inp["wts"].at[17, 2].multiply(1.5))
+        y, _, g = run(self.dispatcher, place(bad, m, ("expert",)), m)
+        with pytest.raises(AssertionError):
+            assert_matches((y, g), (y_ref, g_ref), 1e-5)
+
+
+class TestRing(DispatcherParity):
+    dispatcher = "ring"
+
+
+class TestAllToAll(DispatcherParity):
+    dispatcher = "alltoall"

@@ -1,0 +1,63 @@
+"""Bad input to moe_ffn: a clear ValueError naming the argument, raised before tracing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_cases import make_inputs, mesh, uniform_ids
+from relaymoe_jax import moe_ffn
+
+
+@pytest.fixture
+def inp():
+    return make_inputs(uniform_ids(np.random.default_rng(0), 64, 16, 4), 16)
+
+
+def call(inp, **kw):
+    args = {n: inp[n] for n in ("x", "ids", "wts", "wg", "wu", "wd")}
+    for n in list(kw):
+        if n in args:
+            args[n] = kw.pop(n)
+    kw.setdefault("mesh", mesh("ep8"))
+    return moe_ffn(args["x"], args["ids"], args["wts"], args["wg"], args["wu"], args["wd"], **kw)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda i: dict(wg=i["wg"][:12], wu=i["wu"][:12], wd=i["wd"][:12]),
+     r"num_experts=12 is not divisible by the size 8 of expert_axis"),
+    (lambda i: dict(ids=jnp.zeros((64, 20), jnp.int32), wts=jnp.zeros((64, 20))),
+     r"top_k=20 .* exceeds num_experts=16"),
+    (lambda i: dict(ids=i["ids"][:32]), r"expert_ids: 32 tokens, but x has 64"),
+    (lambda i: dict(wts=i["wts"][:, :3]), r"expert_weights: shape \(64, 3\)"),
+    (lambda i: dict(wg=i["wg"][:, :8]), r"w_gate: hidden size 8"),
+    (lambda i: dict(wu=i["wu"][..., :5]), r"w_up: shape \(16, 16, 5\)"),
+    (lambda i: dict(wd=jnp.swapaxes(i["wd"], 1, 2)), r"w_down: shape \(16, 16, 24\)"),
+    (lambda i: dict(x=i["x"][0]), r"x: expected a rank-2 array"),
+    (lambda i: dict(wts=jnp.ones((64, 4), jnp.int32)), r"expert_weights: expected a floating"),
+    (lambda i: dict(ids=i["ids"].astype(jnp.float32)), r"expert_ids: expected an integer"),
+    (lambda i: dict(x=i["x"][:60], ids=i["ids"][:60], wts=i["wts"][:60]),
+     r"x: 60 tokens are not divisible by the 8 token shards"),
+    (lambda i: dict(mesh=jax.make_mesh((8,), ("data",))), r"expert_axis='expert' is not an axis"),
+    (lambda i: dict(mesh="not a mesh"), r"mesh: expected a jax.sharding.Mesh"),
+    (lambda i: dict(dispatcher="a2a"), r"dispatcher='a2a': expected one of"),
+    (lambda i: dict(routing="experts"), r"routing='experts': expected one of"),
+    (lambda i: dict(chunk_size=0), r"chunk_size=0: expected an int >= 1"),
+    (lambda i: dict(chunk_size=2.5), r"chunk_size=2.5: expected an int >= 1"),
+    (lambda i: dict(capacity_factor=1.0), r"capacity_factor=1.0 applies to dispatcher='alltoall'"),
+    (lambda i: dict(dispatcher="alltoall", capacity_factor=0.0), r"capacity_factor=0.0: expected > 0"),
+    (lambda i: dict(token_axes=("data",)), r"token_axes: 'data' is not an axis"),
+])
+def test_bad_input_raises_value_error(inp, change, match):
+    with pytest.raises(ValueError, match=match):
+        call(inp, **change(inp))
+
+
+def test_token_routing_is_not_there_yet(inp):
+    with pytest.raises(NotImplementedError, match="routing='token'"):
+        call(inp, routing="token")
+
+
+def test_token_axes_must_include_the_expert_axis(inp):
+    with pytest.raises(ValueError, match=r"token_axes=\('data',\) must include expert_axis"):
+        call(inp, mesh=mesh("dp2_ep4"), token_axes=("data",))

@@ -1,0 +1,95 @@
+"""The ring program's structure: its collectives follow the schedule and it never builds [T*k, H]."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import relaymoe_jax
+from moe_cases import make_inputs, mesh, place, uniform_ids
+from relaymoe_jax.op import moe_ffn
+
+E, K, H = 16, 8, 32
+T_LOCAL = 64
+
+
+def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring"):
+    m = mesh(mesh_name)
+    shards = int(np.prod([m.shape[a] for a in token_axes]))
+    ids = uniform_ids(np.random.default_rng(0), T_LOCAL * shards, E, K)
+    inp = place(make_inputs(ids, E, h=H, f=32), m, token_axes)
+    kw = dict(mesh=m, dispatcher=dispatcher, token_axes=token_axes)
+
+    def fwd(x, wts, wg, wu, wd, ids, r):
+        return jnp.sum(moe_ffn(x, ids, wts, wg, wu, wd, **kw) * r)
+
+    args = [inp[n] for n in ("x", "wts", "wg", "wu", "wd", "ids", "r")]
+    return m, fwd, jax.grad(fwd, argnums=(0, 1, 2, 3, 4)), args
+
+
+def _collectives(jaxpr, mult=1, out=None):
+    """[(primitive, executions)] over a jaxpr, multiplying by the length of enclosing scans."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        if eqn.primitive.name in ("ppermute", "all_to_all", "ragged_all_to_all"):
+            out.append((eqn.primitive.name, mult))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _collectives(sub, inner, out)
+    return out
+
+
+def _count(jaxpr, name):
+    return sum(n for p, n in _collectives(jaxpr) if p == name)
+
+
+@pytest.mark.parametrize("mesh_name,token_axes", [("ep8", ("expert",)),
+                                                   ("dp2_ep4", ("data", "expert"))])
+def test_ppermute_count_matches_the_schedule(mesh_name, token_axes):
+    m, fwd, grad, args = _setup(mesh_name, token_axes)
+    n = m.shape["expert"]
+    # One ppermute per array: 3 weight arrays per transfer.
+    # forward: N-1 weight transfers (the last one is peeled off).
+    assert _count(jax.make_jaxpr(fwd)(*args).jaxpr, "ppermute") == 3 * (n - 1)
+    # + backward: N-1 weight transfers, N-1 trailing dW transfers, 1 gradient-only return.
+    bwd = 3 * (n - 1) + 3 * (n - 1) + 3
+    assert _count(jax.make_jaxpr(grad)(*args).jaxpr, "ppermute") == 3 * (n - 1) + bwd
+
+
+def test_ring_has_no_all_to_all_but_the_baseline_does():
+    _, _, grad, args = _setup()
+    assert _count(jax.make_jaxpr(grad)(*args).jaxpr, "all_to_all") == 0
+    _, _, grad_a2a, _ = _setup(dispatcher="alltoall")
+    assert _count(jax.make_jaxpr(grad_a2a)(*args).jaxpr, "all_to_all") >= 3
+
+
+_SHAPE = re.compile(r"\b(?:f32|bf16|f16|s32|u32|pred|s8|u8)\[([\d,]+)\]")
+
+
+def _largest_array(hlo_text):
+    return max(int(np.prod([int(d) for d in dims.split(",")])) for dims in _SHAPE.findall(hlo_text))
+
+
+def test_no_expanded_buffer_in_the_compiled_ring():
+    limit = T_LOCAL * K * H // 2
+    _, _, grad, args = _setup()
+    hlo = jax.jit(grad).lower(*args).compile().as_text()
+    assert _largest_array(hlo) < limit, f"ring holds an array of {_largest_array(hlo)} elements"
+    _, _, grad_a2a, _ = _setup(dispatcher="alltoall")
+    hlo_a2a = jax.jit(grad_a2a).lower(*args).compile().as_text()
+    assert _largest_array(hlo_a2a) >= limit       # the check can fail: the baseline fails it
+
+
+def test_poisoning_really_puts_nan_in_the_program():
+    nan = "0x7FC00000"
+    _, fwd, _, args = _setup()          # a fresh function each time: jit caches traces per function
+    plain = jax.jit(fwd).lower(*args).as_text().count(nan)
+    _, fwd, _, args = _setup()
+    with relaymoe_jax.poison_unwritten():
+        poisoned = jax.jit(fwd).lower(*args).as_text().count(nan)
+    assert poisoned >= plain + 2        # chunk token rows (forward) and dy rows are NaN-filled
