@@ -88,12 +88,20 @@ class _Hops:
             valid = jnp.arange(c) < count - pos0
             gs = plan.chunk_group_sizes(seg_counts, pos0, c)
             tok = pidx // self.k
-            x_ch = jnp.where(valid[:, None], self.x_th[tok], self.fill).astype(self.x_th.dtype)
             wts_c = jnp.where(valid, self.wts_p[pidx], 0).astype(jnp.float32)
-            chunk = dict(pidx=pidx, tok=tok, valid=valid, gs=gs, x_ch=x_ch, wts_c=wts_c)
+            chunk = dict(pidx=pidx, tok=tok, valid=valid, gs=gs, wts_c=wts_c,
+                         x_ch=self.rows(self.x_th, tok, valid))
             return i + 1, body(chunk, carry)
 
         return lax.while_loop(lambda s: s[0] < n_chunks, step, (jnp.int32(0), carry))[1]
+
+    def rows(self, a_th, tok, valid):
+        """a_th[tok]: C token rows. Rows past the segment are don't-care: the grouped matmuls
+        zero their outputs and ignore them, and their router weight is 0. They hold real token
+        rows normally (no mask, no extra [C, H] buffer) and NaN when poisoned (tests)."""
+        if not self.cfg.poison:
+            return a_th[tok]
+        return a_th.at[jnp.where(valid, tok, a_th.shape[0])].get(mode="fill", fill_value=self.fill)
 
     def _mm(self, a, w, gs, transpose=False):
         return gmm(a, w, gs, impl=self.cfg.gmm_impl, preferred_element_type=jnp.float32,
@@ -112,8 +120,7 @@ class _Hops:
             up = self._mm(ch["x_ch"], w_up, ch["gs"])
             act = (jax.nn.silu(gate) * up).astype(dt)
             y_ch = self._mm(act, w_down, ch["gs"])
-            y_ch = jnp.where(ch["valid"][:, None], y_ch * ch["wts_c"][:, None], 0.0)
-            return out_th.at[ch["tok"]].add(y_ch)
+            return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])   # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
             return self._chunks(h, body, out_th)
@@ -132,13 +139,13 @@ class _Hops:
             sig = jax.nn.sigmoid(gate)
             silu = gate * sig
             act = (silu * up).astype(dt)
-            dy_ch = jnp.where(valid[:, None], dy_th[ch["tok"]], self.fill).astype(dt)
+            dy_ch = self.rows(dy_th, ch["tok"], valid).astype(dt)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w_down, gs, transpose=True)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
-            dwts_p = dwts_p.at[ch["pidx"]].add(jnp.where(valid, dwts_c, 0.0))
+            dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)       # invalid rows: act = dact0 = 0
             wts = ch["wts_c"][:, None]
-            dwd = dwd + self._tmm(act, (jnp.where(valid[:, None], dy_ch * wts, 0)).astype(dt), gs)
+            dwd = dwd + self._tmm(act, (dy_ch * wts).astype(dt), gs)   # ignores invalid rows
             dact = dact0 * wts
             dgate = (dact * up * sig * (1.0 + gate * (1.0 - sig))).astype(dt)
             dup = (dact * silu).astype(dt)
@@ -146,7 +153,7 @@ class _Hops:
             dwu = dwu + self._tmm(ch["x_ch"], dup, gs)
             dx_ch = (self._mm(dgate, w_gate, gs, transpose=True)
                      + self._mm(dup, w_up, gs, transpose=True))
-            dx_th = dx_th.at[ch["tok"]].add(jnp.where(valid[:, None], dx_ch, 0.0))
+            dx_th = dx_th.at[ch["tok"]].add(dx_ch)           # gmm: invalid rows are exact 0
             return dx_th, dwts_p, (dwg, dwu, dwd)
 
         with jax.named_scope("ring_bwd_hop"):
