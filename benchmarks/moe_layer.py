@@ -100,7 +100,16 @@ def main(argv=None):
     print("|" + "---|" * len(head))
     for s in shapes(args):
         got = {v: memory.measure_layer(s, mesh, v) for v in args.variants}
-        secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants} if args.time else {}
+        secs = {}
+        if args.time:
+            # Emulated devices share this host's memory: refuse rather than be OOM-killed.
+            need = args.ep * max(m["fwdbwd"] for m in got.values())
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > 0.7 * have:
+                sys.exit(f"--time at this shape needs ~{need / 2**30:.1f} GiB of host memory "
+                         f"({args.ep} devices x the largest fwd+bwd temp), this machine has "
+                         f"{have / 2**30:.1f} GiB: choose a smaller shape or drop --time")
+            secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants}
         ring = got.get("ring")
         unit = memory.expanded_bytes(s)
         for v, m in got.items():

@@ -16,7 +16,7 @@ def measured():
 
 def test_ring_uses_a_fraction_of_alltoall(measured):
     ring = measured["ring"]["fwdbwd"]
-    # Measured with jax 0.12.0.1: ring 16.1 MiB, capacity 1.0: 5.99x, dropless: 23.97x.
+    # Measured with jax 0.12.0.1: ring 15.6 MiB, capacity 1.0: 6.19x, dropless: 24.75x.
     assert measured["a2a-cap1.0"]["fwdbwd"] >= 5.5 * ring
     assert measured["a2a-dropless"]["fwdbwd"] >= 20 * ring
     assert measured["a2a-cap1.0"]["fwd"] >= 2 * measured["ring"]["fwd"]

@@ -62,7 +62,6 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
     e_local = num_e // n
     b = block_rows(t, k, num_e, n, cfg.capacity_factor)
     rows = n * b
-    fill = plan.dont_care_fill(cfg.poison)
 
     with jax.named_scope("a2a_permute"):
         order, counts_e = plan.sort_pairs(ids_tk, num_e)
@@ -87,7 +86,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         slot_pair = jnp.full((rows,), t * k, jnp.int32).at[slot_g].set(order, mode="drop")
         slot_ok = slot_pair < t * k
         slot_pair = jnp.minimum(slot_pair, t * k - 1)
-        send_rh = jnp.where(slot_ok[:, None], x_th[slot_pair // k], fill).astype(x_th.dtype)
+        send_rh = plan.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)   # pads: never read
 
     with jax.named_scope("a2a_dispatch"):
         recv_rh = lax.all_to_all(send_rh, cfg.axis, 0, 0, tiled=True)
@@ -108,7 +107,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         src_of = jnp.full((rows,), rows, jnp.int32).at[dst].set(
             jnp.arange(rows, dtype=jnp.int32), mode="drop")
         sorted_ok = src_of < rows
-        xs_rh = jnp.where(sorted_ok[:, None], recv_rh[jnp.minimum(src_of, rows - 1)], fill)
+        xs_rh = plan.take_rows(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison)
 
     with jax.named_scope("a2a_experts"):
         mm = lambda a, w: gmm(a, w, group_sizes, impl=cfg.gmm_impl,
@@ -117,7 +116,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         ys_rh = mm(act, w_down).astype(x_th.dtype)
 
     with jax.named_scope("a2a_combine"):
-        yr_rh = jnp.where(row_ok.reshape(-1)[:, None], ys_rh[jnp.minimum(dst, rows - 1)], 0)
+        yr_rh = plan.take_rows(ys_rh, jnp.minimum(dst, rows - 1), row_ok.reshape(-1), cfg.poison)
         yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True)
         w_slot = jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
         contrib = jnp.where(slot_ok[:, None], yb_rh.astype(jnp.float32) * w_slot[:, None], 0.0)

@@ -35,8 +35,15 @@ def poisoning() -> bool:
     return getattr(_state, "poison", False)
 
 
-def dont_care_fill(poison: bool) -> float:
-    return float("nan") if poison else 0.0
+def take_rows(a, idx, ok, poison):
+    """a[idx] where rows with `ok` False are don't-care: the consumer never reads them.
+
+    Normally a plain gather (no mask, no extra buffer); poisoned, those rows are NaN, so a test
+    sees it if a consumer does read them.
+    """
+    if not poison:
+        return a[idx]
+    return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=float("nan"))
 
 
 def pair_keys(ids_tk, num_experts):

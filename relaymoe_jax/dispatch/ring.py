@@ -68,7 +68,6 @@ class _Hops:
         counts_p = counts_e.reshape(self.n, self.e_local).sum(axis=1)
         self.counts_p = counts_p
         self.starts_p = plan.exclusive_cumsum(counts_p)
-        self.fill = plan.dont_care_fill(cfg.poison)
 
     def partition(self, h):
         return (self.me - h) % self.n
@@ -97,11 +96,8 @@ class _Hops:
 
     def rows(self, a_th, tok, valid):
         """a_th[tok]: C token rows. Rows past the segment are don't-care: the grouped matmuls
-        zero their outputs and ignore them, and their router weight is 0. They hold real token
-        rows normally (no mask, no extra [C, H] buffer) and NaN when poisoned (tests)."""
-        if not self.cfg.poison:
-            return a_th[tok]
-        return a_th.at[jnp.where(valid, tok, a_th.shape[0])].get(mode="fill", fill_value=self.fill)
+        zero their outputs and ignore them, and their router weight is 0."""
+        return plan.take_rows(a_th, tok, valid, self.cfg.poison)
 
     def _mm(self, a, w, gs, transpose=False):
         return gmm(a, w, gs, impl=self.cfg.gmm_impl, preferred_element_type=jnp.float32,
