@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_cases import assert_matches, make_inputs, mesh, place, run, uniform_ids
+import relaymoe_jax
+from moe_cases import assert_matches, make_inputs, mesh, place, rel_err, run, uniform_ids
 
 T = 64  # global tokens: 8 per device on an 8-way token mesh
 
@@ -101,6 +102,17 @@ class DispatcherParity:
     def test_expert_and_replicated_tensor_axis(self):
         ids = uniform_ids(np.random.default_rng(5), T, 16, 4)
         self.check(ids, 16, mesh_name="ep4_tp2", token_axes=("expert",))
+
+    def test_auto_mesh_and_eager_call(self):
+        """An Auto-typed mesh, unsharded inputs, no jit: the op places the inputs itself."""
+        m = mesh("ep8", explicit=False)
+        inp = make_inputs(uniform_ids(np.random.default_rng(8), T, 16, 4), 16)
+        args = [inp[n] for n in ("x", "ids", "wts", "wg", "wu", "wd")]
+        with relaymoe_jax.poison_unwritten():
+            y = relaymoe_jax.moe_ffn(*args, mesh=m, dispatcher=self.dispatcher)
+        y_ref = relaymoe_jax.moe_ffn(*args, mesh=m, dispatcher="reference")
+        assert np.all(np.isfinite(np.asarray(y)))
+        assert rel_err(y, y_ref) <= 1e-5
 
     def test_out_of_range_ids_are_ignored(self):
         ids = uniform_ids(np.random.default_rng(6), T, 16, 4)
