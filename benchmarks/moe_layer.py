@@ -56,6 +56,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
 
     import jax
     import numpy as np
+
     from relaymoe_jax import memory
 
     _, fwdbwd = memory.layer_fns(shape, mesh, variant)
@@ -84,6 +85,7 @@ def main(argv=None):
     import logging
 
     import jax
+
     from relaymoe_jax import memory
 
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: we know

@@ -3,4 +3,4 @@
 from relaymoe_jax.dispatch.plan import poison_unwritten
 from relaymoe_jax.op import DISPATCHERS, moe_ffn
 
-__all__ = ["moe_ffn", "DISPATCHERS", "poison_unwritten"]
+__all__ = ["DISPATCHERS", "moe_ffn", "poison_unwritten"]

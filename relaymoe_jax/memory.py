@@ -9,7 +9,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.op import moe_ffn
 

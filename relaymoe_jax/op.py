@@ -6,7 +6,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.dispatch import plan
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe

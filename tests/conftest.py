@@ -6,6 +6,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", False)

@@ -5,7 +5,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import relaymoe_jax
 from relaymoe_jax.op import moe_ffn

@@ -45,7 +45,8 @@ def call(inp, **kw):
     (lambda i: dict(chunk_size=0), r"chunk_size=0: expected an int >= 1"),
     (lambda i: dict(chunk_size=2.5), r"chunk_size=2.5: expected an int >= 1"),
     (lambda i: dict(capacity_factor=1.0), r"capacity_factor=1.0 applies to dispatcher='alltoall'"),
-    (lambda i: dict(dispatcher="alltoall", capacity_factor=0.0), r"capacity_factor=0.0: expected > 0"),
+    (lambda i: dict(dispatcher="alltoall", capacity_factor=0.0),
+     r"capacity_factor=0.0: expected > 0"),
     (lambda i: dict(token_axes=("data",)), r"token_axes: 'data' is not an axis"),
 ])
 def test_bad_input_raises_value_error(inp, change, match):

@@ -1,4 +1,4 @@
-"""The ring program's structure: its collectives follow the schedule and it never builds [T*k, H]."""
+"""The ring program's structure: collectives follow the schedule; it never builds [T*k, H]."""
 
 import re
 

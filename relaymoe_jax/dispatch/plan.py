@@ -70,7 +70,7 @@ def exclusive_cumsum(a, axis=-1):
 
 
 def chunk_group_sizes(seg_counts_g, pos0, chunk):
-    """Rows of each group inside chunk [pos0, pos0 + chunk) of a segment with group counts `seg_counts_g`.
+    """Rows of each group in chunk [pos0, pos0 + chunk) of a segment with counts `seg_counts_g`.
 
     The segment's rows are sorted by group; the result sums to min(chunk, total - pos0).
     """
@@ -80,7 +80,7 @@ def chunk_group_sizes(seg_counts_g, pos0, chunk):
 
 
 def vary_like(z, *refs):
-    """pcast `z` to vary over every manual mesh axis that any of `refs` varies over (check_vma typing)."""
+    """pcast `z` to vary over every manual mesh axis any of `refs` varies over (check_vma)."""
     want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
     missing = want - jax.typeof(z).manual_axis_type.varying
     return lax.pcast(z, tuple(sorted(missing)), to="varying") if missing else z

@@ -15,7 +15,7 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
     num_experts = w_gate_ehf.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
-    # combine[t, e] = total router weight token t gives expert e (one_hot of an invalid id is all 0).
+    # combine[t, e] = total router weight token t gives expert e (one_hot of a bad id is all 0).
     combine_te = jnp.einsum(
         "tk,tke->te", wts_tk.astype(f32), jax.nn.one_hot(ids_tk, num_experts, dtype=f32),
         precision=hi)

@@ -174,7 +174,7 @@ def _forward(cfg, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
 
 
 def _backward(cfg, res, dy_th):
-    x_th, ids_tk, wts_tk, w, order, counts_e = res
+    x_th, wts_tk, w, order, counts_e = res
     hops = _Hops(cfg, x_th, wts_tk, order, counts_e)
     n = hops.n
     dx_th = plan.vary_like(jnp.zeros(x_th.shape, jnp.float32), x_th)
@@ -206,7 +206,7 @@ def _backward(cfg, res, dy_th):
             *dw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ring_op(cfg: RingConfig):
     @jax.custom_vjp
     def ring(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
@@ -214,7 +214,7 @@ def _ring_op(cfg: RingConfig):
 
     def fwd(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
         y, (order, counts_e) = _forward(cfg, x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
-        return y, (x_th, ids_tk, wts_tk, (w_gate, w_up, w_down), order, counts_e)
+        return y, (x_th, wts_tk, (w_gate, w_up, w_down), order, counts_e)
 
     ring.defvjp(fwd, functools.partial(_backward, cfg))
     return ring
