@@ -21,7 +21,8 @@ def poison_unwritten():
 
     Used by tests: a NaN that reaches an output or gradient means a padding row was read. GPUs leave
     unwritten memory as garbage while XLA:CPU zero-fills, so this is how CPU tests catch it. Read at
-    trace time: call the op (or jit it) inside the context.
+    trace time: call the op (or jit it) inside the context, and jit a *fresh* function there (jit
+    caches traces per function, so a function traced before keeps its unpoisoned program).
     """
     old = getattr(_state, "poison", False)
     _state.poison = True
