@@ -1,14 +1,22 @@
-"""Per-device memory (and optionally time) of one MoE layer: ring vs all-to-all.
+"""Per-device memory, ring traffic and (optionally) time of one MoE layer: ring vs all-to-all.
 
-Every figure is XLA's own buffer assignment (`compiled.memory_analysis()`), per device, on emulated
-CPU devices. Run `python benchmarks/moe_layer.py --help`; the first output line is the command that
-reproduces the table.
+Memory is XLA's own buffer assignment (`compiled.memory_analysis()`), per device, on emulated CPU
+devices. Ring traffic is read from the compiled HLO: the bytes of the collective permutes in one
+iteration of the forward ring loop and of the backward ring loop, next to the paper's Table 2
+prediction. Run `python benchmarks/moe_layer.py --help`; the first output line is the command
+that reproduces the table.
 """
 
 import argparse
 import os
 import shlex
 import sys
+
+VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")   # = memory.VARIANTS
+# Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
+# experts at long sequence), with H, F and tokens scaled by 1/8 so they run on a CPU host: weights
+# shrink 64x, tokens 8x, so token routing's advantage at E384 shrinks 8x but keeps its side.
+MODES_PRESET = [(384, 12, 256, 256, 2560), (384, 16, 256, 256, 2560), (128, 8, 256, 96, 16384)]
 
 
 def parse_args(argv=None):
@@ -23,16 +31,21 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"])
     p.add_argument("--chunk", type=int, default=None, help="ring chunk (default: balanced share)")
     p.add_argument("--paper", action="store_true",
-                   help="the issue's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
+                   help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
                         "(implies --compile-only)")
+    p.add_argument("--modes", action="store_true",
+                   help="routing-mode configs (E, k, H, F, T/dev): " + ", ".join(
+                       str(c) for c in MODES_PRESET) + "; paper §4.5 scaled by 1/8")
     p.add_argument("--compile-only", action="store_true",
                    help="compile from abstract shapes, allocate nothing (paper-size shapes)")
     p.add_argument("--time", action="store_true",
-                   help="also time fwd+bwd: median of --runs runs after warm-up, as ratios")
+                   help="also time fwd+bwd: median of --runs runs after warm-up, as ratios; a "
+                        "variant whose memory would not fit this host is skipped")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--variants", nargs="+", default=["ring", "a2a-dropless", "a2a-cap1.0"],
-                   choices=["ring", "a2a-dropless", "a2a-cap1.0"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     a = p.parse_args(argv)
+    if a.paper and a.modes:
+        p.error("--paper and --modes are two presets: choose one")
     if a.paper:
         a.experts, a.top_k, a.hidden, a.ffn = [128], [8, 16], 2048, 768
         a.tokens_per_device, a.dtype, a.compile_only = [61440], ["float32", "bfloat16"], True
@@ -44,6 +57,10 @@ def parse_args(argv=None):
 def shapes(args):
     from relaymoe_jax.memory import LayerShape
     for dtype in args.dtype:
+        if args.modes:
+            for e, k, h, f, t in MODES_PRESET:
+                yield LayerShape(e, k, h, f, t, args.ep, dtype, args.chunk)
+            continue
         for e in args.experts:
             for k in args.top_k:
                 for t in args.tokens_per_device:
@@ -77,6 +94,14 @@ def time_fwdbwd(shape, mesh, variant, runs):
     return float(np.median(times))
 
 
+def fits_host(shape, measured, ep):
+    """Emulated devices share this host's memory: time only what fits in 70% of it."""
+    from relaymoe_jax import memory
+    args = sum(a.size * a.dtype.itemsize for a in memory.abstract_args_unsharded(shape))
+    need = ep * measured["fwdbwd"] + 3 * args
+    return need <= 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -93,38 +118,40 @@ def main(argv=None):
     print(f"# reproduce: {cmd}")
     print(f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
           "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
+    print("# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
+          "permutes (XLA:CPU sends bf16 as f32); Table 2: the paper's prediction. "
+          "'x auto': this row / the ring mode routing='auto' picks")
     mesh = jax.make_mesh((args.ep,), ("expert",))
-    head = ("E", "k", "H", "F", "T/dev", "EP", "dtype", "dispatcher", "fwd MiB", "fwd+bwd MiB",
-            "x ring", "[T*k,H] units", "floor MiB", "x floor")
+    head = ("E", "k", "H", "F", "T/dev", "dtype", "variant", "fwd MiB", "fwd+bwd MiB", "x auto",
+            "[T*k,H] units", "x floor", "hop fwd KiB", "Table 2 fwd", "hop bwd KiB",
+            "Table 2 bwd")
     if args.time:
-        head += ("fwd+bwd ms", "time x ring")
+        head += ("fwd+bwd ms", "time x auto")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for s in shapes(args):
+        vol = memory.table2(s)
+        print(f"# E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} {s.dtype}: "
+              f"auto picks {vol.explain()}", flush=True)
         got = {v: memory.measure_layer(s, mesh, v) for v in args.variants}
-        secs = {}
-        if args.time:
-            # Emulated devices share this host's memory: refuse rather than be OOM-killed.
-            need = args.ep * max(m["fwdbwd"] for m in got.values())
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if need > 0.7 * have:
-                sys.exit(f"--time at this shape needs ~{need / 2**30:.1f} GiB of host memory "
-                         f"({args.ep} devices x the largest fwd+bwd temp), this machine has "
-                         f"{have / 2**30:.1f} GiB: choose a smaller shape or drop --time")
-            secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants}
-        ring = got.get("ring")
+        secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants
+                if args.time and fits_host(s, got[v], args.ep)}
+        auto = f"ring-{vol.choice}"
+        kib = lambda b: f"{b / 2**10:,.1f}"
         unit = memory.expanded_bytes(s)
         for v, m in got.items():
-            floor = memory.ring_floor_bytes(s) if v == "ring" else None
-            cells = [s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.ep, s.dtype, v,
+            mode = v.removeprefix("ring-") if v.startswith("ring") else None
+            floor = memory.ring_floor_bytes(s, routing=mode) if mode else None
+            pred = (getattr(vol, f"{mode}_fwd"), getattr(vol, f"{mode}_bwd")) if mode else None
+            cells = [s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.dtype, v,
                      f"{memory.mib(m['fwd']):,.1f}", f"{memory.mib(m['fwdbwd']):,.1f}",
-                     f"{m['fwdbwd'] / ring['fwdbwd']:.2f}" if ring else "-",
-                     f"{m['fwdbwd'] / unit:.2f}",
-                     f"{memory.mib(floor):,.1f}" if floor else "",
-                     f"{m['fwdbwd'] / floor:.2f}" if floor else ""]
+                     f"{m['fwdbwd'] / got[auto]['fwdbwd']:.2f}" if auto in got else "-",
+                     f"{m['fwdbwd'] / unit:.2f}", f"{m['fwdbwd'] / floor:.2f}" if floor else "",
+                     kib(m["hop_fwd"]) if mode else "", kib(pred[0]) if mode else "",
+                     kib(m["hop_bwd"]) if mode else "", kib(pred[1]) if mode else ""]
             if args.time:
-                cells += [f"{secs[v] * 1e3:,.1f}",
-                          f"{secs[v] / secs['ring']:.2f}" if "ring" in secs else "-"]
+                cells += [f"{secs[v] * 1e3:,.1f}" if v in secs else "(too big)",
+                          f"{secs[v] / secs[auto]:.2f}" if v in secs and auto in secs else "-"]
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 

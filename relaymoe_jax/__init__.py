@@ -1,6 +1,8 @@
 """RelayMoE in JAX: ring-based expert-parallel MoE dispatch (arXiv 2610.07333)."""
 
+from relaymoe_jax.dispatch.mode import RoutingVolumes, routing_volumes
 from relaymoe_jax.dispatch.plan import poison_unwritten
-from relaymoe_jax.op import DISPATCHERS, moe_ffn
+from relaymoe_jax.op import DISPATCHERS, moe_ffn, routing_plan
 
-__all__ = ["DISPATCHERS", "moe_ffn", "poison_unwritten"]
+__all__ = ["DISPATCHERS", "RoutingVolumes", "moe_ffn", "poison_unwritten", "routing_plan",
+           "routing_volumes"]

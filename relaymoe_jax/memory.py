@@ -12,10 +12,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax import hlo
+from relaymoe_jax.dispatch.mode import routing_volumes
 from relaymoe_jax.op import moe_ffn
 
 VARIANTS = {   # name -> moe_ffn keyword arguments
-    "ring": dict(dispatcher="ring"),
+    "ring-expert": dict(dispatcher="ring", routing="expert"),
+    "ring-token": dict(dispatcher="ring", routing="token"),
     "a2a-dropless": dict(dispatcher="alltoall"),
     "a2a-cap1.0": dict(dispatcher="alltoall", capacity_factor=1.0),
 }
@@ -42,41 +45,65 @@ def expanded_bytes(s: LayerShape) -> int:
     return s.tokens_per_device * s.top_k * s.hidden * jnp.dtype(s.dtype).itemsize
 
 
-def ring_floor_bytes(s: LayerShape, backward: bool = True) -> int:
+def ring_floor_bytes(s: LayerShape, backward: bool = True, routing: str = "expert") -> int:
     """The live set the ring's schedule cannot avoid at its peak (temp bytes, per device).
 
-    forward:  out accumulator [T,H] f32 + visiting and next partition 2*W_p
-              + one chunk: gate and up [C,F] f32 (both live until the activation)
-    fwd+bwd:  dy [T,H] + dx accumulator [T,H] f32 + pair order and d expert_weights [T*k]*(4+4)
-              + visiting and next partition 2*W_p + dW partial and travelling accumulator 2*W_p f32
-              + one chunk: x, dy, dx rows [C,H] + gate, up, act, d act [C,F] in f32
-    with W_p = (E/EP) * 3 * H * F weights of one partition.
+    Both modes hold one chunk's intermediates: forward gate and up [C,F] f32 (both live until the
+    activation); backward x, dy, dx rows [C,H] + gate, up, act, d act [C,F] in f32.
+    Expert routing (W_p = (E/EP) * 3 * H * F weights of one partition):
+      forward:  out accumulator [T,H] f32 + visiting and next partition 2*W_p
+      fwd+bwd:  dy [T,H] + dx accumulator [T,H] f32 + pair order and d expert_weights [T*k]*(4+4)
+                + visiting and next partition 2*W_p + dW partial and travelling accumulator
+                2*W_p f32
+    Token routing (a token partition's metadata: pair order [T*k] int32 + router weights [T*k]):
+      forward:  visiting and next tokens 2*[T,H] + their metadata + output accumulator and its
+                transfer 2*[T,H] f32
+      fwd+bwd:  visiting and next tokens and dy 4*[T,H] + their metadata + dx accumulator [T,H]
+                f32 + d expert_weights [T*k] f32 + the local dW accumulator W_p f32
     """
+    if routing not in ("expert", "token"):
+        raise ValueError(f"routing={routing!r}: expected 'expert' or 'token'")
     b = jnp.dtype(s.dtype).itemsize
-    t, h, f, c = s.tokens_per_device, s.hidden, s.ffn, s.chunk_rows
+    t, h, f, c, k = s.tokens_per_device, s.hidden, s.ffn, s.chunk_rows, s.top_k
     w_p = s.experts // s.ep * 3 * h * f
+    chunk_fwd, chunk_bwd = c * 2 * f * 4, c * (2 * h * b + h * 4 + 4 * f * 4)
+    if routing == "token":
+        meta = 2 * t * k * (4 + b)
+        if not backward:
+            return 2 * t * h * b + meta + 2 * t * h * 4 + chunk_fwd
+        return 4 * t * h * b + meta + t * h * 4 + t * k * 4 + w_p * 4 + chunk_bwd
     if not backward:
-        return t * h * 4 + 2 * w_p * b + c * 2 * f * 4
-    return (t * h * (b + 4) + t * s.top_k * 8 + 2 * w_p * b + 2 * w_p * 4
-            + c * (2 * h * b + h * 4 + 4 * f * 4))
+        return t * h * 4 + 2 * w_p * b + chunk_fwd
+    return t * h * (b + 4) + t * k * 8 + 2 * w_p * b + 2 * w_p * 4 + chunk_bwd
+
+
+def table2(s: LayerShape):
+    """Paper Table 2's per-hop volumes for this shape (router weights in the layer dtype)."""
+    return routing_volumes(experts=s.experts, top_k=s.top_k, hidden=s.hidden, ffn=s.ffn, ep=s.ep,
+                           tokens_per_device=s.tokens_per_device, act_dtype=s.dtype,
+                           router_dtype=s.dtype)
+
+
+def abstract_args_unsharded(s: LayerShape):
+    """Global (x, ids, wts, w_gate, w_up, w_down) shapes and dtypes."""
+    dt, t = jnp.dtype(s.dtype), s.tokens_per_device * s.ep
+    sds = jax.ShapeDtypeStruct
+    return (sds((t, s.hidden), dt), sds((t, s.top_k), jnp.int32), sds((t, s.top_k), dt),
+            sds((s.experts, s.hidden, s.ffn), dt), sds((s.experts, s.hidden, s.ffn), dt),
+            sds((s.experts, s.ffn, s.hidden), dt))
 
 
 def abstract_args(s: LayerShape, mesh, axis="expert"):
-    dt = jnp.dtype(s.dtype)
-    t = s.tokens_per_device * s.ep
-    tok, exp = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P(axis))
-    sds = jax.ShapeDtypeStruct
-    return (sds((t, s.hidden), dt, sharding=tok), sds((t, s.top_k), jnp.int32, sharding=tok),
-            sds((t, s.top_k), dt, sharding=tok),
-            sds((s.experts, s.hidden, s.ffn), dt, sharding=exp),
-            sds((s.experts, s.hidden, s.ffn), dt, sharding=exp),
-            sds((s.experts, s.ffn, s.hidden), dt, sharding=exp))
+    """`abstract_args_unsharded` placed as moe_ffn wants them: everything split over `axis`."""
+    sharding = NamedSharding(mesh, P(axis))
+    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                 for a in abstract_args_unsharded(s))
 
 
 def layer_fns(s: LayerShape, mesh, variant: str, axis="expert"):
     """(forward, forward+backward) callables over (x, ids, wts, w_gate, w_up, w_down)."""
     kw = dict(VARIANTS[variant], mesh=mesh, expert_axis=axis)
-    if variant == "ring":
+    if variant.startswith("ring"):
         kw["chunk_size"] = s.chunk
 
     def fwd(x, ids, wts, wg, wu, wd):
@@ -95,11 +122,17 @@ def compiled_memory(fn, args):
 
 
 def measure_layer(s: LayerShape, mesh, variant: str, axis="expert"):
-    """{"fwd": temp bytes, "fwdbwd": temp bytes} for one variant, compile-only."""
+    """One variant, compile-only: {"fwd", "fwdbwd"} temp bytes per device, and the bytes one
+    ring hop sends, read from the compiled HLO's collective permutes: "hop_fwd" (the forward
+    loop body) and "hop_bwd" (the fwd+bwd program's loop bodies minus the forward's). 0 for the
+    all-to-all, which has no ring."""
     fwd, fwdbwd = layer_fns(s, mesh, variant, axis)
     args = abstract_args(s, mesh, axis)
-    return {"fwd": compiled_memory(fwd, args).temp_size_in_bytes,
-            "fwdbwd": compiled_memory(fwdbwd, args).temp_size_in_bytes}
+    c_fwd, c_all = (jax.jit(f).lower(*args).compile() for f in (fwd, fwdbwd))
+    hop_fwd = sum(hlo.loop_permute_bytes(c_fwd.as_text()))
+    return {"fwd": c_fwd.memory_analysis().temp_size_in_bytes,
+            "fwdbwd": c_all.memory_analysis().temp_size_in_bytes,
+            "hop_fwd": hop_fwd, "hop_bwd": sum(hlo.loop_permute_bytes(c_all.as_text())) - hop_fwd}
 
 
 def mib(nbytes):

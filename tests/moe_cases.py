@@ -15,6 +15,8 @@ MESHES = {
     "ep8": ((8,), ("expert",)),
     "dp2_ep4": ((2, 4), ("data", "expert")),
     "ep4_tp2": ((4, 2), ("expert", "tensor")),
+    "ep4_etp2": ((4, 2), ("expert", "expert_tensor")),
+    "dp2_cp4": ((2, 4), ("data", "context")),      # attention's layout; MoE folds it into EP=8
 }
 
 
@@ -83,12 +85,15 @@ def assert_matches(got, want, tol, what=""):
         assert err <= tol, f"{what} {name}: max error {err:.2e} > {tol:.0e} (relative to max |ref|)"
 
 
-def place(inp, mesh_, token_axes):
+def place(inp, mesh_, token_axes, expert_axis="expert", etp=None):
+    """Put the inputs where moe_ffn wants them: tokens over token_axes, experts over expert_axis,
+    ffn over etp."""
     tok = NamedSharding(mesh_, P(token_axes))
-    exp = NamedSharding(mesh_, P("expert"))
+    w_in, w_out = NamedSharding(mesh_, P(expert_axis, None, etp)), NamedSharding(
+        mesh_, P(expert_axis, etp, None))
     out = dict(inp)
     for n in ("x", "ids", "wts", "r"):
         out[n] = jax.device_put(inp[n], tok)
-    for n in ("wg", "wu", "wd"):
-        out[n] = jax.device_put(inp[n], exp)
+    for n, s in (("wg", w_in), ("wu", w_in), ("wd", w_out)):
+        out[n] = jax.device_put(inp[n], s)
     return out

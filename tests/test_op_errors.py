@@ -38,7 +38,17 @@ def call(inp, **kw):
     (lambda i: dict(ids=i["ids"].astype(jnp.float32)), r"expert_ids: expected an integer"),
     (lambda i: dict(x=i["x"][:60], ids=i["ids"][:60], wts=i["wts"][:60]),
      r"x: 60 tokens are not divisible by the 8 token shards"),
-    (lambda i: dict(mesh=jax.make_mesh((8,), ("data",))), r"expert_axis='expert' is not an axis"),
+    (lambda i: dict(mesh=jax.make_mesh((8,), ("data",))),
+     r"expert_axis='expert': expected an axis of the mesh"),
+    (lambda i: dict(expert_axis=("expert", "expert")), r"expert_axis=\('expert', 'expert'\): "
+     "expected an axis of the mesh, or a tuple of distinct axes"),
+    (lambda i: dict(expert_axis=()), r"expert_axis=\(\): expected an axis"),
+    (lambda i: dict(expert_tensor_axis="tensor"), r"expert_tensor_axis='tensor': expected None "
+     "or a mesh axis"),
+    (lambda i: dict(expert_tensor_axis="expert"), r"expert_tensor_axis='expert': expected None "
+     "or a mesh axis other than the expert axes"),
+    (lambda i: dict(dispatcher="alltoall", routing="token"),
+     r"routing='token' applies to dispatcher='ring' only"),
     (lambda i: dict(mesh="not a mesh"), r"mesh: expected a jax.sharding.Mesh"),
     (lambda i: dict(dispatcher="a2a"), r"dispatcher='a2a': expected one of"),
     (lambda i: dict(routing="experts"), r"routing='experts': expected one of"),
@@ -54,11 +64,14 @@ def test_bad_input_raises_value_error(inp, change, match):
         call(inp, **change(inp))
 
 
-def test_token_routing_is_not_there_yet(inp):
-    with pytest.raises(NotImplementedError, match="routing='token'"):
-        call(inp, routing="token")
-
-
 def test_token_axes_must_include_the_expert_axis(inp):
-    with pytest.raises(ValueError, match=r"token_axes=\('data',\) must include expert_axis"):
+    with pytest.raises(ValueError, match=r"token_axes=\('data',\) must include every expert axis"):
         call(inp, mesh=mesh("dp2_ep4"), token_axes=("data",))
+
+
+def test_ffn_must_divide_over_the_expert_tensor_axis():
+    ids = uniform_ids(np.random.default_rng(0), 64, 16, 2)
+    inp = make_inputs(ids, 16, f=25)
+    with pytest.raises(ValueError, match=r"w_gate: ffn size 25 is not divisible by the size 2 of "
+                                         "expert_tensor_axis 'expert_tensor'"):
+        call(inp, mesh=mesh("ep4_etp2"), expert_tensor_axis="expert_tensor")

@@ -15,12 +15,14 @@ E, K, H = 16, 8, 32
 T_LOCAL = 64
 
 
-def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring"):
+def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring", routing="expert"):
     m = mesh(mesh_name)
     shards = int(np.prod([m.shape[a] for a in token_axes]))
     ids = uniform_ids(np.random.default_rng(0), T_LOCAL * shards, E, K)
     inp = place(make_inputs(ids, E, h=H, f=32), m, token_axes)
     kw = dict(mesh=m, dispatcher=dispatcher, token_axes=token_axes)
+    if dispatcher == "ring":
+        kw["routing"] = routing
 
     def fwd(x, wts, wg, wu, wd, ids, r):
         return jnp.sum(moe_ffn(x, ids, wts, wg, wu, wd, **kw) * r)
@@ -48,9 +50,11 @@ def _count(jaxpr, name):
     return sum(n for p, n in _collectives(jaxpr) if p == name)
 
 
-@pytest.mark.parametrize("mesh_name,token_axes", [("ep8", ("expert",)),
-                                                   ("dp2_ep4", ("data", "expert"))])
-def test_ppermute_count_matches_the_schedule(mesh_name, token_axes):
+MESHES = [("ep8", ("expert",)), ("dp2_ep4", ("data", "expert"))]
+
+
+@pytest.mark.parametrize("mesh_name,token_axes", MESHES)
+def test_ppermute_count_matches_the_expert_routing_schedule(mesh_name, token_axes):
     m, fwd, grad, args = _setup(mesh_name, token_axes)
     n = m.shape["expert"]
     # One ppermute per array: 3 weight arrays per transfer.
@@ -61,8 +65,23 @@ def test_ppermute_count_matches_the_schedule(mesh_name, token_axes):
     assert _count(jax.make_jaxpr(grad)(*args).jaxpr, "ppermute") == 3 * (n - 1) + bwd
 
 
-def test_ring_has_no_all_to_all_but_the_baseline_does():
-    _, _, grad, args = _setup()
+@pytest.mark.parametrize("mesh_name,token_axes", MESHES)
+def test_ppermute_count_matches_the_token_routing_schedule(mesh_name, token_axes):
+    m, fwd, grad, args = _setup(mesh_name, token_axes, routing="token")
+    n = m.shape["expert"]
+    # forward: N-1 transfers of the token partition (x, weights, pair order, counts: 4 arrays)
+    # and N of its output accumulator (the last one brings it home).
+    fwd_count = 4 * (n - 1) + n
+    assert _count(jax.make_jaxpr(fwd)(*args).jaxpr, "ppermute") == fwd_count
+    # + backward: N-1 transfers of the partition and its dy (5 arrays), N of the dx and
+    # d expert_weights accumulators (2 arrays). dW stays local: no weight array moves.
+    bwd_count = 5 * (n - 1) + 2 * n
+    assert _count(jax.make_jaxpr(grad)(*args).jaxpr, "ppermute") == fwd_count + bwd_count
+
+
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_ring_has_no_all_to_all_but_the_baseline_does(routing):
+    _, _, grad, args = _setup(routing=routing)
     assert _count(jax.make_jaxpr(grad)(*args).jaxpr, "all_to_all") == 0
     _, _, grad_a2a, _ = _setup(dispatcher="alltoall")
     assert _count(jax.make_jaxpr(grad_a2a)(*args).jaxpr, "all_to_all") >= 3
@@ -75,9 +94,10 @@ def _largest_array(hlo_text):
     return max(int(np.prod([int(d) for d in dims.split(",")])) for dims in _SHAPE.findall(hlo_text))
 
 
-def test_no_expanded_buffer_in_the_compiled_ring():
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_no_expanded_buffer_in_the_compiled_ring(routing):
     limit = T_LOCAL * K * H // 2
-    _, _, grad, args = _setup()
+    _, _, grad, args = _setup(routing=routing)
     hlo = jax.jit(grad).lower(*args).compile().as_text()
     assert _largest_array(hlo) < limit, f"ring holds an array of {_largest_array(hlo)} elements"
     _, _, grad_a2a, _ = _setup(dispatcher="alltoall")
@@ -85,11 +105,12 @@ def test_no_expanded_buffer_in_the_compiled_ring():
     assert _largest_array(hlo_a2a) >= limit       # the check can fail: the baseline fails it
 
 
-def test_poisoning_really_puts_nan_in_the_program():
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_poisoning_really_puts_nan_in_the_program(routing):
     nan = "0x7FC00000"
-    _, fwd, _, args = _setup()          # a fresh function each time: jit caches traces per function
+    _, fwd, _, args = _setup(routing=routing)   # fresh each time: jit caches traces per function
     plain = jax.jit(fwd).lower(*args).as_text().count(nan)
-    _, fwd, _, args = _setup()
+    _, fwd, _, args = _setup(routing=routing)
     with relaymoe_jax.poison_unwritten():
         poisoned = jax.jit(fwd).lower(*args).as_text().count(nan)
     assert poisoned >= plain + 2        # chunk token rows (forward) and dy rows are NaN-filled

@@ -1,0 +1,152 @@
+"""One ring hop: the (token, expert) pairs of one token partition that meet one expert partition.
+
+Shared by both routing modes (paper §3.1, §3.2). Expert routing calls it with the local tokens and
+the visiting expert partition; token routing with a visiting token partition and the local experts.
+
+The token side is a `Tokens` record: activations, router weights and the pair order sorted once by
+global expert id (indices only, padded by one chunk) with per-expert counts. Partition p's pairs
+are one contiguous segment of that order. A hop walks it in chunks of C pairs with a
+`lax.while_loop` whose trip count ceil(count / C) is traced: dropless, memory bounded by C.
+Rows of the last chunk past the segment are don't-care (zero router weight; the grouped matmuls
+return exact zeros for them and never read them as group members).
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from relaymoe_jax.dispatch import plan
+from relaymoe_jax.kernels import gmm, tgmm
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    axis: tuple             # the expert mesh axis (or axes) the ring runs over
+    num_experts: int        # E (global)
+    chunk: int              # C, pairs per chunk
+    reduce_axes: tuple      # mesh axes whose devices hold other tokens for the same weights
+    routing: str = "expert"  # "expert": weights travel; "token": tokens travel
+    gmm_impl: str = "auto"
+    poison: bool = False    # fill padding rows with NaN (tests)
+
+
+class Tokens(NamedTuple):
+    """One token partition and its routing metadata (a pytree: it can travel the ring)."""
+    x_th: jax.Array        # [T, H] activations
+    wts_p: jax.Array       # [T*k] router weights per pair
+    order: jax.Array       # [T*k + C] int32 pair indices sorted by global expert id, padded
+    counts_e: jax.Array    # [E] int32 pairs per global expert
+
+
+def make_tokens(cfg, x_th, ids_tk, wts_tk):
+    order, counts_e = plan.sort_pairs(ids_tk, cfg.num_experts)
+    order = jnp.concatenate([order, jnp.zeros((cfg.chunk,), order.dtype)])  # slices never run off
+    tk = Tokens(x_th, wts_tk.reshape(-1), order, counts_e)
+    return Tokens(*(plan.vary_like(a, *tk) for a in tk))   # one type for a loop carry
+
+
+def shift(tree, axis, n):
+    """Send to the next device of the ring (i -> i + 1)."""
+    return lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+class Hop:
+    """Forward and recomputing backward of one hop, on one device (inside shard_map)."""
+
+    def __init__(self, cfg, top_k):
+        self.cfg = cfg
+        self.k = top_k
+        self.n = lax.axis_size(cfg.axis)
+        self.me = lax.axis_index(cfg.axis)
+        self.e_local = cfg.num_experts // self.n
+
+    def _chunks(self, tk, p, body, carry):
+        """Run body(chunk, carry) over the chunks of partition p's segment of `tk`'s pairs."""
+        c, el = self.cfg.chunk, self.e_local
+        counts_p = tk.counts_e.reshape(self.n, el).sum(axis=1)
+        start, count = plan.exclusive_cumsum(counts_p)[p], counts_p[p]
+        seg_counts = lax.dynamic_slice(tk.counts_e, (p * el,), (el,))
+        n_chunks = (count + c - 1) // c
+
+        def step(state):
+            i, carry = state
+            pos0 = i * c
+            pidx = lax.dynamic_slice(tk.order, (start + pos0,), (c,))
+            valid = jnp.arange(c) < count - pos0
+            tok = pidx // self.k
+            chunk = dict(pidx=pidx, tok=tok, valid=valid,
+                         gs=plan.chunk_group_sizes(seg_counts, pos0, c),
+                         wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32),
+                         x_ch=self.rows(tk.x_th, tok, valid))
+            return i + 1, body(chunk, carry)
+
+        return lax.while_loop(lambda s: s[0] < n_chunks, step, (jnp.int32(0), carry))[1]
+
+    def rows(self, a_th, tok, valid):
+        """a_th[tok]: C token rows; rows past the segment are don't-care (NaN when poisoned)."""
+        return plan.take_rows(a_th, tok, valid, self.cfg.poison)
+
+    def _mm(self, a, w, gs, transpose=False):
+        return gmm(a, w, gs, impl=self.cfg.gmm_impl, preferred_element_type=jnp.float32,
+                   transpose_rhs=transpose)
+
+    def _tmm(self, a, b, gs):
+        return tgmm(a, b, gs, num_groups=self.e_local, impl=self.cfg.gmm_impl,
+                    preferred_element_type=jnp.float32)
+
+    def forward(self, tk, p, w, out_th):
+        """out_th + the routed SwiGLU outputs of `tk`'s pairs with expert partition p (= w)."""
+        w_gate, w_up, w_down = w
+        dt = tk.x_th.dtype
+
+        def body(ch, out_th):
+            gate = self._mm(ch["x_ch"], w_gate, ch["gs"])
+            up = self._mm(ch["x_ch"], w_up, ch["gs"])
+            act = (jax.nn.silu(gate) * up).astype(dt)
+            y_ch = self._mm(act, w_down, ch["gs"])
+            return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])   # invalid rows: 0
+
+        with jax.named_scope("ring_fwd_hop"):
+            return self._chunks(tk, p, body, out_th)
+
+    def backward(self, tk, p, w, dy_th, dx_th, dwts_p, dw):
+        """Recompute the hop and add its gradients: returns (dw, dx_th, dwts_p) accumulated."""
+        w_gate, w_up, w_down = w
+        dt = tk.x_th.dtype
+
+        def body(ch, carry):
+            dx_th, dwts_p, (dwg, dwu, dwd) = carry
+            gs, valid = ch["gs"], ch["valid"]
+            gate = self._mm(ch["x_ch"], w_gate, gs)
+            up = self._mm(ch["x_ch"], w_up, gs)
+            sig = jax.nn.sigmoid(gate)
+            silu = gate * sig
+            act = (silu * up).astype(dt)
+            dy_ch = self.rows(dy_th, ch["tok"], valid).astype(dt)
+            # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
+            dact0 = self._mm(dy_ch, w_down, gs, transpose=True)
+            dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
+            dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)       # invalid rows: act = dact0 = 0
+            wts = ch["wts_c"][:, None]
+            dwd = dwd + self._tmm(act, (dy_ch * wts).astype(dt), gs)   # ignores invalid rows
+            dact = dact0 * wts
+            dgate = (dact * up * sig * (1.0 + gate * (1.0 - sig))).astype(dt)
+            dup = (dact * silu).astype(dt)
+            dwg = dwg + self._tmm(ch["x_ch"], dgate, gs)
+            dwu = dwu + self._tmm(ch["x_ch"], dup, gs)
+            dx_ch = (self._mm(dgate, w_gate, gs, transpose=True)
+                     + self._mm(dup, w_up, gs, transpose=True))
+            dx_th = dx_th.at[ch["tok"]].add(dx_ch)           # gmm: invalid rows are exact 0
+            return dx_th, dwts_p, (dwg, dwu, dwd)
+
+        with jax.named_scope("ring_bwd_hop"):
+            dx_th, dwts_p, dw = self._chunks(tk, p, body, (dx_th, dwts_p, tuple(dw)))
+        return dw, dx_th, dwts_p
+
+
+def zeros_f32(shape, *refs):
+    """f32 zeros that vary over the same manual axes as `refs` (an accumulator)."""
+    return plan.vary_like(jnp.zeros(shape, jnp.float32), *refs)
