@@ -120,7 +120,7 @@ def main(argv=None):
           "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
     print("# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
           "permutes (XLA:CPU sends bf16 as f32); Table 2: the paper's prediction. "
-          "'x auto': this row / the ring mode routing='auto' picks")
+          "'x auto': this row / the ring mode routing='auto' picks (listed under the table)")
     mesh = jax.make_mesh((args.ep,), ("expert",))
     head = ("E", "k", "H", "F", "T/dev", "dtype", "variant", "fwd MiB", "fwd+bwd MiB", "x auto",
             "[T*k,H] units", "x floor", "hop fwd KiB", "Table 2 fwd", "hop bwd KiB",
@@ -129,10 +129,11 @@ def main(argv=None):
         head += ("fwd+bwd ms", "time x auto")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+    notes = []
     for s in shapes(args):
         vol = memory.table2(s)
-        print(f"# E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} {s.dtype}: "
-              f"auto picks {vol.explain()}", flush=True)
+        notes.append(f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
+                     f"{s.dtype}: auto picks {vol.explain()}")
         got = {v: memory.measure_layer(s, mesh, v) for v in args.variants}
         secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants
                 if args.time and fits_host(s, got[v], args.ep)}
@@ -153,6 +154,7 @@ def main(argv=None):
                 cells += [f"{secs[v] * 1e3:,.1f}" if v in secs else "(too big)",
                           f"{secs[v] / secs[auto]:.2f}" if v in secs and auto in secs else "-"]
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+    print("\n" + "\n".join(notes))
 
 
 if __name__ == "__main__":

@@ -66,3 +66,24 @@ def test_dropless_overflow_from_repeated_ids_is_counted():
     y_ref, _, _ = run("reference", inp, m, poison=False)
     assert int(ring_stats["dropped_pairs"]) == 0
     np.testing.assert_allclose(np.asarray(y_ring), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_with_expert_tensor_parallelism_counts_each_drop_once():
+    """(expert=4, expert_tensor=2), tokens over both axes: each ETP pair of devices all-gathers its
+    tokens (a contiguous quarter) and both ranks see the same drops, which are counted once."""
+    rng = np.random.default_rng(2)
+    ids = uniform_ids(rng, 128, E, K)
+    ids[rng.random(128) < 0.5, 0] = 3
+    kept = expected_kept(ids, 4, 1.0)
+    assert (~kept).sum() > 0
+    m = mesh("ep4_etp2")
+    ta, etp = ("expert", "expert_tensor"), "expert_tensor"
+    inp = make_inputs(ids, E)
+    y, stats, g = run("alltoall", place(inp, m, ta, etp=etp), m, capacity_factor=1.0,
+                      expert_tensor_axis=etp)
+    assert int(stats["dropped_pairs"]) == int((~kept).sum())
+    ref_inp = dict(inp, wts=inp["wts"] * kept)
+    y_ref, _, g_ref = run("reference", place(ref_inp, m, ta, etp=etp), m, poison=False,
+                          expert_tensor_axis=etp)
+    g_ref["wts"] = np.where(kept, g_ref["wts"], 0.0)
+    assert_matches((y, g), (y_ref, g_ref), 1e-5, "capacity 1.0 with ETP")

@@ -40,6 +40,10 @@ class Tokens(NamedTuple):
     order: jax.Array       # [T*k + C] int32 pair indices sorted by global expert id, padded
     counts_e: jax.Array    # [E] int32 pairs per global expert
 
+    @property
+    def top_k(self):
+        return self.wts_p.shape[0] // self.x_th.shape[0]
+
 
 def make_tokens(cfg, x_th, ids_tk, wts_tk):
     order, counts_e = plan.sort_pairs(ids_tk, cfg.num_experts)
@@ -56,9 +60,9 @@ def shift(tree, axis, n):
 class Hop:
     """Forward and recomputing backward of one hop, on one device (inside shard_map)."""
 
-    def __init__(self, cfg, top_k):
+    def __init__(self, cfg, tk):
         self.cfg = cfg
-        self.k = top_k
+        self.k = tk.top_k
         self.n = lax.axis_size(cfg.axis)
         self.me = lax.axis_index(cfg.axis)
         self.e_local = cfg.num_experts // self.n

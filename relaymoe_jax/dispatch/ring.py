@@ -38,7 +38,7 @@ __all__ = ["RingConfig", "ring_moe"]
 
 
 def _expert_forward(cfg, tk, w):
-    hop = Hop(cfg, tk.wts_p.size // tk.x_th.shape[0])
+    hop = Hop(cfg, tk)
     n = hop.n
     out_th = zeros_f32(tk.x_th.shape, tk.x_th)
 
@@ -52,7 +52,7 @@ def _expert_forward(cfg, tk, w):
 
 
 def _expert_backward(cfg, tk, w, dy_th):
-    hop = Hop(cfg, tk.wts_p.size // tk.x_th.shape[0])
+    hop = Hop(cfg, tk)
     n, me = hop.n, hop.me
     dx_th = zeros_f32(tk.x_th.shape, tk.x_th)
     dwts_p = zeros_f32(tk.wts_p.shape, tk.wts_p)
@@ -80,7 +80,7 @@ def _expert_backward(cfg, tk, w, dy_th):
 
 
 def _token_forward(cfg, tk, w):
-    hop = Hop(cfg, tk.wts_p.size // tk.x_th.shape[0])
+    hop = Hop(cfg, tk)
     n = hop.n
     out_th = zeros_f32(tk.x_th.shape, tk.x_th)
 
@@ -95,7 +95,7 @@ def _token_forward(cfg, tk, w):
 
 
 def _token_backward(cfg, tk, w, dy_th):
-    hop = Hop(cfg, tk.wts_p.size // tk.x_th.shape[0])
+    hop = Hop(cfg, tk)
     n = hop.n
     acc = (zeros_f32(tk.x_th.shape, tk.x_th), zeros_f32(tk.wts_p.shape, tk.wts_p))
     dw = tuple(zeros_f32(a.shape, a, tk.x_th) for a in w)
@@ -135,7 +135,7 @@ def _ring_op(cfg: RingConfig):
             dw = lax.psum(dw, cfg.reduce_axes)
         dw = tuple(d.astype(a.dtype) for d, a in zip(dw, w))
         return (dx_th.astype(tk.x_th.dtype), None,
-                dwts_p.reshape(tk.x_th.shape[0], -1).astype(tk.wts_p.dtype), *dw)
+                dwts_p.reshape(-1, tk.top_k).astype(tk.wts_p.dtype), *dw)
 
     @jax.custom_vjp
     def ring(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
