@@ -47,7 +47,9 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
       chunk_size: ring only: pairs per chunk (default: the balanced share ceil(T_local*k / EP)).
       token_axes: mesh axes the token dimension is sharded over; must include the expert axes.
         Default: every axis of the mesh.
-      gmm_impl: grouped-matmul implementation, see `relaymoe_jax.kernels.gmm`.
+      gmm_impl: grouped matmul, see `relaymoe_jax.kernels.gmm`: "auto" (the Pallas kernel on
+        GPU, the blocked XLA one elsewhere), "xla", "ragged_dot", "pallas", or
+        "pallas-interpret" (the Pallas kernel in its CPU interpreter: slow, for tests).
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).
 
     Returns y [tokens, hidden] in x.dtype, or (y, stats) with return_stats=True.
@@ -56,7 +58,7 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
     spec = validate(x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh,
                      expert_axis=expert_axis, expert_tensor_axis=expert_tensor_axis,
                      dispatcher=dispatcher, routing=routing, capacity_factor=capacity_factor,
-                     chunk_size=chunk_size, token_axes=token_axes)
+                     chunk_size=chunk_size, token_axes=token_axes, gmm_impl=gmm_impl)
     num_experts = w_gate.shape[0]
     stats = {
         "dropped_pairs": jnp.int32(0),
@@ -93,7 +95,9 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
         etp_size = mesh.shape[etp] if gather else 1   # gathered: each ETP rank counted the same
         run = lambda *a: (lambda y, d: (y, d // etp_size))(*alltoall_moe(cfg, *a))
     body = functools.partial(_etp_body, run, etp, gather)
-    y, dropped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()))(*args)
+    # jax 0.12's Pallas interpreter fails under check_vma (a JAX limitation, see kernels/gmm).
+    y, dropped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()),
+                               check_vma=gmm_impl != "pallas-interpret")(*args)
     if dispatcher == "alltoall":
         stats["dropped_pairs"] = dropped
     return (y, stats) if return_stats else y

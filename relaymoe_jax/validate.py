@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from relaymoe_jax.dispatch.mode import routing_volumes
+from relaymoe_jax.kernels.gmm import MOE_IMPLS
 
 DISPATCHERS = ("ring", "alltoall", "reference")
 ROUTINGS = ("expert", "token", "auto")
 
 
 def validate(x, ids, wts, w_gate, w_up, w_down, *, mesh, expert_axis, expert_tensor_axis,
-              dispatcher, routing, capacity_factor, chunk_size, token_axes):
+              dispatcher, routing, capacity_factor, chunk_size, token_axes, gmm_impl="auto"):
     """Check everything static before tracing; resolve axes, chunk size and routing mode."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"dispatcher={dispatcher!r}: expected one of {DISPATCHERS}")
@@ -22,6 +23,8 @@ def validate(x, ids, wts, w_gate, w_up, w_down, *, mesh, expert_axis, expert_ten
     if routing != "auto" and dispatcher != "ring":
         raise ValueError(f"routing={routing!r} applies to dispatcher='ring' only (got "
                          f"{dispatcher!r}); leave it at 'auto'")
+    if gmm_impl not in MOE_IMPLS:
+        raise ValueError(f"gmm_impl={gmm_impl!r}: expected one of {MOE_IMPLS}")
     if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
         raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
@@ -33,6 +36,10 @@ def validate(x, ids, wts, w_gate, w_up, w_down, *, mesh, expert_axis, expert_ten
     if etp is not None and (etp not in names or etp in ea):
         raise ValueError(f"expert_tensor_axis={etp!r}: expected None or a mesh axis other than "
                          f"the expert axes {ea} (mesh axes: {names})")
+    if etp is not None and gmm_impl == "pallas-interpret" and dispatcher != "reference":
+        raise ValueError(f"expert_tensor_axis={etp!r} with gmm_impl='pallas-interpret': the "
+                         "interpreter needs shard_map(check_vma=False) in jax 0.12, and the ETP "
+                         "reductions need check_vma=True; use gmm_impl='pallas' or 'xla'")
     token_axes = names if token_axes is None else tuple(token_axes)
     for a in token_axes:
         if a not in names:

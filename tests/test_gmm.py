@@ -296,8 +296,10 @@ def test_work_items_layout():
     assert pairs == [(0, 0), (2, 0), (2, 1), (3, 1), (3, 2)]
 
 
-def test_auto_is_xla_for_now():
+def test_auto_is_xla_on_cpu_and_pallas_when_interpreting():
+    assert jax.default_backend() == "cpu"
     assert resolve_impl("auto") == "xla"
+    assert resolve_impl("auto", interpret=True) == "pallas"
     lhs, rhs, sizes, tile_m = _case("empty_groups")
     np.testing.assert_array_equal(np.asarray(gmm(lhs, rhs, sizes, tile_m=tile_m)),
                                   np.asarray(gmm(lhs, rhs, sizes, impl="xla", tile_m=tile_m)))
@@ -349,11 +351,11 @@ def test_tgmm_bad_input(kwargs, args, match):
         tgmm(*args, **kwargs)
 
 
-def test_pallas_not_implemented():
-    with pytest.raises(NotImplementedError, match="Pallas GPU kernel is not implemented"):
-        gmm(*_ok(), impl="pallas")
-    with pytest.raises(NotImplementedError, match="use impl='xla' or 'ragged_dot'"):
-        tgmm(*_ok_t(), impl="pallas")
+def test_interpret_applies_to_pallas_only():
+    with pytest.raises(ValueError, match="interpret=True runs the Pallas kernel"):
+        gmm(*_ok(), impl="xla", interpret=True)
+    with pytest.raises(ValueError, match="does not apply to impl='ragged_dot'"):
+        tgmm(*_ok_t(), impl="ragged_dot", interpret=True)
 
 
 # --------------------------------------------------------------------- memory
@@ -401,3 +403,18 @@ def test_xla_memory_is_tiles_not_groups(with_grad):
     # Documents why "auto" is not ragged_dot on CPU: XLA builds a G x copy.
     # If this starts failing, XLA's CPU ragged_dot improved; revisit "auto".
     assert ragged >= dense
+
+
+def test_api_routes_pallas_interpret_to_the_kernel():
+    """gmm/tgmm(impl="pallas", interpret=True) through the public API: values and gradients."""
+    m, g = 40, 3
+    lhs, rhs, rhs_t = _rand(0, (m, K)), _rand(1, (g, K, N)), _rand(2, (m, N))
+    sizes = np.array([9, 0, 20], np.int32)
+    kw = dict(impl="pallas", interpret=True)
+    _assert_close(gmm(lhs, rhs, sizes, **kw), ref.gmm(lhs, rhs, sizes))
+    _assert_close(tgmm(lhs, rhs_t, sizes, **kw), ref.tgmm(lhs, rhs_t, sizes))
+    gx, gw = jax.grad(lambda a, b: jnp.sum(gmm(a, b, sizes, **kw) * rhs_t), argnums=(0, 1))(
+        lhs, rhs)
+    want_x, want_w = ref.gmm_grads(lhs, rhs, sizes, rhs_t)
+    _assert_close(gx, want_x)
+    _assert_close(gw, want_w)

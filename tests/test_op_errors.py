@@ -75,3 +75,12 @@ def test_ffn_must_divide_over_the_expert_tensor_axis():
     with pytest.raises(ValueError, match=r"w_gate: ffn size 25 is not divisible by the size 2 of "
                                          "expert_tensor_axis 'expert_tensor'"):
         call(inp, mesh=mesh("ep4_etp2"), expert_tensor_axis="expert_tensor")
+
+
+def test_gmm_impl_is_checked_and_interpret_mode_excludes_etp(inp):
+    with pytest.raises(ValueError, match=r"gmm_impl='triton': expected one of \("):
+        call(inp, gmm_impl="triton")
+    with pytest.raises(ValueError, match=r"expert_tensor_axis='expert_tensor' with "
+                                         "gmm_impl='pallas-interpret'"):
+        call(inp, mesh=mesh("ep4_etp2"), expert_tensor_axis="expert_tensor",
+             gmm_impl="pallas-interpret")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import plan
-from relaymoe_jax.kernels import gmm
+from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         xs_rh = plan.take_rows(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison)
 
     with jax.named_scope("a2a_experts"):
-        mm = lambda a, w: gmm(a, w, group_sizes, impl=cfg.gmm_impl,
+        mm = lambda a, w: gmm(a, w, group_sizes, **impl_kwargs(cfg.gmm_impl),
                               preferred_element_type=jnp.float32)
         act = (jax.nn.silu(mm(xs_rh, w_gate)) * mm(xs_rh, w_up)).astype(x_th.dtype)
         ys_rh = mm(act, w_down).astype(x_th.dtype)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import plan
-from relaymoe_jax.kernels import gmm, tgmm
+from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, tgmm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +94,11 @@ class Hop:
         return plan.take_rows(a_th, tok, valid, self.cfg.poison)
 
     def _mm(self, a, w, gs, transpose=False):
-        return gmm(a, w, gs, impl=self.cfg.gmm_impl, preferred_element_type=jnp.float32,
-                   transpose_rhs=transpose)
+        return gmm(a, w, gs, **impl_kwargs(self.cfg.gmm_impl),
+                   preferred_element_type=jnp.float32, transpose_rhs=transpose)
 
     def _tmm(self, a, b, gs):
-        return tgmm(a, b, gs, num_groups=self.e_local, impl=self.cfg.gmm_impl,
+        return tgmm(a, b, gs, num_groups=self.e_local, **impl_kwargs(self.cfg.gmm_impl),
                     preferred_element_type=jnp.float32)
 
     def forward(self, tk, p, w, out_th):

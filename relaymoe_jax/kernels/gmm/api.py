@@ -9,6 +9,10 @@ exact zeros there and tgmm ignores them, even if they hold NaN/Inf (impl="xla"
 masks with selects by construction; impl="ragged_dot" meets this on CPU in
 jax 0.12, as the tests check, but that rests on XLA's lowering). Math is
 accumulated in float32. Zero groups (G == 0) give all-zero outputs.
+
+impl="pallas" is the Pallas (Triton lowering) GPU kernel of `pallas.py`, with its
+own custom_vjp; `interpret=True` runs it on CPU with the Pallas interpreter
+(tests). "auto" picks "pallas" on GPU and the blocked "xla" version elsewhere.
 """
 from __future__ import annotations
 
@@ -16,28 +20,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relaymoe_jax.kernels.gmm import pallas
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
 
 IMPLS = ("auto", "xla", "ragged_dot", "pallas")
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, interpret: bool = False) -> str:
     """Holds the concrete implementation name for `impl`.
 
-    "auto" is "xla" on every backend for now. When the Pallas GPU kernel lands,
-    "auto" should pick "pallas" when `jax.default_backend() == "gpu"`.
+    "auto" is "pallas" when JAX's default backend is a GPU (or when `interpret`
+    asks for the Pallas interpreter), else "xla". `interpret` applies to Pallas.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "xla"
-    if impl == "pallas":
-        raise NotImplementedError(
-            "impl='pallas': the Pallas GPU kernel is not implemented yet (tracked "
-            "separately); use impl='xla' or 'ragged_dot'"
-        )
+        return "pallas" if interpret or jax.default_backend() == "gpu" else "xla"
+    if interpret and impl != "pallas":
+        raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to "
+                         f"impl={impl!r}")
     return impl
+
+
+# moe_ffn's `gmm_impl`: an `impl`, or "pallas-interpret" (the Pallas kernel in its interpreter).
+MOE_IMPLS = (*IMPLS, "pallas-interpret")
+
+
+def impl_kwargs(name: str) -> dict:
+    """Holds the gmm/tgmm keyword arguments for a `MOE_IMPLS` name."""
+    if name not in MOE_IMPLS:
+        raise ValueError(f"gmm_impl must be one of {MOE_IMPLS}, got {name!r}")
+    if name == "pallas-interpret":
+        return {"impl": "pallas", "interpret": True}
+    return {"impl": name}
+
+
+def _pallas_blocks(tile_m) -> dict:
+    """tile_m, when given, is the Pallas kernel's block_m (a power of two >= 16)."""
+    return {} if tile_m is None else {"block_m": tile_m}
 
 
 def _check_tile_m(tile_m) -> int:
@@ -68,7 +89,7 @@ def _out_dtype(preferred_element_type, lhs) -> np.dtype:
     return np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
 
 
-def gmm(lhs, rhs, group_sizes, *, impl="auto", preferred_element_type=None,
+def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_element_type=None,
         transpose_rhs=False, tile_m=None) -> jax.Array:
     """Grouped matmul: out[M, N], rows of group g times rhs[g] (rhs[g].T if transpose_rhs).
 
@@ -76,10 +97,12 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", preferred_element_type=None,
       lhs: [M, K] rows sorted by group.
       rhs: [G, K, N], or [G, N, K] when `transpose_rhs` (then rhs[g].T is used).
       group_sizes: [G] integer rows per group; traced values are fine.
-      impl: "auto" | "xla" | "ragged_dot" | "pallas" (not implemented yet).
+      impl: "auto" | "xla" | "ragged_dot" | "pallas".
+      interpret: run the Pallas kernel with the Pallas interpreter (CPU tests).
       preferred_element_type: output dtype (default lhs.dtype); math is float32.
       transpose_rhs: see `rhs`.
-      tile_m: row-tile size of the "xla" implementation (default 128).
+      tile_m: row-tile size of "xla" (default 128) and block_m of "pallas"
+        (a power of two >= 16; default 64).
 
     Rows >= sum(group_sizes) come back as exact zeros. See the module docstring
     for sum(group_sizes) > M. Differentiable in lhs and rhs.
@@ -100,23 +123,28 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", preferred_element_type=None,
     group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
     tm = _check_tile_m(tile_m)
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, interpret)
     if rhs.shape[0] == 0:  # no groups: every row is padding
         return jnp.zeros((lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]),
                          out_dtype)
+    if impl == "pallas":
+        return pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
+                          transpose_rhs=bool(transpose_rhs), interpret=interpret,
+                          **_pallas_blocks(tile_m))
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
     return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
 
 
-def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto",
+def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False,
          preferred_element_type=None, tile_m=None) -> jax.Array:
     """Transposed grouped matmul: out[g] = lhs[rows of g].T @ rhs[rows of g], out [G, K, N].
 
     This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
     integer. `num_groups` (optional) states G and must equal len(group_sizes).
     Rows >= sum(group_sizes) are ignored in both operands, NaN included; empty
-    groups give exact zeros. Differentiable in lhs and rhs.
+    groups give exact zeros. Differentiable in lhs and rhs. `impl`, `interpret`
+    and `tile_m` as in `gmm`.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != 2:
@@ -135,9 +163,12 @@ def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto",
     group_sizes = _check_group_sizes(group_sizes, int(num_groups))
     tm = _check_tile_m(tile_m)
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, interpret)
     if num_groups == 0:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
+    if impl == "pallas":
+        return pallas.tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
+                           interpret=interpret, **_pallas_blocks(tile_m))
     if impl == "xla":
         return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype)
     return tgmm_ragged(lhs, rhs, group_sizes, out_dtype)

@@ -1,0 +1,500 @@
+"""Pallas (Triton lowering) grouped matmul `gmm` and its ragged-contracting form `tgmm`.
+
+Row layout and contract are those of `api.py`. Rows of `lhs` are sorted by group,
+and group g owns rows [start_g, end_g). Sizes are clamped: a negative size counts
+as 0, and groups are cut at row M. Rows >= sum(group_sizes) are padding. gmm
+returns exact zeros there, and neither op ever loads them, so NaN/Inf in padding
+rows cannot leak into other rows or into the weight gradient. Math accumulates
+in float32. float32 operands use IEEE dots (`Precision.HIGHEST`, no TF32), and
+narrower operands use the tensor cores' native bf16/f16 path.
+
+gmm kernel, `out[M, N]`. Grid = (work item, n tile). The grid must be static, and
+the Triton backend has no scalar prefetch, so the work list is computed with jnp
+outside the kernel (`xla.work_items`). The kernel receives it as four small int32
+arrays, and each program reads its own entries as scalars from those refs. A work
+item is one (row tile of `block_m` rows, group) pair whose intersection is
+non-empty. Consecutive groups share at most one boundary tile. The padding rows
+[sum, M) are counted as an extra group G. So there are at most
+cdiv(M, block_m) + G items, and programs past the real item count do nothing.
+A program:
+  1. masks rows to [lo, hi) = its group's rows intersected with its tile;
+  2. loops over K in `block_k` chunks (a traced trip count; Triton lowers it to
+     an `scf.for`, which it can software-pipeline) and accumulates
+     `x[rows, k] @ w[g][k, n]` in f32. Loads are masked (`other=0`), so rows
+     outside [lo, hi), and K/N past the array edge, are never read;
+  3. does a masked store of rows [lo, hi) of its n tile.
+Padding items (group G) run zero K iterations and store the zero accumulator.
+
+Zero-row guarantee. A GPU leaves unwritten memory as garbage, so every element
+of `out` must be stored. It is, exactly once, and nothing else writes it. The
+G + 1 groups, real plus padding, partition the rows [0, M). Each (tile, group)
+intersection is exactly one work item. The n grid axis covers [0, N). So
+padding rows receive an explicit zero store. No memset and no
+`input_output_aliases` are needed, and no two programs store the same element.
+
+tgmm kernel, `out[G, K, N] = lhs[rows of g].T @ rhs[rows of g]` (the weight
+gradient). Grid = (G, k tile, n tile). Each program loops over its group's rows
+in `block_m` chunks (traced trip count cdiv(size_g, block_m)), loads both
+operands with the rows masked to [start_g, end_g), and accumulates the
+[block_k, block_n] f32 tile. An empty group runs zero iterations, so it stores
+an exact zero slice. Every output element is stored exactly once.
+
+Fused row gather (optional). With `lhs_rows` (an [M] row-index vector), gmm's
+grouped row r is `lhs[lhs_rows[r]]`, loaded by the kernel straight from the
+[T, K] token matrix, so the gathered [M, K] matrix is never built. tgmm takes
+`lhs_rows` / `rhs_rows` the same way. Entries are read only for rows inside a
+group, so padding entries may hold any value. In-group indices are clamped into
+[0, T) to keep every load in bounds.
+
+Differentiation. Pallas kernels cannot be differentiated automatically, so both
+ops are `jax.custom_vjp`s whose backward passes are these same kernels:
+dlhs = gmm(dout, rhs) with `transpose_rhs` flipped (no transpose of rhs is
+materialised), drhs = tgmm(lhs, dout) (or tgmm(dout, lhs) for `transpose_rhs`,
+with the gather moved to the operand that holds lhs). tgmm's own backward is
+two gmm calls. With a fused gather, the row gradient [M, K] comes from the gmm
+kernel in f32 and is scatter-added into [T, K] by XLA.
+
+Why Triton and not Mosaic GPU. Mosaic GPU (`plgpu.kernel`, wgmma, TMA, warp
+specialisation) is the route to peak Hopper throughput, and JAX's
+`ragged_dot_mgpu` is the anchor to beat there. But it is Hopper/Blackwell only.
+Its kernels are written against warpgroup and TMA primitives rather than
+generic BlockSpec grids, and its CPU interpreter runs only such whole-ref
+kernels (a generic BlockSpec pallas_call fails an assertion). The masked, generic
+design here would have to be rewritten, not ported. The Triton lowering of
+`pl.pallas_call` has three advantages:
+  * the same kernel body runs with `interpret=True` on CPU, which is how it is
+    tested here;
+  * it lowers for CUDA from a CPU-only host (see tests);
+  * one source serves Ampere and Hopper.
+Caveats:
+  * JAX 0.12 warns at lowering that the Pallas Triton backend is deprecated in
+    favour of Mosaic GPU (or jax_triton).
+  * Triton needs power-of-two block shapes, and `tl.dot` needs >= 16; both are
+    checked here.
+  * The block defaults are untuned guesses for H100/H200 bf16: 64 x 128 x 64,
+    4 warps, 3 stages (2 for 4-byte dtypes, to fit shared memory).
+  * A tile shared by two groups is computed once per group. That is at most G
+    extra tiles of `block_m` rows, about 12% at M=8192, G=16, block_m=64.
+  * Interpret mode fails under `shard_map(check_vma=True)` in JAX 0.12: the
+    interpreter mixes varying and non-varying values. Real lowering works
+    there; in interpret mode use `check_vma=False` (see tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from relaymoe_jax.kernels.gmm.xla import clamp_group_bounds, match_vma, work_items
+
+DEFAULT_BLOCK_M = 64
+DEFAULT_BLOCK_N = 128
+DEFAULT_BLOCK_K = 64
+MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static kernel configuration: block sizes and Triton launch parameters."""
+
+    block_m: int = DEFAULT_BLOCK_M
+    block_n: int = DEFAULT_BLOCK_N
+    block_k: int = DEFAULT_BLOCK_K
+    num_warps: int | None = None  # None: 4
+    num_stages: int | None = None  # None: 3 for <= 2-byte operands, else 2
+    interpret: bool = False
+
+
+def _check_block(name: str, block) -> int:
+    """Holds `block` as an int, checked to be a power of two >= MIN_BLOCK."""
+    if (isinstance(block, bool) or not isinstance(block, (int, np.integer))
+            or block < MIN_BLOCK or block & (block - 1)):
+        raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK} (Triton), got {block!r}")
+    return int(block)
+
+
+def _fit_block(block: int, dim: int) -> int:
+    """Holds `block` shrunk to the smallest power of two >= dim (but >= MIN_BLOCK)."""
+    return min(block, max(MIN_BLOCK, pl.next_power_of_2(max(dim, 1))))
+
+
+def _compiler_params(cfg: Config, *dtypes) -> plt.CompilerParams:
+    """Holds the Triton launch parameters; default stages fit shared memory."""
+    itemsize = max(np.dtype(d).itemsize for d in dtypes)
+    stages = cfg.num_stages if cfg.num_stages is not None else (3 if itemsize <= 2 else 2)
+    return plt.CompilerParams(num_warps=cfg.num_warps or 4, num_stages=stages)
+
+
+def _precision(compute) -> lax.Precision:
+    """HIGHEST (IEEE, no TF32) for float32 math; the native MMA path otherwise."""
+    return lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _in_bounds(start, size: int, bound: int):
+    """Holds the [size] mask of start + arange(size) < bound, or None if always true."""
+    if bound % size == 0:
+        return None  # start is a multiple of size here, so the block never overruns
+    return start + jnp.arange(size, dtype=jnp.int32) < bound
+
+
+def _and(a, b):
+    """Holds the 2-D mask a[:, None] & b[None, :] (None is all-true)."""
+    if a is None and b is None:
+        return None
+    if a is None:
+        return b[None, :]
+    if b is None:
+        return a[:, None]
+    return a[:, None] & b[None, :]
+
+
+def _out_shape(shape, dtype, operand) -> jax.ShapeDtypeStruct:
+    """Holds the kernel's output type, varying over the shard_map axes `operand` varies over.
+
+    Inside shard_map, pallas_call needs the output's manual axes spelled out; the
+    public entry points make every operand vary over the same axes (`match_vma`).
+    """
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.typeof(operand).manual_axis_type)
+
+
+def _load(ref, mask):
+    """Holds ref[...] with masked-off elements read as 0 (and never fetched)."""
+    if mask is None:
+        return plt.load(ref)
+    return plt.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
+# ---------------------------------------------------------------- gmm kernel
+
+
+def _source_rows(rows_ref, row0, size: int, ok, num_rows: int):
+    """Holds the [size] source rows rows_ref[row0 + i], clamped into [0, num_rows).
+
+    Entries where `ok` is False are not read (they may be garbage) and give row 0.
+    """
+    src = plt.load(rows_ref.at[pl.ds(row0, size)], mask=ok, other=0)
+    return jnp.clip(src, 0, num_rows - 1)
+
+
+def _load_rows(ref, src, row0, bm: int, col0, bc: int, mask):
+    """Holds the [bm, bc] block of grouped rows row0 + i and columns col0 + j.
+
+    Grouped row r is ref row r, or ref row src[r - row0] when `src` is given
+    (the fused gather). Masked-off elements read as 0 and are never fetched.
+    """
+    if src is None:
+        return _load(ref.at[pl.ds(row0, bm), pl.ds(col0, bc)], mask)
+    cols = col0 + jnp.arange(bc, dtype=jnp.int32)
+    return _load(ref.at[src[:, None], cols[None, :]], mask)
+
+
+def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
+                bm: int, bn: int, bk: int, transpose_rhs: bool, gather: bool, compute):
+    """One (work item, n tile): o[lo:hi, n tile] = x[lo:hi] @ w[g][:, n tile].
+
+    With `gather`, refs = (rows_ref, o_ref) and x row r is x[rows_ref[r]].
+    """
+    rows_ref, o_ref = refs if gather else (None, *refs)
+    item, n_tile = pl.program_id(0), pl.program_id(1)
+    g, row0 = group_ref[item], row0_ref[item]
+    lo, hi = lo_ref[item], hi_ref[item]
+    num_groups = w_ref.shape[0]
+    k_dim, n_dim = x_ref.shape[1], o_ref.shape[1]
+    n0 = n_tile * bn
+    rows_t = row0 + jnp.arange(bm, dtype=jnp.int32)
+    own_t = (rows_t >= lo) & (rows_t < hi)
+    src_t = _source_rows(rows_ref, row0, bm, own_t, x_ref.shape[0]) if gather else None
+    cols_ok = _in_bounds(n0, bn, n_dim)
+    w_g = jnp.minimum(g, num_groups - 1)  # padding items (g == G) load no weights
+    trips = jnp.where((g < num_groups) & (hi > lo), pl.cdiv(k_dim, bk), 0)
+    contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
+
+    def body(kb, acc_tn):
+        k0 = kb * bk
+        k_ok = _in_bounds(k0, bk, k_dim)
+        x_tk = _load_rows(x_ref, src_t, row0, bm, k0, bk, _and(own_t, k_ok))
+        if transpose_rhs:
+            w = _load(w_ref.at[w_g, pl.ds(n0, bn), pl.ds(k0, bk)], _and(cols_ok, k_ok))
+        else:
+            w = _load(w_ref.at[w_g, pl.ds(k0, bk), pl.ds(n0, bn)], _and(k_ok, cols_ok))
+        return acc_tn + lax.dot_general(
+            x_tk.astype(compute), w.astype(compute), (contract, ((), ())),
+            precision=_precision(compute), preferred_element_type=jnp.float32)
+
+    acc_tn = lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
+    store_ok = own_t[:, None] if cols_ok is None else own_t[:, None] & cols_ok[None, :]
+    plt.store(o_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc_tn.astype(o_ref.dtype),
+              mask=jnp.broadcast_to(store_ok, (bm, bn)))
+
+
+def _gmm_items(group_sizes_g, m: int, bm: int):
+    """Holds the int32 work-item arrays (group, row0, lo, hi), padding group included."""
+    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
+    sizes_ext = jnp.concatenate([end_g - start_g, (m - end_g[-1:])])  # group G = padding
+    items = work_items(sizes_ext, m, bm)
+    start_x = jnp.concatenate([start_g, end_g[-1:]])
+    end_x = jnp.concatenate([end_g, jnp.full((1,), m, jnp.int32)])
+    row0_i = items.tile_i * bm
+    real_i = jnp.arange(items.group_i.shape[0]) < items.count
+    lo_i = jnp.where(real_i, jnp.maximum(start_x[items.group_i], row0_i), 0)
+    hi_i = jnp.where(real_i, jnp.minimum(end_x[items.group_i], row0_i + bm), 0)
+    return items.group_i, jnp.where(real_i, row0_i, 0), lo_i, hi_i
+
+
+def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, cfg: Config):
+    """Holds out[M, N] of the gmm kernel (not differentiable); M = len(rows_m) if given."""
+    m, k = x.shape if rows_m is None else (rows_m.shape[0], x.shape[1])
+    num_groups = w_gkn.shape[0]
+    n = w_gkn.shape[1] if transpose_rhs else w_gkn.shape[2]
+    if m == 0 or n == 0 or k == 0 or num_groups == 0 or x.shape[0] == 0:
+        return jnp.zeros((m, n), out_dtype)
+    bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
+    meta = _gmm_items(group_sizes_g, m, bm)
+    compute = jnp.promote_types(x.dtype, w_gkn.dtype)
+    kernel = functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk, transpose_rhs=transpose_rhs,
+                               gather=rows_m is not None, compute=compute)
+    rows = () if rows_m is None else (rows_m,)
+    return pl.pallas_call(
+        kernel,
+        out_shape=_out_shape((m, n), out_dtype, x),
+        grid=(meta[0].shape[0], pl.cdiv(n, bn)),
+        compiler_params=_compiler_params(cfg, x.dtype, w_gkn.dtype),
+        interpret=cfg.interpret,
+        name="relaymoe_gmm",
+    )(*meta, x, w_gkn, *rows)
+
+
+# --------------------------------------------------------------- tgmm kernel
+
+
+def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: int,
+                 gather_x: bool, gather_y: bool, compute):
+    """One (group, k tile, n tile): o[g, k tile, n tile] = x[rows of g].T @ y[rows of g].
+
+    refs = ([x_rows_ref if gather_x], [y_rows_ref if gather_y], o_ref).
+    """
+    *rows_refs, o_ref = refs
+    x_rows_ref = rows_refs.pop(0) if gather_x else None
+    y_rows_ref = rows_refs.pop(0) if gather_y else None
+    g, k_tile, n_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = start_ref[g], end_ref[g]
+    k_dim, n_dim = x_ref.shape[1], y_ref.shape[1]
+    k0, n0 = k_tile * bk, n_tile * bn
+    k_ok, n_ok = _in_bounds(k0, bk, k_dim), _in_bounds(n0, bn, n_dim)
+
+    def body(c, acc_kn):
+        r0 = start + c * bm
+        rows_ok = r0 + jnp.arange(bm, dtype=jnp.int32) < end
+        x_src = _source_rows(x_rows_ref, r0, bm, rows_ok, x_ref.shape[0]) if gather_x else None
+        y_src = _source_rows(y_rows_ref, r0, bm, rows_ok, y_ref.shape[0]) if gather_y else None
+        x_tk = _load_rows(x_ref, x_src, r0, bm, k0, bk, _and(rows_ok, k_ok))
+        y_tn = _load_rows(y_ref, y_src, r0, bm, n0, bn, _and(rows_ok, n_ok))
+        return acc_kn + lax.dot_general(
+            x_tk.astype(compute), y_tn.astype(compute), (((0,), (0,)), ((), ())),
+            precision=_precision(compute), preferred_element_type=jnp.float32)
+
+    trips = pl.cdiv(end - start, bm)
+    acc_kn = lax.fori_loop(0, trips, body, jnp.zeros((bk, bn), jnp.float32))
+    out = o_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
+    store_ok = _and(k_ok, n_ok)
+    if store_ok is None:
+        plt.store(out, acc_kn.astype(o_ref.dtype))
+    else:
+        plt.store(out, acc_kn.astype(o_ref.dtype), mask=jnp.broadcast_to(store_ok, (bk, bn)))
+
+
+def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config):
+    """Holds out[G, K, N] of the tgmm kernel (not differentiable)."""
+    m = (x if x_rows_m is None else x_rows_m).shape[0]
+    k, n = x.shape[1], y.shape[1]
+    num_groups = group_sizes_g.shape[0]
+    if m == 0 or n == 0 or k == 0 or num_groups == 0 or x.shape[0] == 0 or y.shape[0] == 0:
+        return jnp.zeros((num_groups, k, n), out_dtype)
+    bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
+    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
+    compute = jnp.promote_types(x.dtype, y.dtype)
+    kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, compute=compute,
+                               gather_x=x_rows_m is not None, gather_y=y_rows_m is not None)
+    rows = tuple(r for r in (x_rows_m, y_rows_m) if r is not None)
+    return pl.pallas_call(
+        kernel,
+        out_shape=_out_shape((num_groups, k, n), out_dtype, x),
+        grid=(num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+        compiler_params=_compiler_params(cfg, x.dtype, y.dtype),
+        interpret=cfg.interpret,
+        name="relaymoe_tgmm",
+    )(start_g, end_g, x, y, *rows)
+
+
+# ---------------------------------------------------------------- custom VJPs
+
+
+def _scatter_rows(d_mk, rows_m, group_sizes_g, num_rows: int, dtype):
+    """Holds the [num_rows, K] sum of grouped-row gradients d_mk into their source rows.
+
+    Inverse of the fused gather: source row rows_m[r] (clamped as in the kernel)
+    receives d_mk[r] for every grouped row r < sum(group_sizes); padding rows,
+    whose indices may be garbage, are dropped. Accumulates in float32.
+    """
+    m = rows_m.shape[0]
+    end = clamp_group_bounds(group_sizes_g, m)[1][-1]
+    src_m = jnp.where(jnp.arange(m) < end, jnp.clip(rows_m, 0, num_rows - 1), num_rows)
+    acc = jnp.zeros((num_rows, d_mk.shape[1]), jnp.float32)
+    return acc.at[src_m].add(d_mk.astype(jnp.float32), mode="drop").astype(dtype)
+
+
+def _grouped_grad(d_mk, rows_m, group_sizes_g, like):
+    """Holds the gradient for operand `like` from the grouped-row gradient d_mk."""
+    if rows_m is None:
+        return d_mk.astype(like.dtype)
+    return _scatter_rows(d_mk, rows_m, group_sizes_g, like.shape[0], like.dtype)
+
+
+def _grad_dtype(rows_m, like):
+    """Holds the dtype the kernel writes a grouped-row gradient in (f32 if scattered)."""
+    return np.dtype(like.dtype if rows_m is None else jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gmm_vjp(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, cfg: Config):
+    return _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs, out_dtype, cfg)
+
+
+def _gmm_fwd(x, w_gkn, group_sizes_g, rows_m, transpose_rhs, out_dtype, cfg):
+    out = _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs, out_dtype, cfg)
+    return out, (x, w_gkn, group_sizes_g, rows_m)
+
+
+def _gmm_bwd(transpose_rhs, out_dtype, cfg, res, dout_mn):
+    x, w_gkn, group_sizes_g, rows_m = res
+    # out = x_g @ W_g    -> dx = dout @ W_g.T, dW_g = x_g.T @ dout_g
+    # out = x_g @ W_g.T  -> dx = dout @ W_g,   dW_g = dout_g.T @ x_g
+    dx_mk = _gmm_vjp(dout_mn, w_gkn, group_sizes_g, None, not transpose_rhs,
+                     _grad_dtype(rows_m, x), cfg)
+    dx = _grouped_grad(dx_mk, rows_m, group_sizes_g, x)
+    w_dtype = np.dtype(w_gkn.dtype)
+    if transpose_rhs:
+        dw = _tgmm_vjp(dout_mn, x, group_sizes_g, None, rows_m, w_dtype, cfg)
+    else:
+        dw = _tgmm_vjp(x, dout_mn, group_sizes_g, rows_m, None, w_dtype, cfg)
+    return dx, dw, None, None
+
+
+_gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _tgmm_vjp(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config):
+    return _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg)
+
+
+def _tgmm_fwd(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg):
+    out = _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg)
+    return out, (x, y, group_sizes_g, x_rows_m, y_rows_m)
+
+
+def _tgmm_bwd(out_dtype, cfg, res, dout_gkn):
+    x, y, group_sizes_g, x_rows_m, y_rows_m = res
+    # out_g = x_g.T @ y_g  -> dx_g = y_g @ dout_g.T, dy_g = x_g @ dout_g
+    dx_mk = _gmm_vjp(y, dout_gkn, group_sizes_g, y_rows_m, True, _grad_dtype(x_rows_m, x), cfg)
+    dy_mn = _gmm_vjp(x, dout_gkn, group_sizes_g, x_rows_m, False, _grad_dtype(y_rows_m, y), cfg)
+    return (_grouped_grad(dx_mk, x_rows_m, group_sizes_g, x),
+            _grouped_grad(dy_mn, y_rows_m, group_sizes_g, y), None, None, None)
+
+
+_tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+
+# -------------------------------------------------------------- public entry
+
+
+def _config(block_m, block_n, block_k, num_warps, num_stages, interpret) -> Config:
+    """Holds the checked static configuration."""
+    return Config(_check_block("block_m", block_m), _check_block("block_n", block_n),
+                  _check_block("block_k", block_k), num_warps, num_stages, bool(interpret))
+
+
+def _rows(rows, name: str):
+    """Holds an optional fused-gather row-index vector as int32 [M] (or None)."""
+    if rows is None:
+        return None
+    rows = jnp.asarray(rows)
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"{name} must be a 1-D integer array, got {rows.dtype}{rows.shape}")
+    return rows.astype(jnp.int32)
+
+
+def _with_vma(*operands):
+    """Holds the operands (None kept) made varying over the same shard_map axes."""
+    present = [op for op in operands if op is not None]
+    it = iter(match_vma(*present))
+    return tuple(None if op is None else next(it) for op in operands)
+
+
+def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=False,
+        lhs_rows=None, interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
+        block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None) -> jax.Array:
+    """Grouped matmul by the Pallas kernel: out[M, N], rows of group g @ rhs[g].
+
+    Args:
+      lhs: [M, K] rows sorted by group; with `lhs_rows`, a [T, K] row source.
+      rhs: [G, K, N], or [G, N, K] when `transpose_rhs` (then rhs[g].T is used).
+      group_sizes: [G] integer rows per group (traced values are fine).
+      preferred_element_type: output dtype (default lhs.dtype); math is float32.
+      transpose_rhs: see `rhs`.
+      lhs_rows: optional [M] integer row indices, the fused row gather: grouped
+        row r is lhs[lhs_rows[r]] (clamped into [0, T)), read straight from
+        `lhs` by the kernel, so the gathered [M, K] matrix is never built.
+        Entries past sum(group_sizes) are never read. The lhs gradient is
+        scatter-added back into [T, K] by XLA (float32 accumulation).
+      interpret: run the kernel with the Pallas interpreter (works on CPU).
+      block_m, block_n, block_k: tile sizes, powers of two >= 16; each is
+        shrunk to the next power of two of its dimension when that is smaller.
+      num_warps, num_stages: Triton launch parameters (None: see module doc).
+
+    Rows >= sum(group_sizes) come back as exact zeros and are never read.
+    Differentiable in lhs and rhs; the backward pass is gmm and tgmm kernels.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"need lhs [M, K] and rhs 3-D, got {lhs.shape} and {rhs.shape}")
+    cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret)
+    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
+                         else preferred_element_type)
+    group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    args = _with_vma(lhs, rhs, group_sizes, _rows(lhs_rows, "lhs_rows"))
+    return _gmm_vjp(*args, bool(transpose_rhs), out_dtype, cfg)
+
+
+def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, rhs_rows=None,
+         interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
+         block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None) -> jax.Array:
+    """Transposed grouped matmul by the Pallas kernel: out[g] = lhs[g rows].T @ rhs[g rows].
+
+    lhs [M, K], rhs [M, N], group_sizes [G] integer; out [G, K, N] in
+    `preferred_element_type` (default lhs.dtype). `lhs_rows` / `rhs_rows`
+    (optional [M] integer) fuse a row gather into either operand, as in `gmm`.
+    `block_m` is the row chunk of the reduction; `block_k` x `block_n` is the
+    output tile. Rows >= sum(group_sizes) are never read; empty groups give
+    exact zero slices. Differentiable in lhs and rhs.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs_rows, rhs_rows = _rows(lhs_rows, "lhs_rows"), _rows(rhs_rows, "rhs_rows")
+    m_x = (lhs if lhs_rows is None else lhs_rows).shape[0]
+    m_y = (rhs if rhs_rows is None else rhs_rows).shape[0]
+    if lhs.ndim != 2 or rhs.ndim != 2 or m_x != m_y:
+        raise ValueError(f"need lhs [M, K] and rhs [M, N] (M rows after any gather), got "
+                         f"{lhs.shape} and {rhs.shape}")
+    cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret)
+    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
+                         else preferred_element_type)
+    group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    args = _with_vma(lhs, rhs, group_sizes, lhs_rows, rhs_rows)
+    return _tgmm_vjp(*args, out_dtype, cfg)
