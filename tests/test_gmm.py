@@ -339,7 +339,7 @@ def test_gmm_bad_input(kwargs, args, match):
 @pytest.mark.parametrize("kwargs, args, match", [
     ({}, (jnp.zeros((8, 4, 1)), None, None), "lhs must be 2-D"),
     ({}, (None, jnp.zeros((8,)), None), "rhs must be 2-D"),
-    ({}, (None, jnp.zeros((7, 3)), None), r"rhs.shape\[0\] must equal M"),
+    ({}, (None, jnp.zeros((7, 3)), None), r"rhs must have M=.* rows like lhs"),
     ({"num_groups": 3}, (None, None, None), "group_sizes must have length G=3"),
     ({}, (None, None, jnp.array([3.0, 5.0])), "group_sizes must have an integer dtype"),
     ({"impl": "cuda"}, (None, None, None), "impl must be one of"),

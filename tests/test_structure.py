@@ -15,12 +15,13 @@ E, K, H = 16, 8, 32
 T_LOCAL = 64
 
 
-def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring", routing="expert"):
+def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring", routing="expert",
+           **extra):
     m = mesh(mesh_name)
     shards = int(np.prod([m.shape[a] for a in token_axes]))
     ids = uniform_ids(np.random.default_rng(0), T_LOCAL * shards, E, K)
     inp = place(make_inputs(ids, E, h=H, f=32), m, token_axes)
-    kw = dict(mesh=m, dispatcher=dispatcher, token_axes=token_axes)
+    kw = dict(mesh=m, dispatcher=dispatcher, token_axes=token_axes, **extra)
     if dispatcher == "ring":
         kw["routing"] = routing
 
@@ -114,3 +115,28 @@ def test_poisoning_really_puts_nan_in_the_program(routing):
     with relaymoe_jax.poison_unwritten():
         poisoned = jax.jit(fwd).lower(*args).as_text().count(nan)
     assert poisoned >= plain + 2        # chunk token rows (forward) and dy rows are NaN-filled
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_pallas_kernel_reads_token_rows_without_a_gathered_chunk(routing):
+    """With the Pallas kernel the ring never gathers a [C, H] block of x or dy: the kernel reads
+    rows of the [T, H] matrices by index. The blocked XLA path does gather them (the control)."""
+    chunk = T_LOCAL * K // 8
+
+    def gathered_chunks(gmm_impl):
+        _, _, grad, args = _setup(routing=routing, gmm_impl=gmm_impl)
+        return [e for e in _eqns(jax.make_jaxpr(grad)(*args).jaxpr)
+                if e.primitive.name == "gather" and e.outvars[0].aval.shape == (chunk, H)]
+
+    assert gathered_chunks("xla")
+    assert not gathered_chunks("pallas-interpret")

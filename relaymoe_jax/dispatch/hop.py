@@ -9,6 +9,10 @@ are one contiguous segment of that order. A hop walks it in chunks of C pairs wi
 `lax.while_loop` whose trip count ceil(count / C) is traced: dropless, memory bounded by C.
 Rows of the last chunk past the segment are don't-care (zero router weight; the grouped matmuls
 return exact zeros for them and never read them as group members).
+
+With the Pallas kernel the chunk's token rows (x forward; x and dy backward) are never gathered
+into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a fused row gather).
+Other implementations gather the rows first (NaN-filled past the segment when poisoned).
 """
 
 import dataclasses
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import plan
-from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, tgmm
+from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,8 @@ class Hop:
         self.n = lax.axis_size(cfg.axis)
         self.me = lax.axis_index(cfg.axis)
         self.e_local = cfg.num_experts // self.n
+        self.mm_kw = impl_kwargs(cfg.gmm_impl)
+        self.fused = resolve_impl(**self.mm_kw) == "pallas"   # the kernel gathers token rows
 
     def _chunks(self, tk, p, body, carry):
         """Run body(chunk, carry) over the chunks of partition p's segment of `tk`'s pairs."""
@@ -83,23 +89,25 @@ class Hop:
             tok = pidx // self.k
             chunk = dict(pidx=pidx, tok=tok, valid=valid,
                          gs=plan.chunk_group_sizes(seg_counts, pos0, c),
-                         wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32),
-                         x_ch=self.rows(tk.x_th, tok, valid))
+                         wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32))
             return i + 1, body(chunk, carry)
 
         return lax.while_loop(lambda s: s[0] < n_chunks, step, (jnp.int32(0), carry))[1]
 
-    def rows(self, a_th, tok, valid):
-        """a_th[tok]: C token rows; rows past the segment are don't-care (NaN when poisoned)."""
-        return plan.take_rows(a_th, tok, valid, self.cfg.poison)
+    def rows(self, a_th, ch):
+        """The chunk's C token rows of a_th as (matrix, row index): (a_th, tok) for the kernel to
+        read, or the gathered rows (past the segment don't-care, NaN when poisoned) and None."""
+        if self.fused:
+            return a_th, ch["tok"]
+        return plan.take_rows(a_th, ch["tok"], ch["valid"], self.cfg.poison), None
 
-    def _mm(self, a, w, gs, transpose=False):
-        return gmm(a, w, gs, **impl_kwargs(self.cfg.gmm_impl),
-                   preferred_element_type=jnp.float32, transpose_rhs=transpose)
+    def _mm(self, a, w, gs, transpose=False, a_rows=None):
+        return gmm(a, w, gs, **self.mm_kw, preferred_element_type=jnp.float32,
+                   transpose_rhs=transpose, lhs_rows=a_rows)
 
-    def _tmm(self, a, b, gs):
-        return tgmm(a, b, gs, num_groups=self.e_local, **impl_kwargs(self.cfg.gmm_impl),
-                    preferred_element_type=jnp.float32)
+    def _tmm(self, a, b, gs, a_rows=None, b_rows=None):
+        return tgmm(a, b, gs, num_groups=self.e_local, **self.mm_kw,
+                    preferred_element_type=jnp.float32, lhs_rows=a_rows, rhs_rows=b_rows)
 
     def forward(self, tk, p, w, out_th):
         """out_th + the routed SwiGLU outputs of `tk`'s pairs with expert partition p (= w)."""
@@ -107,8 +115,9 @@ class Hop:
         dt = tk.x_th.dtype
 
         def body(ch, out_th):
-            gate = self._mm(ch["x_ch"], w_gate, ch["gs"])
-            up = self._mm(ch["x_ch"], w_up, ch["gs"])
+            x_ch, x_rows = self.rows(tk.x_th, ch)
+            gate = self._mm(x_ch, w_gate, ch["gs"], a_rows=x_rows)
+            up = self._mm(x_ch, w_up, ch["gs"], a_rows=x_rows)
             act = (jax.nn.silu(gate) * up).astype(dt)
             y_ch = self._mm(act, w_down, ch["gs"])
             return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])   # invalid rows: 0
@@ -123,24 +132,26 @@ class Hop:
 
         def body(ch, carry):
             dx_th, dwts_p, (dwg, dwu, dwd) = carry
-            gs, valid = ch["gs"], ch["valid"]
-            gate = self._mm(ch["x_ch"], w_gate, gs)
-            up = self._mm(ch["x_ch"], w_up, gs)
+            gs = ch["gs"]
+            x_ch, x_rows = self.rows(tk.x_th, ch)
+            dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
+            gate = self._mm(x_ch, w_gate, gs, a_rows=x_rows)
+            up = self._mm(x_ch, w_up, gs, a_rows=x_rows)
             sig = jax.nn.sigmoid(gate)
             silu = gate * sig
             act = (silu * up).astype(dt)
-            dy_ch = self.rows(dy_th, ch["tok"], valid).astype(dt)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
-            dact0 = self._mm(dy_ch, w_down, gs, transpose=True)
+            dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
             dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)       # invalid rows: act = dact0 = 0
             wts = ch["wts_c"][:, None]
-            dwd = dwd + self._tmm(act, (dy_ch * wts).astype(dt), gs)   # ignores invalid rows
+            # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
+            dwd = dwd + self._tmm((act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
             dgate = (dact * up * sig * (1.0 + gate * (1.0 - sig))).astype(dt)
             dup = (dact * silu).astype(dt)
-            dwg = dwg + self._tmm(ch["x_ch"], dgate, gs)
-            dwu = dwu + self._tmm(ch["x_ch"], dup, gs)
+            dwg = dwg + self._tmm(x_ch, dgate, gs, a_rows=x_rows)
+            dwu = dwu + self._tmm(x_ch, dup, gs, a_rows=x_rows)
             dx_ch = (self._mm(dgate, w_gate, gs, transpose=True)
                      + self._mm(dup, w_up, gs, transpose=True))
             dx_th = dx_th.at[ch["tok"]].add(dx_ch)           # gmm: invalid rows are exact 0

@@ -89,8 +89,18 @@ def _out_dtype(preferred_element_type, lhs) -> np.dtype:
     return np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
 
 
+def _gather(a, rows, name):
+    """a[rows] for the implementations without a fused gather (indices clipped into range)."""
+    if rows is None:
+        return a
+    rows = jnp.asarray(rows)
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"{name} must be a 1-D integer array, got {rows.dtype}{rows.shape}")
+    return jnp.take(a, rows, axis=0, mode="clip")
+
+
 def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_element_type=None,
-        transpose_rhs=False, tile_m=None) -> jax.Array:
+        transpose_rhs=False, tile_m=None, lhs_rows=None) -> jax.Array:
     """Grouped matmul: out[M, N], rows of group g times rhs[g] (rhs[g].T if transpose_rhs).
 
     Args:
@@ -103,6 +113,9 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
       transpose_rhs: see `rhs`.
       tile_m: row-tile size of "xla" (default 128) and block_m of "pallas"
         (a power of two >= 16; default 64).
+      lhs_rows: optional [M] row indices: row r is lhs[lhs_rows[r]] (lhs is then a
+        [T, K] row source). "pallas" reads the rows inside the kernel (the gathered
+        matrix is never built); the others gather first.
 
     Rows >= sum(group_sizes) come back as exact zeros. See the module docstring
     for sum(group_sizes) > M. Differentiable in lhs and rhs.
@@ -110,6 +123,9 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
+    impl = resolve_impl(impl, interpret)
+    if impl != "pallas":
+        lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
     if rhs.ndim != 3:
         layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
         raise ValueError(f"rhs must be 3-D {layout}, got shape {rhs.shape}")
@@ -123,38 +139,42 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
     group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
     tm = _check_tile_m(tile_m)
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    impl = resolve_impl(impl, interpret)
     if rhs.shape[0] == 0:  # no groups: every row is padding
-        return jnp.zeros((lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]),
-                         out_dtype)
+        m = lhs.shape[0] if lhs_rows is None else jnp.shape(lhs_rows)[0]
+        return jnp.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]), out_dtype)
     if impl == "pallas":
         return pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                           transpose_rhs=bool(transpose_rhs), interpret=interpret,
-                          **_pallas_blocks(tile_m))
+                          lhs_rows=lhs_rows, **_pallas_blocks(tile_m))
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
     return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
 
 
 def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False,
-         preferred_element_type=None, tile_m=None) -> jax.Array:
+         preferred_element_type=None, tile_m=None, lhs_rows=None, rhs_rows=None) -> jax.Array:
     """Transposed grouped matmul: out[g] = lhs[rows of g].T @ rhs[rows of g], out [G, K, N].
 
     This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
     integer. `num_groups` (optional) states G and must equal len(group_sizes).
     Rows >= sum(group_sizes) are ignored in both operands, NaN included; empty
     groups give exact zeros. Differentiable in lhs and rhs. `impl`, `interpret`
-    and `tile_m` as in `gmm`.
+    and `tile_m` as in `gmm`; `lhs_rows` / `rhs_rows` gather either operand's
+    rows like gmm's `lhs_rows` (fused into the kernel by "pallas").
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    impl = resolve_impl(impl, interpret)
+    if impl != "pallas" or lhs.ndim != 2 or rhs.ndim != 2:
+        lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
+        rhs, rhs_rows = _gather(rhs, rhs_rows, "rhs_rows"), None
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
     if rhs.ndim != 2:
         raise ValueError(f"rhs must be 2-D [M, N], got shape {rhs.shape}")
-    if rhs.shape[0] != lhs.shape[0]:
-        raise ValueError(
-            f"rhs.shape[0] must equal M=lhs.shape[0]={lhs.shape[0]}, got {rhs.shape[0]}"
-        )
+    m_l = lhs.shape[0] if lhs_rows is None else jnp.shape(lhs_rows)[0]
+    m_r = rhs.shape[0] if rhs_rows is None else jnp.shape(rhs_rows)[0]
+    if m_r != m_l:
+        raise ValueError(f"rhs must have M={m_l} rows like lhs (after any row gather), got {m_r}")
     group_sizes = jnp.asarray(group_sizes)
     if num_groups is None:
         num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
@@ -163,12 +183,12 @@ def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False
     group_sizes = _check_group_sizes(group_sizes, int(num_groups))
     tm = _check_tile_m(tile_m)
     out_dtype = _out_dtype(preferred_element_type, lhs)
-    impl = resolve_impl(impl, interpret)
     if num_groups == 0:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
     if impl == "pallas":
         return pallas.tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
-                           interpret=interpret, **_pallas_blocks(tile_m))
+                           interpret=interpret, lhs_rows=lhs_rows, rhs_rows=rhs_rows,
+                           **_pallas_blocks(tile_m))
     if impl == "xla":
         return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype)
     return tgmm_ragged(lhs, rhs, group_sizes, out_dtype)
