@@ -1,0 +1,104 @@
+"""Building blocks of the decoder: sharded parameters, RMSNorm, RoPE, causal attention, SwiGLU.
+
+Parameters are created already sharded: each is drawn by a `jax.jit` whose `out_shardings` is its
+`NamedSharding` (never materialised whole on one device), and carries `out_sharding` (the mesh
+`PartitionSpec`, used by NNX) and `logical_axes` (its logical names, see `sharding.py`) metadata.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+
+from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
+
+F32 = jnp.float32
+
+
+class ExpertBias(nnx.Variable):
+    """The aux-loss-free expert bias: not a `nnx.Param`, so the optimizer never touches it."""
+
+
+def param(rules: AxisRules, rngs: nnx.Rngs | None, shape, names, dtype, *, init="normal",
+          std=0.02, kind=nnx.Param):
+    """A parameter of `shape` with logical axis `names`, created sharded per `rules`."""
+    sharding = rules.sharding(*names)
+    make = _initializer(tuple(shape), jnp.dtype(dtype), sharding, init, float(std))
+    value = make(rngs.params()) if init == "normal" else make()
+    return kind(value, out_sharding=sharding.spec, mesh=rules.mesh, logical_axes=tuple(names))
+
+
+@functools.cache
+def _initializer(shape, dtype, sharding, init, std):
+    """A jitted initializer whose output is born sharded (cached: one compile per kind)."""
+    if init == "normal":
+        return jax.jit(lambda k: (std * jax.random.normal(k, shape, F32)).astype(dtype),
+                       out_shardings=sharding)
+    fill = {"ones": 1.0, "zeros": 0.0}[init]
+    return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
+
+
+class RMSNorm(nnx.Module):
+    """Hugging Face's Qwen RMSNorm: x * rsqrt(mean(x^2) + eps) in float32, then weight * x."""
+
+    def __init__(self, size, *, eps, rules, dtype, axis="embed"):
+        self.eps = eps
+        self.weight = param(rules, None, (size,), (axis,), dtype, init="ones")
+
+    def __call__(self, x):
+        x32 = x.astype(F32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Dense SwiGLU down(silu(x @ gate) * (x @ up)): dense layers and Qwen2's shared expert."""
+
+    def __init__(self, hidden, ffn, *, rules, rngs, dtype, std):
+        self.gate_proj = param(rules, rngs, (hidden, ffn), ("embed", "ffn"), dtype, std=std)
+        self.up_proj = param(rules, rngs, (hidden, ffn), ("embed", "ffn"), dtype, std=std)
+        self.down_proj = param(rules, rngs, (ffn, hidden), ("ffn", "embed"), dtype, std=std)
+
+    def __call__(self, x_th):
+        gate = jnp.dot(x_th, self.gate_proj[...])
+        up = jnp.dot(x_th, self.up_proj[...])
+        return jnp.dot(jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+def embed_lookup(table_vh, ids_bs, mesh, spec):
+    """table[ids] on `spec`. An Explicit mesh cannot infer a gather's output sharding from
+    indices sharded over several axes, so it is given."""
+    if is_explicit(mesh):
+        return table_vh.at[ids_bs].get(out_sharding=NamedSharding(mesh, spec))
+    return constrain(jnp.take(table_vh, ids_bs, axis=0), mesh, spec)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
+    """Hugging Face's default RoPE tables: cos, sin [..., head_dim] with the halves repeated."""
+    inv_freq_d = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    freqs = positions.astype(F32)[..., None] * inv_freq_d
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x_bsnd, cos_bsd, sin_bsd):
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] (HF's layout)."""
+    half = x_bsnd.shape[-1] // 2
+    rot = jnp.concatenate([-x_bsnd[..., half:], x_bsnd[..., :half]], axis=-1)
+    return x_bsnd * cos_bsd[:, :, None, :] + rot * sin_bsd[:, :, None, :]
+
+
+def causal_attention(q_bsnd, k_bskd, v_bskd):
+    """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
+
+    `jax.nn.dot_product_attention` picks cuDNN flash attention on GPU where it applies and XLA's
+    attention elsewhere. It materialises [B, N, S, S] scores on the XLA path.
+    """
+    # LONG-SEQUENCE PATH: a chunked (blockwise over keys, online softmax) or ring/flash attention
+    # for sequences whose [S, S] scores do not fit goes here, selected by sequence length.
+    out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5,
+                                       is_causal=True)
+    return checkpoint_name(out, "attn_out")

@@ -1,0 +1,301 @@
+"""Qwen3-MoE / Qwen2-MoE decoder in Flax NNX, with the MoE block on `relaymoe_jax.moe_ffn`.
+
+Architecture (Hugging Face `modeling_qwen3_moe.py` / `modeling_qwen2_moe.py`):
+
+    x = embed_tokens[input_ids]
+    per layer:  x = x + o_proj(attention(rope(q_norm(q_proj(h))), rope(k_norm(k_proj(h))),
+                                         v_proj(h)))                 with h = input_layernorm(x)
+                x = x + mlp(post_attention_layernorm(x))   mlp: MoE block or dense SwiGLU
+    logits = lm_head(norm(x))                              lm_head tied to embed_tokens or not
+
+- qwen3_moe: q/k RMSNorm over head_dim; bias on q/k/v/o iff `attention_bias`.
+- qwen2_moe: no q/k norm; bias on q/k/v iff `qkv_bias`; a shared SwiGLU expert with a sigmoid
+  gate, computed outside the ring and added: y += sigmoid(x @ shared_expert_gate) *
+  shared_expert(x) (paper §3.1).
+- Layer i holds the MoE block iff `config.is_moe_layer(i)` (`decoder_sparse_step`,
+  `mlp_only_layers`), else a dense SwiGLU of `intermediate_size`.
+- MoE block: router (see `router.py`) -> `moe_ffn` over the tokens flattened to [B*S, H] and
+  sharded over the token axes, with the dispatcher, routing, capacity, chunk and gmm_impl of the
+  config. Experts are stored stacked: w_gate, w_up [E, H, F], w_down [E, F, H].
+
+Attribute names follow Hugging Face's modules (`self_attn.q_proj`, `mlp.experts`...) so the
+checkpoint mapping in `hf.py` reads as a table. Weights are stored [in, out]: q_proj [H, N, D],
+k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dense [H, F] / [F, H].
+
+`model(input_ids)` returns `(logits [B, S, V], aux)`; `aux` (see `router.py` for the formulas):
+    aux_loss            HF's load-balancing loss over all MoE layers (= HF `outputs.aux_loss`)
+    aux_loss_per_layer  [L_moe] the same loss per MoE layer
+    z_loss, z_loss_per_layer   router z-loss, mean over MoE layers and per layer
+    router_loss         router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss: add it to
+                        the LM loss
+    expert_load         [L_moe, E] int32 pairs routed to each expert: feed it, summed over the
+                        step, to `update_expert_bias`
+    dropped_pairs       int32, pairs dropped by alltoall with a capacity factor (0 otherwise)
+    router_logits       [L_moe, B, S, E] float32, only with `return_router_logits=True`
+
+Names for remat (`jax.ad_checkpoint.checkpoint_name`, per layer, for
+`jax.checkpoint_policies.save_only_these_names` and friends):
+    "attn_norm"  input_layernorm output              [B, S, H]
+    "q_proj", "k_proj", "v_proj"   projections (bias included, before q/k norm and RoPE)
+    "q_norm", "k_norm"             after the q/k RMSNorm (qwen3_moe only)
+    "attn_out"   attention output, before o_proj     [B, S, N, D]
+    "o_proj"     o_proj output (before the residual) [B, S, H]
+    "mlp_norm"   post_attention_layernorm output     [B, S, H]
+The MoE block has no names: the ring's backward already recomputes each hop.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from relaymoe_jax.models import router as rt
+from relaymoe_jax.models.config import ModelConfig, check_mesh
+from relaymoe_jax.models.layers import (
+    MLP,
+    ExpertBias,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    embed_lookup,
+    param,
+    rope_cos_sin,
+)
+from relaymoe_jax.models.sharding import (
+    AxisRules,
+    constrain,
+    from_tokens,
+    rules_for,
+    to_tokens,
+)
+from relaymoe_jax.op import moe_ffn
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rules, rngs, dtype):
+        h, n, kv, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_size)
+        std = cfg.initializer_range
+        qkv_bias = cfg.qkv_bias if cfg.arch == "qwen2_moe" else cfg.attention_bias
+        self.o_has_bias = cfg.arch == "qwen3_moe" and cfg.attention_bias
+        self.q_proj = param(rules, rngs, (h, n, d), ("embed", "heads", "head_dim"), dtype, std=std)
+        self.k_proj = param(rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype,
+                            std=std)
+        self.v_proj = param(rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype,
+                            std=std)
+        self.o_proj = param(rules, rngs, (n, d, h), ("heads", "head_dim", "embed"), dtype, std=std)
+        zeros = lambda shape, names: param(rules, None, shape, names, dtype, init="zeros")
+        if qkv_bias:
+            self.q_bias = zeros((n, d), ("heads", "head_dim"))
+            self.k_bias = zeros((kv, d), ("kv_heads", "head_dim"))
+            self.v_bias = zeros((kv, d), ("kv_heads", "head_dim"))
+        if self.o_has_bias:
+            self.o_bias = zeros((h,), ("embed",))
+        self.qk_norm = cfg.arch == "qwen3_moe"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                  axis="head_dim")
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype,
+                                  axis="head_dim")
+        self.has_qkv_bias = qkv_bias
+        self.rules = rules
+
+    def _proj(self, x_bsh, w_hnd, bias, name):
+        y_bsnd = jnp.einsum("bsh,hnd->bsnd", x_bsh, w_hnd[...])
+        if self.has_qkv_bias:
+            y_bsnd = y_bsnd + getattr(self, bias)[...]
+        return checkpoint_name(y_bsnd, name)
+
+    def __call__(self, x_bsh, cos_bsd, sin_bsd):
+        with jax.named_scope("qkv_proj"):
+            q_bsnd = self._proj(x_bsh, self.q_proj, "q_bias", "q_proj")
+            k_bskd = self._proj(x_bsh, self.k_proj, "k_bias", "k_proj")
+            v_bskd = self._proj(x_bsh, self.v_proj, "v_bias", "v_proj")
+        if self.qk_norm:
+            q_bsnd = checkpoint_name(self.q_norm(q_bsnd), "q_norm")
+            k_bskd = checkpoint_name(self.k_norm(k_bskd), "k_norm")
+        with jax.named_scope("rope"):
+            q_bsnd = apply_rope(q_bsnd, cos_bsd, sin_bsd)
+            k_bskd = apply_rope(k_bskd, cos_bsd, sin_bsd)
+        if self.rules.axes("seq"):   # context parallelism: every query shard needs all keys
+            b, s = k_bskd.shape[:2]
+            kv_spec = P(self.rules.fit((b, s), "batch", "seq")[0], None, None, None)
+            k_bskd = constrain(k_bskd, self.rules.mesh, kv_spec)
+            v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
+        with jax.named_scope("attention"):
+            o_bsnd = causal_attention(q_bsnd, k_bskd, v_bskd)
+        with jax.named_scope("o_proj"):
+            y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
+            if self.o_has_bias:
+                y_bsh = y_bsh + self.o_bias[...]
+        return checkpoint_name(y_bsh, "o_proj")
+
+
+class MoEBlock(nnx.Module):
+    """Router -> moe_ffn (-> + gated shared expert, qwen2_moe)."""
+
+    def __init__(self, cfg: ModelConfig, *, rules, rngs, dtype):
+        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        std = cfg.initializer_range
+        self.cfg, self.rules = cfg, rules
+        self.gate = param(rules, rngs, (h, e), ("embed", "router"), dtype, std=std)
+        if cfg.expert_bias:
+            self.expert_bias = param(rules, None, (e,), ("router",), jnp.float32, init="zeros",
+                                     kind=ExpertBias)
+        w_in, w_out = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
+        self.w_gate = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
+        self.w_up = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
+        self.w_down = param(rules, rngs, (e, f, h), w_out, dtype, std=std)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, rules=rules,
+                                     rngs=rngs, dtype=dtype, std=std)
+            self.shared_expert_gate = param(rules, rngs, (h, 1), ("embed", None), dtype, std=std)
+
+    def __call__(self, x_bsh):
+        cfg, rules = self.cfg, self.rules
+        b, s, _ = x_bsh.shape
+        x_th = to_tokens(x_bsh, rules)
+        with jax.named_scope("router"):
+            bias_e = self.expert_bias[...] if cfg.expert_bias else None
+            logits_te, probs_te, ids_tk, weights_tk = rt.route(
+                x_th, self.gate[...], top_k=cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob, bias_e=bias_e, out_dtype=x_th.dtype)
+        with jax.named_scope("experts"):
+            y_th, ffn_stats = moe_ffn(
+                x_th, ids_tk, weights_tk, self.w_gate[...], self.w_up[...], self.w_down[...],
+                mesh=rules.mesh, expert_axis=rules.expert_axis,
+                expert_tensor_axis=rules.expert_tensor_axis, dispatcher=cfg.dispatcher,
+                routing=cfg.routing if cfg.dispatcher == "ring" else "auto",
+                capacity_factor=cfg.capacity_factor if cfg.dispatcher == "alltoall" else None,
+                chunk_size=cfg.chunk_size if cfg.dispatcher == "ring" else None,
+                token_axes=rules.token_axes, gmm_impl=cfg.gmm_impl, return_stats=True)
+        if self.has_shared:
+            with jax.named_scope("shared_expert"):
+                gate_t1 = jax.nn.sigmoid(jnp.dot(x_th, self.shared_expert_gate[...]))
+                y_th = y_th + gate_t1 * self.shared_expert(x_th)
+        f_e, p_e = rt.balance_stats(probs_te, ids_tk)
+        stats = {"f": f_e, "p": p_e, "z": rt.z_loss(logits_te),
+                 "load": rt.expert_load(ids_tk, cfg.num_experts),
+                 "dropped": ffn_stats["dropped_pairs"], "logits": logits_te}
+        return from_tokens(y_th, b, s, rules), stats
+
+
+class DenseMLP(MLP):
+    def __call__(self, x_bsh):
+        return super().__call__(x_bsh), None
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, i: int, *, rules, rngs, dtype):
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
+        self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules,
+                                                dtype=dtype)
+        if cfg.is_moe_layer(i):
+            self.mlp = MoEBlock(cfg, rules=rules, rngs=rngs, dtype=dtype)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, rngs=rngs,
+                                dtype=dtype, std=cfg.initializer_range)
+
+    def __call__(self, x_bsh, cos_bsd, sin_bsd):
+        with jax.named_scope("attention_block"):
+            h_bsh = checkpoint_name(self.input_layernorm(x_bsh), "attn_norm")
+            x_bsh = x_bsh + self.self_attn(h_bsh, cos_bsd, sin_bsd)
+        with jax.named_scope("mlp_block"):
+            h_bsh = checkpoint_name(self.post_attention_layernorm(x_bsh), "mlp_norm")
+            y_bsh, stats = self.mlp(h_bsh)
+        return x_bsh + y_bsh, stats
+
+
+class QwenMoe(nnx.Module):
+    """The decoder. `QwenMoe(config, mesh=mesh, rngs=nnx.Rngs(0))` draws random weights (normal,
+    std `initializer_range`; norms 1, biases 0), created sharded per `rules` (default
+    `rules_for(mesh)`); `from_pretrained` loads a Hugging Face checkpoint instead."""
+
+    def __init__(self, config: ModelConfig, *, mesh: jax.sharding.Mesh, rngs: nnx.Rngs,
+                 dtype=jnp.float32, rules: AxisRules | None = None):
+        rules = rules or rules_for(mesh)
+        if config.num_experts:
+            check_mesh(config, rules.size("experts"))
+        self.config, self.rules, self.dtype = config, rules, jnp.dtype(dtype)
+        h, v = config.hidden_size, config.vocab_size
+        std = config.initializer_range
+        self.embed_tokens = param(rules, rngs, (v, h), ("vocab", "embed"), dtype, std=std)
+        self.layers = nnx.List([DecoderLayer(config, i, rules=rules, rngs=rngs, dtype=dtype)
+                                for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps, rules=rules, dtype=dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = param(rules, rngs, (h, v), ("embed", "vocab"), dtype, std=std)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i))
+
+    def __call__(self, input_ids, *, positions=None, return_router_logits=False):
+        """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict)."""
+        cfg, rules, mesh = self.config, self.rules, self.rules.mesh
+        b, s = input_ids.shape
+        act = rules.fit((b, s), "batch", "seq")
+        ids_bs = constrain(jnp.asarray(input_ids, jnp.int32), mesh, act)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        positions = constrain(jnp.asarray(positions, jnp.int32), mesh, act)
+        with jax.named_scope("embed"):
+            x_bsh = embed_lookup(self.embed_tokens[...], ids_bs, mesh, P(*act, None))
+        cos_bsd, sin_bsd = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, self.dtype)
+        stats = []
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd)
+            if st is not None:
+                stats.append(st)
+        with jax.named_scope("lm_head"):
+            x_bsh = self.norm(x_bsh)
+            if cfg.tie_word_embeddings:
+                logits_bsv = jnp.einsum("bsh,vh->bsv", x_bsh, self.embed_tokens[...])
+            else:
+                logits_bsv = jnp.einsum("bsh,hv->bsv", x_bsh, self.lm_head[...])
+        return logits_bsv, self._aux(stats, b, s, return_router_logits)
+
+    def _aux(self, stats, b, s, return_router_logits):
+        cfg = self.config
+        e = cfg.num_experts
+        if not stats:
+            zero = jnp.float32(0)
+            aux = {"aux_loss": zero, "aux_loss_per_layer": jnp.zeros((0,)), "z_loss": zero,
+                   "z_loss_per_layer": jnp.zeros((0,)), "router_loss": zero,
+                   "expert_load": jnp.zeros((0, e), jnp.int32), "dropped_pairs": jnp.int32(0)}
+            if return_router_logits:
+                aux["router_logits"] = jnp.zeros((0, b, s, e))
+            return aux
+        f_le = jnp.stack([st["f"] for st in stats])
+        p_le = jnp.stack([st["p"] for st in stats])
+        z_l = jnp.stack([st["z"] for st in stats])
+        aux = {"aux_loss": rt.load_balancing_loss(f_le, p_le),
+               "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
+               "z_loss": jnp.mean(z_l), "z_loss_per_layer": z_l,
+               "expert_load": jnp.stack([st["load"] for st in stats]),
+               "dropped_pairs": sum(st["dropped"] for st in stats)}
+        aux["router_loss"] = (cfg.router_aux_loss_coef * aux["aux_loss"]
+                              + cfg.router_z_loss_coef * aux["z_loss"])
+        if return_router_logits:
+            aux["router_logits"] = jnp.stack(
+                [from_tokens(st["logits"], b, s, self.rules) for st in stats])
+        return aux
+
+    def update_expert_bias(self, expert_load_le, rate: float | None = None):
+        """Aux-loss-free balancing, outside the optimizer: for each MoE layer l,
+        bias += rate * sign(mean(load[l]) - load[l]) (`router.expert_bias_update`).
+        `expert_load_le` is aux["expert_load"] summed over the step's micro-batches."""
+        if not self.config.expert_bias:
+            raise ValueError("update_expert_bias: the config has expert_bias=False")
+        rate = self.config.expert_bias_rate if rate is None else rate
+        for n, i in enumerate(self.moe_layers):
+            mlp = self.layers[i].mlp
+            old = mlp.expert_bias.get_value()
+            new = rt.expert_bias_update(old, jnp.asarray(expert_load_le)[n], rate)
+            mlp.expert_bias.set_value(jax.device_put(new, old.sharding))
+

@@ -1,0 +1,85 @@
+"""The MoE router and its losses (pure functions; the model collects them per MoE layer).
+
+Notation for one MoE layer: `T` tokens, `E` experts, top-`k`, `x_th` the normalised hidden states,
+`w_he` the router weight.
+
+- Router (Hugging Face `Qwen3MoeTopKRouter` / `Qwen2MoeTopKRouter`, computed in float32):
+      logits[t, e] = x[t] . w[:, e]                   (float32)
+      p[t, e]      = softmax_e(logits[t, e])          (float32)
+      ids[t, :]    = top_k_e(p[t, e] + bias[e])       (bias: the aux-loss-free expert bias, or 0)
+      w[t, j]      = p[t, ids[t, j]]                  (the bias never enters the weights)
+      w[t, j]     /= sum_j w[t, j]                    (only if norm_topk_prob)
+  then cast to the model dtype. Ties in top-k pick the lower expert id (`lax.top_k`). Hugging
+  Face computes the logits in the activation dtype; here they are float32 whatever the dtype
+  (identical for float32 models, slightly more precise for bfloat16 ones).
+- Load-balancing loss (Switch Transformer eq. 4-6, Hugging Face `load_balancing_loss_func` without
+  an attention mask). Per layer `l`:
+      f[l, e] = (number of pairs (t, j) with ids[t, j] = e) / T     (sums to k over e; no gradient)
+      P[l, e] = mean_t p[t, e]                                      (differentiable)
+      aux_loss_per_layer[l] = E * sum_e f[l, e] * P[l, e]
+  Hugging Face concatenates the router logits of all MoE layers before averaging, so its loss is
+      aux_loss = E * sum_e mean_l(f[l, e]) * mean_l(P[l, e])
+  (every layer has the same T). That is the model's `aux_loss` (equal to HF's `outputs.aux_loss`);
+  the per-layer values are reported too. A perfectly balanced router gives k. The counts use the
+  selection actually made (with the expert bias, if any).
+- Router z-loss (ST-MoE eq. 5): z_loss_per_layer[l] = mean_t logsumexp_e(logits[t, e])^2, and
+  `z_loss` is its mean over the MoE layers.
+- Aux-loss-free expert bias (DeepSeek-V3 §2.1.2): a per-expert float32 `bias` added to the scores
+  for the top-k *selection* only. After each step, outside the optimizer,
+      load[e] = number of pairs routed to expert e in the step  (summed over all tokens)
+      bias[e] += rate * sign(mean_e(load) - load[e])
+  so over-loaded experts become less likely to be selected and under-loaded ones more.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def route(x_th, w_he, *, top_k: int, norm_topk_prob: bool, bias_e=None, out_dtype=None):
+    """Returns (logits_te f32, probs_te f32, ids_tk int32, weights_tk in out_dtype)."""
+    f32 = jnp.float32
+    logits_te = jnp.dot(x_th.astype(f32), w_he.astype(f32), preferred_element_type=f32)
+    probs_te = jax.nn.softmax(logits_te, axis=-1)
+    scores_te = probs_te if bias_e is None else probs_te + bias_e.astype(f32)
+    _, ids_tk = jax.lax.top_k(scores_te, top_k)
+    weights_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
+    if norm_topk_prob:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return logits_te, probs_te, ids_tk.astype(jnp.int32), weights_tk.astype(out_dtype or x_th.dtype)
+
+
+def expert_load(ids_tk, num_experts: int):
+    """[E] int32: the number of (token, slot) pairs routed to each expert."""
+    ids_tk = jax.lax.stop_gradient(ids_tk)
+    return sum(jnp.sum(ids_tk[:, j, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
+               for j in range(ids_tk.shape[1]))
+
+
+def balance_stats(probs_te, ids_tk):
+    """(f_e, P_e): the fraction of pairs per expert over T (sums to k) and the mean probability."""
+    num_tokens, num_experts = probs_te.shape
+    f_e = expert_load(ids_tk, num_experts).astype(jnp.float32) / num_tokens
+    return f_e, jnp.mean(probs_te.astype(jnp.float32), axis=0)
+
+
+def load_balancing_loss(f_le, p_le):
+    """Hugging Face's loss over the MoE layers' stacked stats f_le, p_le [L, E] (see module doc)."""
+    num_experts = f_le.shape[-1]
+    return num_experts * jnp.sum(jnp.mean(f_le, axis=0) * jnp.mean(p_le, axis=0))
+
+
+def load_balancing_loss_per_layer(f_le, p_le):
+    """[L]: E * sum_e f[l, e] * P[l, e]."""
+    return f_le.shape[-1] * jnp.sum(f_le * p_le, axis=-1)
+
+
+def z_loss(logits_te):
+    """mean_t logsumexp_e(logits[t, e])^2 (float32)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_te.astype(jnp.float32), axis=-1)))
+
+
+def expert_bias_update(bias_e, load_e, rate: float):
+    """DeepSeek-V3's update: bias + rate * sign(mean(load) - load), in float32."""
+    load_e = load_e.astype(jnp.float32)
+    return (bias_e + rate * jnp.sign(jnp.mean(load_e, axis=-1, keepdims=True) - load_e)).astype(
+        bias_e.dtype)

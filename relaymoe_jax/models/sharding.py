@@ -1,0 +1,183 @@
+"""Logical axis names -> mesh axes, in one place (`AxisRules`), and the helpers that apply them.
+
+Every array in the model is described by logical axis names:
+
+    name        dimension                                       default mesh axes
+    batch       sequences of a batch                            data/fsdp/expert (those present)
+    seq         positions of a sequence                         context, if present
+    tokens      flattened batch*seq, the MoE's token axis       batch axes + seq axes
+    experts     stacked experts (moe_ffn's expert_axis)         expert; folded: all other axes
+    expert_ffn  an expert's ffn (moe_ffn's expert_tensor_axis)  expert_tensor, if present
+    embed, heads, kv_heads, head_dim, ffn, vocab, router        replicated
+
+Default layouts (`rules_for(mesh)`), the three the tests run:
+- `("expert",)`: batch and tokens over `expert`, experts over `expert`, the rest replicated.
+- `("data", "expert")`: batch and tokens over `("data", "expert")`, experts over `expert`.
+- folded `("data", "context")` (README "parallel folding"): attention sees batch over `data` and
+  seq over `context` (context parallelism: keys and values are all-gathered over `context`); the
+  MoE sees tokens over `("data", "context")` and runs its ring over `expert_axis=("data",
+  "context")`: the two axes act as one expert axis over the same devices.
+
+Any name can be overridden: `rules_for(mesh, heads=("tensor",))`; layouts other than the three
+above are not tested. Activations whose dimension does not divide by an axis' size drop that axis
+(e.g. batch 2 on 8 devices is replicated for attention; the MoE then reshards its flattened tokens
+over `tokens`); parameters must divide (`ModelConfig.check_mesh`).
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+LOGICAL = ("batch", "seq", "tokens", "experts", "expert_ffn", "embed", "heads", "kv_heads",
+           "head_dim", "ffn", "vocab", "router")
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """The mapping logical name -> tuple of mesh axes (empty: replicated), for one mesh."""
+    mesh: jax.sharding.Mesh
+    table: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def axes(self, name: str | None) -> tuple[str, ...]:
+        if name is None:
+            return ()
+        for k, v in self.table:
+            if k == name:
+                return v
+        raise ValueError(f"unknown logical axis {name!r}; known: {LOGICAL}")
+
+    def spec(self, *names: str | None) -> P:
+        """PartitionSpec of an array whose dims carry these logical names."""
+        return P(*(_entry(self.axes(n)) for n in names))
+
+    def sharding(self, *names: str | None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(*names))
+
+    def fit(self, shape, *names: str | None) -> P:
+        """Like `spec`, but each dim keeps only the leading axes whose sizes divide it."""
+        out = []
+        for n, d in zip(names, shape):
+            kept, size = [], 1
+            for a in self.axes(n):
+                if d % (size * self.mesh.shape[a]):
+                    break
+                kept.append(a)
+                size *= self.mesh.shape[a]
+            out.append(_entry(tuple(kept)))
+        return P(*out)
+
+    def size(self, name: str) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes(name))
+
+    # what `moe_ffn` needs
+    @property
+    def expert_axis(self) -> str | tuple[str, ...]:
+        ea = self.axes("experts")
+        return ea[0] if len(ea) == 1 else ea
+
+    @property
+    def expert_tensor_axis(self) -> str | None:
+        etp = self.axes("expert_ffn")
+        if len(etp) > 1:
+            raise ValueError(f"expert_ffn maps to {etp}: moe_ffn takes one expert_tensor_axis")
+        return etp[0] if etp else None
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return self.axes("tokens")
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None) -> AxisRules:
+    """The default rules for `mesh` (see the module docstring), with `overrides` by name."""
+    names = tuple(mesh.axis_names)
+    batch = tuple(a for a in names if a in ("data", "fsdp", "expert"))
+    seq = tuple(a for a in names if a == "context")
+    if "expert" in names:
+        experts = ("expert",)
+    else:   # parallel folding: the attention axes taken together as one expert axis
+        experts = tuple(a for a in names if a not in ("tensor", "expert_tensor"))
+    table = {n: () for n in LOGICAL}
+    table.update(batch=batch, seq=seq, tokens=batch + seq, experts=experts,
+                 expert_ffn=tuple(a for a in names if a == "expert_tensor"))
+    for k, v in overrides.items():
+        if k not in table:
+            raise ValueError(f"rules_for: unknown logical axis {k!r}; known: {LOGICAL}")
+        v = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+        bad = [a for a in v if a not in names]
+        if bad:
+            raise ValueError(f"rules_for({k}={v}): {bad} not axes of the mesh {names}")
+        table[k] = v
+    if any(a not in table["tokens"] for a in table["experts"]):
+        raise ValueError(f"tokens={table['tokens']} must include every expert axis "
+                         f"{table['experts']} (moe_ffn's token_axes rule)")
+    return AxisRules(mesh, tuple(table.items()))
+
+
+def is_explicit(mesh) -> bool:
+    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def constrain(x, mesh, spec: P):
+    """Put `x` on `spec`: `reshard` on an Explicit mesh, a sharding constraint on an Auto one."""
+    sharding = NamedSharding(mesh, spec)
+    if is_explicit(mesh):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+
+def _reshape(x, shape, mesh, spec: P):
+    """Reshape, telling an Explicit mesh the result's sharding (an Auto mesh infers it)."""
+    out = NamedSharding(mesh, spec) if is_explicit(mesh) else None
+    return jnp.reshape(x, shape, out_sharding=out)
+
+
+def _token_layout(rules: AxisRules, b: int, s: int):
+    """The axes batch and seq keep for a [b, s] activation, and how many shards each has."""
+    spec = rules.fit((b, s), "batch", "seq")
+    ba, sa = (() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec)
+    nb = math.prod(rules.mesh.shape[a] for a in ba)
+    ns = math.prod(rules.mesh.shape[a] for a in sa)
+    return ba, sa, nb, ns
+
+
+def to_tokens(x_bs, rules: AxisRules):
+    """[B, S, ...] -> [B*S, ...] sharded over the `tokens` axes, for the MoE.
+
+    The flattening order is device-major: with B split in `nb` shards and S in `ns`, the tokens of
+    shard (i, j) form the (i*ns + j)-th contiguous block, so flattening moves no data (a plain
+    row-major flatten would, whenever a device holds part of more than one sequence). The MoE is
+    per token, so the order does not matter; `from_tokens` inverts it. The tokens are then
+    resharded over `tokens` (a no-op when the kept batch and seq axes are the token axes).
+    """
+    b, s, *rest = x_bs.shape
+    ba, sa, nb, ns = _token_layout(rules, b, s)
+    mesh, more = rules.mesh, [None] * len(rest)
+    x = constrain(x_bs, mesh, P(_entry(ba), _entry(sa), *more))
+    if ns > 1:   # [nb, b/nb, ns, s/ns] -> [nb, ns, b/nb, s/ns]: shard-major
+        x = _reshape(x, (nb, b // nb, ns, s // ns, *rest), mesh,
+                     P(_entry(ba), None, _entry(sa), None, *more))
+        x = jnp.swapaxes(x, 1, 2)
+    x = _reshape(x, (b * s, *rest), mesh, P(_entry(ba + sa), *more))
+    return constrain(x, mesh, P(_entry(rules.token_axes), *more))
+
+
+def from_tokens(y_t, b: int, s: int, rules: AxisRules):
+    """The inverse of `to_tokens`: [B*S, ...] -> [B, S, ...] on its (batch, seq) sharding."""
+    _, *rest = y_t.shape
+    ba, sa, nb, ns = _token_layout(rules, b, s)
+    mesh, more = rules.mesh, [None] * len(rest)
+    y = constrain(y_t, mesh, P(_entry(ba + sa), *more))
+    if ns > 1:
+        y = _reshape(y, (nb, ns, b // nb, s // ns, *rest), mesh,
+                     P(_entry(ba), _entry(sa), None, None, *more))
+        y = jnp.swapaxes(y, 1, 2)
+    return _reshape(y, (b, s, *rest), mesh, P(_entry(ba), _entry(sa), *more))
