@@ -1,19 +1,13 @@
 """The benchmark script runs end to end (tiny shape) and its ring-traffic columns are consistent."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "moe_layer.py"
+from scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("moe_layer_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/moe_layer.py", "moe_layer_bench")
 
 
 def test_tiny_table_with_time(table, capsys):

@@ -6,27 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gmm_cases import BF16_RTOL, _assert_close, _rand
 from relaymoe_jax.kernels import gmm, tgmm
 from relaymoe_jax.kernels.gmm import reference as ref
 from relaymoe_jax.kernels.gmm import resolve_impl
 from relaymoe_jax.kernels.gmm.xla import work_items
-
-F32_RTOL = 1e-5  # relative to max |reference|
-BF16_RTOL = 2e-2
-
-
-def _rand(seed, shape, dtype=np.float32):
-    """Holds a standard-normal array of `shape` cast to `dtype`."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
-def _assert_close(got, want, rtol=F32_RTOL):
-    """Asserts |got - want| <= rtol * max|want| elementwise (and finiteness)."""
-    got = np.asarray(got, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=0, atol=rtol * max(np.abs(want).max(), 1.0))
-
 
 # (M, group_sizes, tile_m): tile_m 8 makes many tiles and tiles that span groups.
 GMM_CASES = {

@@ -19,11 +19,10 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from gmm_cases import BF16_RTOL, F32_RTOL, _assert_close, _rand
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import reference as ref
 
-F32_RTOL = 1e-5  # relative to max |reference|, as in test_gmm.py
-BF16_RTOL = 2e-2
 SMALL = dict(interpret=True, block_m=16, block_n=16, block_k=16)
 M, K, N = 40, 20, 24  # K and N not multiples of the 16-wide blocks
 
@@ -37,19 +36,6 @@ SHAPE_CASES = {
     "one_group_g1": (24, [24]),
     "empty_groups_g6": (24, [5, 0, 0, 11, 0, 8]),
 }
-
-
-def _rand(seed, shape, dtype=jnp.float32):
-    """Holds a standard-normal array of `shape` cast to `dtype`."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
-def _assert_close(got, want, rtol=F32_RTOL):
-    """Asserts |got - want| <= rtol * max|want| elementwise (and finiteness)."""
-    got = np.asarray(got, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=0, atol=rtol * max(np.abs(want).max(), 1.0))
 
 
 def _pad_start(sizes, m):

@@ -4,24 +4,18 @@ The kernels run in their interpreters (Pallas interpret=True, Mosaic GPU under
 force_gpu_interpret_mode) and the layer with gmm_impl="pallas-interpret", on a 1-device mesh.
 """
 
-import importlib.util
 import math
-import pathlib
 import re
 
 import pytest
 
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
-
-SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu.py"
+from scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/gpu.py", "gpu_bench")
 
 
 def _table(lines, first_col):
