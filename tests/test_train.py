@@ -1,0 +1,110 @@
+"""The trainer (`python -m train`), run in-process through `train.cli.main` on the tiny config.
+
+Steps are numbered from 1 in metrics.jsonl. Resume is checked bitwise on CPU: a 6-step run
+continued to 9 steps logs exactly the losses of an uninterrupted 9-step run.
+"""
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from train import cli
+from train.data import DEFAULT_TEXT, SyntheticData, TextData
+
+SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_resume_matches_uninterrupted(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main([*SMALL, "--steps", "6", "--out", str(a), "--save-every", "4"]) == 0
+    first = _metrics(a)
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    for r in first:
+        for k in ("loss", "lm_loss", "aux_loss", "z_loss", "tokens_per_s", "step_time"):
+            assert math.isfinite(r[k]), (k, r)
+    assert first[-1]["loss"] < first[0]["loss"]
+    assert sorted(p.name for p in (a / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "6"]
+
+    assert cli.main([*SMALL, "--steps", "9", "--out", str(a), "--save-every", "4"]) == 0
+    resumed = _metrics(a)
+    assert [r["step"] for r in resumed] == list(range(1, 10))
+    assert resumed[:6] == first
+
+    assert cli.main([*SMALL, "--steps", "9", "--out", str(b), "--save-every", "4"]) == 0
+    straight = _metrics(b)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]      # bitwise on CPU
+
+    # a rerun at the same step count does nothing and keeps the log
+    assert cli.main([*SMALL, "--steps", "9", "--out", str(a)]) == 0
+    assert _metrics(a) == resumed
+
+
+def test_metrics_past_checkpoint_are_dropped_on_resume(tmp_path):
+    out = tmp_path / "run"
+    assert cli.main([*SMALL, "--steps", "2", "--out", str(out), "--synthetic"]) == 0
+    log = out / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    fake = json.dumps({**json.loads(lines[-1]), "step": 3, "loss": -1.0})
+    log.write_text("\n".join([*lines, fake, '{"step": 4, "lo']) + "\n")    # crash after save
+    assert cli.main([*SMALL, "--steps", "3", "--out", str(out), "--synthetic"]) == 0
+    recs = _metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert recs[2]["loss"] > 0
+
+
+def test_expert_bias_is_checkpointed(tmp_path):
+    opts = [*SMALL, "--synthetic", "expert_bias=true", "expert_bias_rate=0.01"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main([*opts, "--steps", "2", "--out", str(a)]) == 0
+    assert cli.main([*opts, "--steps", "4", "--out", str(a)]) == 0
+    assert cli.main([*opts, "--steps", "4", "--out", str(b)]) == 0
+    assert [r["loss"] for r in _metrics(a)] == [r["loss"] for r in _metrics(b)]
+
+
+def test_nonfinite_loss_stops_and_keeps_checkpoint(tmp_path):
+    out = tmp_path / "nan"
+    with pytest.raises(cli.NonFiniteLossError, match="last good checkpoint is step") as e:
+        cli.main([*SMALL, "--steps", "6", "--out", str(out), "--save-every", "1",
+                  "--synthetic", "lr=1e30", "warmup_steps=0", "clip_norm=1e30"])
+    bad = int(re.search(r"at step (\d+)", str(e.value))[1])
+    assert 2 <= bad <= 6
+    assert f"checkpoint is step {bad - 1} " in str(e.value)
+    kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-1] == bad - 1
+    assert [r["step"] for r in _metrics(out)] == list(range(1, bad))
+
+
+def test_text_data_is_deterministic_and_cycles():
+    d = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=3, vocab_size=256)
+    again = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=3, vocab_size=256)
+    steps_per_epoch = d.num_seqs // 8
+    for s in (0, 5, steps_per_epoch + 2):
+        np.testing.assert_array_equal(d.batch(s), again.batch(s))
+        assert d.batch(s).shape == (8, 32) and d.batch(s).dtype == np.int32
+    epoch0 = np.concatenate([d.batch(s) for s in range(steps_per_epoch)])
+    assert len({r.tobytes() for r in epoch0}) == len(epoch0)      # no repeats within an epoch
+    other = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=4, vocab_size=256)
+    assert not np.array_equal(d.batch(0), other.batch(0))
+    syn = SyntheticData(16, 4, 0, 256)
+    np.testing.assert_array_equal(syn.batch(7), SyntheticData(16, 4, 0, 256).batch(7))
+
+
+@pytest.mark.parametrize("extra, err, match", [
+    (["--data", "/nonexistent/x.txt"], FileNotFoundError, "data file not found"),
+    (["seq_len=100000"], ValueError, "max_position_embeddings"),
+    (["seq_len=9000", "max_position_embeddings=16384"], ValueError, "cannot fill"),
+    (["num_experts=6"], ValueError, "num_experts"),
+    (["lr=fast"], ValueError, "lr"),
+])
+def test_bad_input_fails_before_compiling(tmp_path, extra, err, match):
+    argv = ["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path / "x"), *extra]
+    if not any(a.startswith("seq_len=") for a in extra):
+        argv.append("seq_len=32")
+    with pytest.raises(err, match=match):
+        cli.main(argv)
