@@ -242,6 +242,19 @@ def test_model_expert_bias_update():
     assert np.all(np.asarray(aux["expert_load"])[:, 3] == B * S)
 
 
+def test_expert_bias_update_inside_jit_equals_eager():
+    """A trainer can fold the bias update into its jitted step; the placement is kept."""
+    cfg = tiny(expert_bias=True, expert_bias_rate=0.25, dispatcher="reference")
+    eager, jitted = (QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0)) for _ in range(2))
+    load = jnp.asarray(np.random.default_rng(3).integers(0, 9, (2, 8)), jnp.int32)
+    eager.update_expert_bias(load)
+    nnx.jit(lambda m, x: m.update_expert_bias(x))(jitted, load)
+    for i in eager.moe_layers:
+        a, b = eager.layers[i].mlp.expert_bias[...], jitted.layers[i].mlp.expert_bias[...]
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
+
+
 # ---------------------------------------------------------------------------------------------
 # structure
 

@@ -297,5 +297,7 @@ class QwenMoe(nnx.Module):
             mlp = self.layers[i].mlp
             old = mlp.expert_bias.get_value()
             new = rt.expert_bias_update(old, jnp.asarray(expert_load_le)[n], rate)
-            mlp.expert_bias.set_value(jax.device_put(new, old.sharding))
+            if not isinstance(old, jax.core.Tracer):   # eager: keep the placement (jit keeps it)
+                new = jax.device_put(new, old.sharding)
+            mlp.expert_bias.set_value(new)
 
