@@ -108,3 +108,14 @@ def test_bad_input_fails_before_compiling(tmp_path, extra, err, match):
         argv.append("seq_len=32")
     with pytest.raises(err, match=match):
         cli.main(argv)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("hidden_size: 64\nhiden_layers: 2\n", r"bad\.yaml:2.*hiden_layers"),
+    ("hidden_size: [64\n", r"bad\.yaml"),
+])
+def test_bad_config_file_fails_before_compiling(tmp_path, text, match):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        cli.main(["--config", str(bad), "--steps", "1", "--out", str(tmp_path / "x")])

@@ -2,7 +2,8 @@
 
 `key=value` items set trainer fields (`train.loop.TrainConfig`: batch_size, seq_len, lr, ...) or,
 for any other key, `ModelConfig` fields of the YAML config (dispatcher, routing, num_experts...);
-the trainer fields also have `--flag` forms. The mesh is ("expert",) over all devices.
+the trainer fields also have `--flag` forms. The mesh comes from `mesh=` (`train.mesh`; default
+"expert=-1": EP over all devices), e.g. `mesh=data=2,expert=4`.
 
 Steps are numbered from 1: the metrics line with `"step": s` is the s-th optimizer update, and the
 checkpoint of step s holds the state after it. A rerun with the same `--out` resumes from the
@@ -23,7 +24,8 @@ from jax.sharding import NamedSharding
 from relaymoe_jax.models.configs import load_config, parse_overrides
 from train import checkpoint as ckpt
 from train import data as data_mod
-from train import loop
+from train import distributed, loop, plot, progress, report
+from train import mesh as train_mesh
 
 
 class NonFiniteLossError(RuntimeError):
@@ -37,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="run directory (metrics, checkpoints)")
     p.add_argument("--data", action="append", default=None,
                    help="text file(s) to train on (default: the shipped train/data/*.txt)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a local Hugging Face tokenizer.json (default: byte-level)")
     p.add_argument("--quiet", action="store_true", help="no per-step line")
+    p.add_argument("--memory-table", action="store_true",
+                   help="at the end, print the train step's per-device memory with ring and "
+                        "all-to-all (the ones not trained are compiled, not run)")
+    distributed.add_arguments(p)
     for f in dataclasses.fields(loop.TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
@@ -68,8 +76,12 @@ def parse(argv):
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if tc.batch_size < 1 or tc.seq_len < 2 or tc.save_every < 1:
         raise ValueError("batch_size >= 1, seq_len >= 2 and save_every >= 1 are required")
-    n_dev = jax.device_count()
-    cfg = load_config(args.config, expert_size=n_dev, **over)
+    sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
+    if tc.compute_dtype not in loop.COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={tc.compute_dtype!r}: expected one of "
+                         f"{loop.COMPUTE_DTYPES}")
+    cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), **over)
+    train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
     if tc.seq_len > cfg.max_position_embeddings:
         raise ValueError(f"seq_len={tc.seq_len} exceeds max_position_embeddings="
                          f"{cfg.max_position_embeddings} of {args.config}")
@@ -77,20 +89,26 @@ def parse(argv):
 
 
 def _log(msg: str) -> None:
-    print(msg, flush=True)
+    if distributed.is_main():
+        print(msg, flush=True)
 
 
 def main(argv=None) -> int:
-    args, tc, cfg = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    distributed.initialize(build_parser().parse_intermixed_args(argv))    # before any jax call
+    args, tc, cfg = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = data_mod.make_data(args.data, synthetic=tc.synthetic, seq_len=tc.seq_len,
-                              batch_size=tc.batch_size, seed=tc.seed, vocab_size=cfg.vocab_size)
-    mesh = jax.make_mesh((jax.device_count(),), ("expert",))
+                              batch_size=tc.batch_size, seed=tc.seed, vocab_size=cfg.vocab_size,
+                              tokenizer=args.tokenizer)
+    mesh = train_mesh.make_mesh(tc.mesh)
     graphdef, state, tx, rules = loop.init_state(cfg, tc, mesh)
 
     mngr = ckpt.manager(out)
     metrics_path = out / "metrics.jsonl"
+    shape = (tc.batch_size, tc.seq_len)
+    ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
     try:
         start = 0
         restored = ckpt.restore(mngr, state)
@@ -100,57 +118,79 @@ def main(argv=None) -> int:
                 _log(f"warning: trainer settings differ from the checkpoint's "
                      f"({meta.get('train_config')})")
             _log(f"resumed from {mngr.directory} step {start}")
-        ckpt.truncate_metrics(metrics_path, start)
+        if distributed.is_main():
+            ckpt.truncate_metrics(metrics_path, start)
+        compiled = None
         if start >= args.steps:
             _log(f"already at step {start} >= --steps {args.steps}; nothing to do")
-            return 0
-
-        shape = (tc.batch_size, tc.seq_len)
-        ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-        t0 = time.perf_counter()
-        compiled = loop.compile_step(loop.make_step(graphdef, tx, cfg), state, ids_sharding,
-                                     shape, key=loop.step_key(cfg, tc, shape, mesh))
-        _log(f"train step ready in {time.perf_counter() - t0:.1f} s on "
-             f"{jax.device_count()} {jax.default_backend()} devices "
-             f"(dispatcher={cfg.dispatcher})")
-        _log(loop.memory_summary(compiled))
-        meta = {"train_config": dataclasses.asdict(tc), "config": args.config,
-                "seed": tc.seed}
-        with metrics_path.open("a") as mf:
-            for s in range(start + 1, args.steps + 1):
-                ids = loop.put_batch(data.batch(s - 1), ids_sharding)
-                t = time.perf_counter()
-                state, m = compiled(state, ids)
-                if cfg.expert_bias:
-                    state = loop.update_expert_bias(graphdef, state, m["expert_load"])
-                m = jax.device_get(m)
-                m.pop("expert_load")
-                dt = time.perf_counter() - t
-                rec = {"step": s, **{k: float(v) if k != "dropped_pairs" else int(v)
-                                     for k, v in m.items()},
-                       "tokens_per_s": tc.batch_size * tc.seq_len / dt, "step_time": dt}
-                if not math.isfinite(rec["loss"]):
-                    mngr.wait_until_finished()
-                    last = mngr.latest_step()
-                    raise NonFiniteLossError(
-                        f"loss is {rec['loss']} at step {s} (lm_loss={rec['lm_loss']}, "
-                        f"aux_loss={rec['aux_loss']}); stopping. The last good checkpoint is "
-                        f"step {last} in {mngr.directory}")
-                mf.write(json.dumps(rec) + "\n")
-                mf.flush()
-                if not args.quiet:
-                    _log(f"step {s:6d}/{args.steps} loss {rec['loss']:.4f} "
-                         f"lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} "
-                         f"z {rec['z_loss']:.4f} gnorm {rec['grad_norm']:.3f} "
-                         f"{rec['tokens_per_s']:,.0f} tok/s {dt * 1e3:.1f} ms")
-                if s % tc.save_every == 0 or s == args.steps:
-                    ckpt.save(mngr, s, state, {**meta, "data_position": s * tc.batch_size})
-        _log(f"done: step {args.steps}; metrics in {metrics_path}; checkpoints in "
-             f"{mngr.directory} (latest {mngr.latest_step()})")
+        else:
+            t0 = time.perf_counter()
+            compiled = loop.compile_step(loop.make_step(graphdef, tx, cfg, tc.compute_dtype),
+                                         state, ids_sharding, shape,
+                                         key=loop.step_key(cfg, tc, shape, mesh))
+            _log(f"train step ready in {time.perf_counter() - t0:.1f} s on "
+                 f"{jax.device_count()} {jax.default_backend()} devices "
+                 f"(dispatcher={cfg.dispatcher}, mesh {dict(mesh.shape)})")
+            _log(loop.memory_summary(compiled))
+            meta = {"train_config": dataclasses.asdict(tc), "config": args.config,
+                    "seed": tc.seed}
+            state = _train(args, tc, cfg, graphdef, state, compiled, data, ids_sharding, mngr,
+                           metrics_path, start, meta)
+            _log(f"done: step {args.steps}; metrics in {metrics_path}; checkpoints in "
+                 f"{mngr.directory} (latest {mngr.latest_step()})")
+        _finish(args, tc, cfg, mesh, state, ids_sharding, shape, compiled, metrics_path)
         return 0
     finally:
         mngr.wait_until_finished()
         mngr.close()
+
+
+def _train(args, tc, cfg, graphdef, state, compiled, data, ids_sharding, mngr, metrics_path,
+           start, meta):
+    """Steps start+1 .. args.steps: run, log (metrics.jsonl and the progress line), stop on a
+    non-finite loss, checkpoint every save_every and at the last step. Returns the state."""
+    bar = progress.Progress(start, args.steps)
+    with distributed.open_on_main(metrics_path, "a") as mf:
+        for s in range(start + 1, args.steps + 1):
+            ids = loop.put_batch(data.batch(s - 1), ids_sharding)
+            t = time.perf_counter()
+            state, m = compiled(state, ids)
+            if cfg.expert_bias:
+                state = loop.update_expert_bias(graphdef, state, m["expert_load"])
+            m = jax.device_get(m)
+            m.pop("expert_load")
+            dt = time.perf_counter() - t
+            rec = {"step": s, **{k: float(v) if k != "dropped_pairs" else int(v)
+                                 for k, v in m.items()},
+                   "tokens_per_s": tc.batch_size * tc.seq_len / dt, "step_time": dt}
+            if not math.isfinite(rec["loss"]):
+                mngr.wait_until_finished()
+                raise NonFiniteLossError(
+                    f"loss is {rec['loss']} at step {s} (lm_loss={rec['lm_loss']}, "
+                    f"aux_loss={rec['aux_loss']}); stopping. The last good checkpoint is "
+                    f"step {mngr.latest_step()} in {mngr.directory}")
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+            if not args.quiet:
+                _log(bar.line(rec))
+            if s % tc.save_every == 0 or s == args.steps:
+                ckpt.save(mngr, s, state, {**meta, "data_position": s * tc.batch_size})
+    return state
+
+
+def _finish(args, tc, cfg, mesh, state, ids_sharding, shape, compiled, metrics_path):
+    """The loss-curve PNG (process 0) and, with --memory-table, the train step's memory per
+    dispatcher."""
+    if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
+        png = plot.plot_losses({cfg.dispatcher: metrics_path}, args.out / "loss.png",
+                               title=f"{args.config}: training loss")
+        _log(f"loss curve: {png}")
+    if args.memory_table:
+        rows = report.memory_rows(cfg, tc, mesh, state, ids_sharding, shape, compiled, log=_log)
+        _log(f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
+             f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}, "
+             f"{tc.compute_dtype}; XLA memory_analysis of the compiled step):\n"
+             + report.memory_table(rows))
 
 
 def entry() -> None:

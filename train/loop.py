@@ -40,6 +40,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     synthetic: bool = False
+    mesh: str = "expert=-1"            # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
+    compute_dtype: str = "float32"     # "bfloat16": bf16 compute, float32 master weights
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -63,28 +65,103 @@ def _replicated_if_needed(x, mesh):
     return jax.device_put(x, NamedSharding(mesh, P()))
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def _spec_entries(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fsdp_sharding(x, mesh) -> NamedSharding:
+    """Where a parameter (or its optimizer moments) is stored on a mesh with an `fsdp` axis: its
+    model sharding plus `fsdp` on the largest dimension that is not sharded yet and divides by
+    the axis; unchanged if none does (e.g. norms of odd size) or the mesh has no `fsdp`."""
+    spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
+    n = mesh.shape.get("fsdp", 1)
+    free = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % n == 0]
+    if n == 1 or not free or any("fsdp" in _spec_entries(e) for e in spec):
+        return x.sharding
+    d = max(free, key=lambda i: (x.shape[i], -i))
+    spec[d] = "fsdp"
+    return NamedSharding(mesh, P(*spec))
+
+
+def gather_fsdp(x):
+    """Inside the step: the parameter back on its model sharding (`fsdp` removed), an
+    all-gather whose transpose reduce-scatters the gradient back to the stored sharding."""
+    sharding = jax.typeof(x).sharding
+    spec = [tuple(a for a in _spec_entries(e) if a != "fsdp") for e in sharding.spec]
+    if all(len(a) == len(_spec_entries(e)) for a, e in zip(spec, sharding.spec)):
+        return x
+    spec = [None if not a else a[0] if len(a) == 1 else a for a in spec]
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
+
+
+def _opt_shardings(tx, params, mesh):
+    """Shardings for `tx.init(params)`: every subtree shaped like `params` (Adam's moments) takes
+    the parameters' shardings, the rest (counts) is replicated. (Left to itself, `jit(tx.init)`
+    returns the moments replicated: a full copy of every expert's moments on every device.)"""
+    pdef = jax.tree.structure(params)
+    like_params = lambda t: jax.tree.structure(t) == pdef
+    own = jax.tree.map(lambda p: p.sharding, params)
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(lambda t: own if like_params(t) else rep, jax.eval_shape(tx.init, params),
+                        is_leaf=like_params)
+
+
 def init_state(cfg, tc: TrainConfig, mesh):
-    """(graphdef, state, tx) for a freshly initialised model (seeded by `tc.seed`)."""
+    """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`); with
+    an `fsdp` mesh axis the parameters (hence the optimizer moments) are stored per
+    `fsdp_sharding`."""
     model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(tc.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if "fsdp" in mesh.axis_names:
+        params = jax.tree.map(lambda p: jax.device_put(p, fsdp_sharding(p, mesh)), params)
     tx = make_optimizer(tc)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init, out_shardings=_opt_shardings(tx, params, mesh))(params)
     rng = jax.random.key_data(jax.random.key(tc.seed))
     state = {"params": params, "opt_state": opt_state, "rest": rest, "rng": rng}
     state = jax.tree.map(lambda x: _replicated_if_needed(x, mesh), state)
     return graphdef, state, tx, model.rules
 
 
-def make_step(graphdef, tx, cfg):
+def next_token_targets(ids_bs):
+    """(targets, weights) on ids' sharding: targets[b, s] = ids[b, s+1], weight 1 except 0 at the
+    last position. Built on ids gathered over the sequence, as a sequence dimension sharded over
+    `context` cannot be sliced by one position."""
+    sharding = jax.typeof(ids_bs).sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    whole = jax.sharding.reshard(ids_bs, NamedSharding(sharding.mesh, P(spec[0], None)))
+    targets = jax.sharding.reshard(jnp.roll(whole, -1, axis=1), sharding)
+    s = ids_bs.shape[1]
+    weights = jax.sharding.reshard(
+        jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape).astype(jnp.float32), sharding)
+    return targets, weights
+
+
+def make_step(graphdef, tx, cfg, compute_dtype: str = "float32"):
     """step(state, ids) -> (state, metrics): one AdamW update on next-token cross-entropy plus
-    the router losses. The expert bias is not touched here: `update_expert_bias` (eager, as
+    the router losses. The parameters are gathered from their `fsdp` storage (if any) and, with
+    `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
+    weights, the optimizer and the update stay float32; the router and the losses compute in
+    float32 anyway). The expert bias is not touched here: `update_expert_bias` (eager, as
     `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics["expert_load"]`."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+    dtype = jnp.dtype(compute_dtype)
+
+    def cast(x):
+        x = gather_fsdp(x)
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     def loss_fn(params, rest, ids):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, jax.tree.map(cast, params), rest)
+        model.dtype = dtype
         logits, aux = model(ids)
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        lm = -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        targets, weights = next_token_targets(ids)
+        nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+        lm = jnp.sum(nll * weights) / (ids.shape[0] * (ids.shape[1] - 1))
         return lm + aux["router_loss"], (lm, aux)
 
     def step(state, ids):
@@ -151,4 +228,8 @@ def memory_summary(compiled) -> str:
 
 
 def put_batch(batch: np.ndarray, sharding):
-    return jax.device_put(jnp.asarray(batch, jnp.int32), sharding)
+    """The full (global) int32 batch as one array on `sharding`. Each process fills only its own
+    devices' shards, from its copy of the batch (every process computes the same batch from
+    (seed, step)), so this also works when the mesh spans several processes."""
+    batch = np.asarray(batch, np.int32)
+    return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])

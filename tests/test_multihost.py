@@ -1,0 +1,104 @@
+"""`python -m train` on JAX's own multi-process runtime: two processes with 4 CPU devices each,
+joined by `jax.distributed` over localhost (gloo collectives), train the same 5 steps as one
+process with 8 devices, with the same losses (up to float32 reduction order: relative 1e-6).
+Only process 0 writes metrics.jsonl and prints; both take part in the orbax checkpoint.
+
+The three processes run at the same time, each as a subprocess with its own device count.
+Inconsistent distributed flags are checked in-process: a ValueError before jax is touched.
+"""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from train import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--config", "configs/tiny.yaml", "--steps", "5", "seq_len=32", "batch_size=8", "--quiet"]
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(name: str, logs: Path, devices: int, argv: list[str]):
+    """`python -m train ARGS argv` on `devices` CPU devices, output to logs/name.{out,err}."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    out, err = (open(logs / f"{name}.{k}", "w") for k in ("out", "err"))
+    with out, err:
+        proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, *argv], cwd=ROOT,
+                                env=env, stdout=out, stderr=err)
+    proc.name = name
+    return proc
+
+
+def _wait_all(procs, logs: Path, timeout: float) -> None:
+    """Wait for every process; kill them all as soon as one fails or the time is up, and fail
+    with each one's exit status and the end of its stderr."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            break
+        time.sleep(0.2)
+    if any(p.returncode != 0 for p in procs):
+        report = "\n".join(f"--- {p.name}: rc={p.returncode}\n"
+                           f"{(logs / f'{p.name}.err').read_text()[-3000:]}" for p in procs)
+        raise AssertionError(f"a trainer process failed or timed out ({timeout} s):\n{report}")
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+def test_two_processes_match_one(tmp_path):
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
+    procs = [_start(f"p{i}", tmp_path, 4, ["--out", str(multi), *dist, "--process-id", str(i)])
+             for i in range(2)]
+    procs.append(_start("single", tmp_path, 8, ["--out", str(single)]))
+    _wait_all(procs, tmp_path, TIMEOUT_S)
+
+    assert sorted(p.name for p in multi.rglob("metrics*")) == ["metrics.jsonl"]
+    got, want = _losses(multi), _losses(single)
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5]
+    for (s, a), (_, b) in zip(got, want):
+        assert math.isclose(a, b, rel_tol=1e-6), (s, a, b)
+    for out in (multi, single):
+        assert (out / "checkpoints" / "5").is_dir(), sorted((out / "checkpoints").iterdir())
+    assert "done: step 5" in (tmp_path / "p0.out").read_text()
+    assert "done:" not in (tmp_path / "p1.out").read_text()          # only process 0 prints
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--num-processes", "2"], "also needs --coordinator-address, --process-id"),
+    (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+     r"--process-id must be in 0\.\.1"),
+    (["--coordinator-address", "h:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["--coordinator-address", "h", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+    (["--distributed", "--process-id", "0"], "do not combine it with --process-id"),
+    (["--distributed-timeout", "5"], "needs --distributed"),
+    (["--distributed", "--distributed-timeout", "0"], "must be >= 1"),
+])
+def test_inconsistent_distributed_flags_fail_before_jax(tmp_path, flags, match):
+    with pytest.raises(ValueError, match=match):
+        cli.main([*ARGS, "--out", str(tmp_path / "x"), *flags])
+    assert not jax.distributed.is_initialized()

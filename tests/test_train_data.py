@@ -1,0 +1,173 @@
+"""Trainer data (`train.data`) with a local HF tokenizer.json and the byte-level default, and the
+loss-curve plot (`train.plot`). The byte-level determinism/cycling test is in test_train.py."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from train import plot
+from train.data import TextData, byte_tokenize, make_data
+
+TEXTS = ["the cat sat on the mat\nthe dog sat on the log\n",
+         "a cat and a dog\nthe mat and the log and the cat\n"]
+
+
+def _tokenizer_json(path, specials, *, bos_template=False):
+    """A WordLevel tokenizer.json trained on TEXTS with `specials` first in its vocabulary;
+    with `bos_template` its post-processor prepends "<s>" (which packing must not add)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=specials))
+    if bos_template:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(path))
+    return tok
+
+
+@pytest.fixture
+def files(tmp_path):
+    out = []
+    for i, t in enumerate(TEXTS):
+        out.append(tmp_path / f"f{i}.txt")
+        out[-1].write_text(t)
+    return out
+
+
+def _sorted_rows(rows):
+    """The rows of a 2-D array as sorted bytes, to compare as multisets."""
+    return sorted(r.tobytes() for r in rows)
+
+
+@pytest.mark.parametrize("specials, eos", [
+    (["[UNK]", "<s>", "<|endoftext|>"], "<|endoftext|>"),
+    (["[UNK]", "<s>", "</s>"], "</s>"),
+    (["[UNK]", "<s>"], None),
+])
+def test_hf_tokenizer_packs_independent_tokenization(tmp_path, files, specials, eos):
+    tok = _tokenizer_json(tmp_path / "tokenizer.json", specials, bos_template=True)
+    sep = [] if eos is None else [tok.token_to_id(eos)]
+    ids = [i for t in TEXTS for i in tok.encode(t, add_special_tokens=False).ids + sep]
+    seq_len = 4
+    n = len(ids) // seq_len
+    want = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
+    d = make_data([str(f) for f in files], synthetic=False, seq_len=seq_len, batch_size=1,
+                  seed=1, vocab_size=tok.get_vocab_size() + 3,
+                  tokenizer=tmp_path / "tokenizer.json")
+    np.testing.assert_array_equal(d.seqs, want)
+    assert d.seqs.dtype == np.int32 and d.num_seqs == n
+    assert tok.token_to_id("<s>") not in ids                   # no post-processor tokens
+    epoch = np.concatenate([d.batch(s) for s in range(n)])
+    assert _sorted_rows(epoch) == _sorted_rows(want)           # an epoch is a permutation
+    b = d.batch(n + 3)
+    assert b.shape == (1, seq_len) and b.dtype == np.int32
+    again = make_data(files, synthetic=False, seq_len=seq_len, batch_size=1, seed=1,
+                      vocab_size=64, tokenizer=str(tmp_path / "tokenizer.json"))
+    np.testing.assert_array_equal(again.batch(n + 3), b)    # order fixed by (seed, step)
+
+
+def test_hf_tokenizer_errors(tmp_path, files):
+    tok = _tokenizer_json(tmp_path / "tok.json", ["[UNK]", "</s>"])
+    n = tok.get_vocab_size(with_added_tokens=True)
+    kw = dict(seq_len=4, batch_size=2, seed=0)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer file not found: .*missing\.json"):
+        TextData(files, vocab_size=64, tokenizer=tmp_path / "missing.json", **kw)
+    for i, junk in enumerate(["not json", "{}", '{"model": 3}']):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(junk)
+        with pytest.raises(ValueError, match=rf"not a valid tokenizer\.json: .*bad{i}\.json"):
+            TextData(files, vocab_size=64, tokenizer=bad, **kw)
+    with pytest.raises(ValueError, match=rf"has {n} tokens, .*vocab_size={n - 1}"):
+        TextData(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
+    TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)      # exactly fits
+    with pytest.raises(ValueError, match="cannot fill one sequence"):
+        TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", seq_len=10_000,
+                 batch_size=1, seed=0)
+
+
+def test_byte_tokenizer_packs_files_joined_by_newline(files):
+    d = TextData(files, seq_len=8, batch_size=2, seed=0, vocab_size=256)
+    raw = "".join(t + "\n" for t in TEXTS).encode()
+    n = len(raw) // 8
+    want = np.frombuffer(raw[: n * 8], dtype=np.uint8).astype(np.int32).reshape(n, 8)
+    np.testing.assert_array_equal(d.seqs, want)
+    np.testing.assert_array_equal(byte_tokenize("é"), [0xC3, 0xA9])
+    with pytest.raises(ValueError, match="vocab_size >= 256, got 255"):
+        TextData(files, seq_len=8, batch_size=2, seed=0, vocab_size=255)
+
+
+def test_default_data_does_not_import_tokenizers():
+    code = ("import sys; from train.data import make_data; "
+            "d = make_data(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
+            "vocab_size=256); d.batch(0); assert 'tokenizers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- train.plot ----
+
+RUN_A = [{"step": s, "loss": 5.0 / s, "lm_loss": 4.0 / s} for s in range(1, 6)]
+RUN_B = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 9)]
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Run "a" as a run directory (with a torn last line and a record without "loss"), run "b"
+    as a bare .jsonl file."""
+    (tmp_path / "a").mkdir()
+    lines = [json.dumps(r) for r in RUN_A] + [json.dumps({"step": 6}), '{"step": 7, "lo']
+    (tmp_path / "a" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RUN_B))
+    return {"a": tmp_path / "a", "b": tmp_path / "b.jsonl"}
+
+
+def _want(recs, key):
+    return ([r["step"] for r in recs if key in r], [r[key] for r in recs if key in r])
+
+
+def test_curves_equal_records(runs):
+    got = plot.curves(runs)
+    assert list(got) == ["a", "b"]
+    for label, recs in (("a", RUN_A), ("b", RUN_B)):
+        np.testing.assert_array_equal(got[label][0], _want(recs, "loss")[0])
+        np.testing.assert_array_equal(got[label][1], _want(recs, "loss")[1])
+    lm = plot.curves({"a": runs["a"], "list": RUN_A[::-1]}, key="lm_loss")
+    for label in lm:                                  # lists taken as is, sorted by step
+        np.testing.assert_array_equal(np.stack(lm[label]), np.array(_want(RUN_A, "lm_loss")))
+
+
+def test_plot_losses_writes_png_of_the_curves(runs, tmp_path):
+    fig = plot.make_figure(runs, key="loss", title="t")
+    lines = fig.axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["a", "b"]
+    for ln, recs in zip(lines, (RUN_A, RUN_B)):
+        np.testing.assert_array_equal(ln.get_xydata().T, np.array(_want(recs, "loss")))
+    out = plot.plot_losses(runs, tmp_path / "sub" / "loss.png", title="t")
+    assert out == tmp_path / "sub" / "loss.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_errors(runs, tmp_path):
+    with pytest.raises(ValueError, match=r"run 'b' .* no records with 'step' and 'lm_loss'"):
+        plot.curves(runs, key="lm_loss")
+    with pytest.raises(ValueError, match="run 'empty'"):
+        plot.plot_losses({"empty": []}, tmp_path / "x.png")
+    with pytest.raises(FileNotFoundError, match=r"metrics file not found: .*nope"):
+        plot.curves({"x": tmp_path / "nope"})
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_cli(runs, tmp_path, capsys):
+    out = tmp_path / "cli.png"
+    assert plot.main([str(out), str(runs["a"]), f"B={runs['b']}", "--title", "x"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.parse_run(str(runs["a"])) == ("a", runs["a"])
+    assert plot.parse_run(str(runs["a"] / "metrics.jsonl"))[0] == "a"
+    assert plot.parse_run(str(runs["b"]))[0] == "b"
+    assert plot.main([str(out), str(runs["a"]), str(runs["a"])]) == 1
+    assert "two runs are labelled 'a'" in capsys.readouterr().err
+    assert plot.main([str(out), str(runs["b"]), "--key", "lm_loss"]) == 1
+    assert "no records" in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""The trainer's mesh option (`train.mesh`), FSDP storage and bf16 compute.
+
+References: the loss of step 1 against float64 numpy cross-entropy of the initial model's logits,
+and every other mesh against the EP=8 mesh (the model itself is checked against Hugging Face in
+test_hf_import.py).
+"""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from relaymoe_jax.models.configs import load_config
+from train import cli, loop
+from train import mesh as tm
+from train.data import DEFAULT_TEXT, TextData
+
+ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", "--steps", "3"]
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "_".join(e.replace("=", "").replace(",", "-") for e in extra)
+    assert cli.main([*ARGS, "--out", str(out), *extra]) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _numpy_first_loss(mesh_spec):
+    """lm_loss of step 1, from the initial model's logits in float64 numpy."""
+    tc = loop.TrainConfig(batch_size=8, seq_len=32, mesh=mesh_spec)
+    cfg = load_config("configs/tiny.yaml")
+    mesh = tm.make_mesh(tc.mesh)
+    graphdef, state, _, _ = loop.init_state(cfg, tc, mesh)
+    ids = TextData([DEFAULT_TEXT], 32, 8, 0, cfg.vocab_size).batch(0)
+    model = nnx.merge(graphdef, jax.tree.map(loop.gather_fsdp, state["params"]), state["rest"])
+    logits = np.asarray(model(jax.numpy.asarray(ids))[0], np.float64)
+    logits = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+
+
+@pytest.fixture(scope="module")
+def ep8(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ep8"), "mesh=expert=8")
+
+
+def test_first_loss_matches_numpy(ep8):
+    np.testing.assert_allclose(ep8[0]["lm_loss"], _numpy_first_loss("expert=8"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["data=2,context=4", "fsdp=2,expert=4",
+                                  "expert=4,expert_tensor=2"])
+def test_meshes_match_ep8(tmp_path, ep8, spec):
+    recs = _run(tmp_path, f"mesh={spec}")
+    for a, b in zip(recs, ep8, strict=True):
+        for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-6,
+                                       err_msg=f"{spec} step {a['step']} {k}")
+
+
+def test_fsdp_stores_params_and_moments_sharded():
+    tc = loop.TrainConfig(mesh="fsdp=2,expert=4")
+    mesh = tm.make_mesh(tc.mesh)
+    _, state, _, _ = loop.init_state(load_config("configs/tiny.yaml"), tc, mesh)
+    params = jax.tree.leaves(state["params"])
+    mu = jax.tree.leaves(state["opt_state"][1][0].mu)
+    big = [p for p in params if p.ndim >= 2]
+    assert big and all("fsdp" in str(p.sharding.spec) for p in big)
+    assert [str(m.sharding.spec) for m in mu] == [str(p.sharding.spec) for p in params]
+    # each device stores half of an fsdp-sharded matrix that has no other sharding
+    emb = state["params"]["embed_tokens"]
+    assert emb.addressable_shards[0].data.size * 2 == emb.size
+
+
+def test_bf16_compute_keeps_f32_master_weights(tmp_path, ep8):
+    recs = _run(tmp_path, "compute_dtype=bfloat16")
+    for a, b in zip(recs, ep8, strict=True):
+        np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-2)
+    assert recs[0]["lm_loss"] != ep8[0]["lm_loss"]          # it really computed in bf16
+    tc = loop.TrainConfig(compute_dtype="bfloat16")
+    _, state, _, _ = loop.init_state(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
+    assert {p.dtype for p in jax.tree.leaves(state["params"])} == {np.dtype("float32")}
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("expert=4", "has 4 devices but 8"),
+    ("expert=3,data=-1", "do not divide by 3"),
+    ("data=-1,expert=-1", "at most one axis may be -1"),
+    ("tensor=8", "axis=size with axis one of"),
+    ("expert=two", "must be an integer"),
+    ("expert=8,expert=8", "given twice"),
+    ("expert=0,data=8", "must be >= 1 or -1"),
+])
+def test_bad_mesh(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        tm.parse_mesh(spec, 8)
+
+
+@pytest.mark.parametrize("over, msg", [
+    (["mesh=expert=16"], "16 devices but 8"),
+    (["mesh=expert=4,expert_tensor=2", "moe_intermediate_size=63"], "does not split over"),
+    (["mesh=data=2,context=4", "seq_len=30"], "seq_len=30 does not split over context=4"),
+    (["compute_dtype=float16"], "compute_dtype='float16'"),
+])
+def test_bad_mesh_fails_before_compiling(tmp_path, over, msg):
+    with pytest.raises(ValueError, match=msg):
+        cli.parse(["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path),
+                   *over])

@@ -1,0 +1,78 @@
+"""The trainer's device mesh, from the `mesh` option: `"data=2,expert=4"`.
+
+Axes (any subset, in this order in the mesh): `data` (data parallel), `fsdp` (data parallel with
+parameters and optimizer state stored sharded, see `train.loop.fsdp_shardings`), `expert` (the
+ring), `context` (sequence sharding for attention), `expert_tensor` (each expert's ffn split, ETP).
+One size may be `-1`: all devices left. The default `"expert=-1"` is EP over every device.
+Without an `expert` axis the MoE ring runs over all the other axes taken together (parallel
+folding, `relaymoe_jax.models.sharding.rules_for`).
+"""
+
+import math
+
+import jax
+
+AXES = ("data", "fsdp", "expert", "context", "expert_tensor")
+
+
+def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
+    """`"data=2,expert=-1"` -> {"data": 2, "expert": n_devices // 2}, checked against the device
+    count. ValueError naming the spec for anything malformed."""
+    sizes: dict[str, int] = {}
+    for item in (s.strip() for s in str(spec).split(",")):
+        name, eq, val = item.partition("=")
+        name = name.strip()
+        if not eq or name not in AXES:
+            raise ValueError(f"mesh={spec!r}: items are axis=size with axis one of {AXES}; "
+                             f"got {item!r}")
+        if name in sizes:
+            raise ValueError(f"mesh={spec!r}: axis {name!r} given twice")
+        try:
+            sizes[name] = int(val)
+        except ValueError:
+            raise ValueError(f"mesh={spec!r}: size of {name!r} must be an integer, "
+                             f"got {val!r}") from None
+        if sizes[name] < 1 and sizes[name] != -1:
+            raise ValueError(f"mesh={spec!r}: size of {name!r} must be >= 1 or -1, got {val}")
+    rest = [a for a, s in sizes.items() if s == -1]
+    if len(rest) > 1:
+        raise ValueError(f"mesh={spec!r}: at most one axis may be -1, got {rest}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if rest:
+        if n_devices % known:
+            raise ValueError(f"mesh={spec!r}: {n_devices} devices do not divide by {known}")
+        sizes[rest[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        raise ValueError(f"mesh={spec!r} has {math.prod(sizes.values())} devices but "
+                         f"{n_devices} are available (jax.device_count())")
+    return {a: sizes[a] for a in AXES if a in sizes}
+
+
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+    """An Explicit mesh over all (global) devices with the axes of `spec`."""
+    sizes = parse_mesh(spec, jax.device_count())
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes))
+
+
+def expert_size(sizes: dict[str, int]) -> int:
+    """Devices the experts are split over: the `expert` axis, or (folding) every axis but
+    `expert_tensor`."""
+    if "expert" in sizes:
+        return sizes["expert"]
+    return math.prod(s for a, s in sizes.items() if a != "expert_tensor")
+
+
+def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) -> None:
+    """The config and batch fit the mesh (ValueError naming the values otherwise)."""
+    etp = sizes.get("expert_tensor", 1)
+    if cfg.moe_intermediate_size % etp:
+        raise ValueError(f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
+                         f"does not split over expert_tensor={etp}")
+    ctx = sizes.get("context", 1)
+    if seq_len % ctx:
+        raise ValueError(f"mesh={spec!r}: seq_len={seq_len} does not split over context={ctx}")
+    tokens = batch_size * seq_len
+    token_shards = math.prod(s for a, s in sizes.items() if a != "expert_tensor")
+    if tokens % token_shards:
+        raise ValueError(f"mesh={spec!r}: batch_size*seq_len={tokens} tokens do not split over "
+                         f"the {token_shards} token shards")

@@ -1,0 +1,38 @@
+"""Per-step feedback: one line per step with a progress bar, the losses, tokens/s, step time and
+the time left. Plain lines (no carriage returns), so a log file reads the same as a terminal."""
+
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """Formats the line of each step from `start + 1` to `total`. The time left is the mean step
+    time so far (the first step excluded once there are others: it may include warm-up) times
+    the steps left."""
+
+    def __init__(self, start: int, total: int, width: int = 20):
+        self.start, self.total, self.width = start, total, width
+        self.times: list[float] = []
+        self.t0 = time.perf_counter()
+
+    def bar(self, step: int) -> str:
+        done = self.width * step // self.total
+        return "[" + "#" * done + "." * (self.width - done) + "]"
+
+    def line(self, rec: dict) -> str:
+        """The line for the metrics record `rec` (keys as in metrics.jsonl)."""
+        step = rec["step"]
+        self.times.append(rec["step_time"])
+        recent = self.times[1:] or self.times
+        left = (self.total - step) * sum(recent) / len(recent)
+        return (f"{self.bar(step)} step {step}/{self.total} loss {rec['loss']:.4f} "
+                f"(lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} z {rec['z_loss']:.4f}) "
+                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s "
+                f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "
+                f"{_duration(time.perf_counter() - self.t0)}, left ~{_duration(left)}")

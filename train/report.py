@@ -1,0 +1,68 @@
+"""The end-of-run report: the train step's per-device memory with each dispatcher, from XLA's
+buffer assignment of the compiled step (`memory_analysis()`), compile-only for the dispatchers
+that did not train.
+
+The step of another dispatcher is the same program with `ModelConfig.dispatcher` changed: its
+graph is built abstractly (`nnx.eval_shape`, no parameters allocated) and compiled against the
+trained state's shapes and shardings, so nothing runs.
+"""
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from relaymoe_jax.models import QwenMoe
+from train import loop
+
+# (label, ModelConfig overrides) in table order
+DISPATCHERS = (("ring", {"dispatcher": "ring"}),
+               ("alltoall (dropless)", {"dispatcher": "alltoall", "capacity_factor": None}),
+               ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}))
+
+
+def compiled_step(cfg, tc, mesh, state, ids_sharding, shape):
+    """The train step for `cfg`, compiled for `state`'s shapes and shardings (not run)."""
+    abstract = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef = nnx.split(abstract, nnx.Param, ...)[0]
+    step = loop.make_step(graphdef, loop.make_optimizer(tc), cfg, tc.compute_dtype)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+    return loop.compile_step(step, like, ids_sharding, shape,
+                             key=loop.step_key(cfg, tc, shape, mesh))
+
+
+def memory_rows(cfg, tc, mesh, state, ids_sharding, shape, trained=None, log=print):
+    """[(label, memory_analysis, how)] for every entry of DISPATCHERS; `trained` is the compiled
+    step that ran (reused for the config's own dispatcher)."""
+    rows = []
+    for label, over in DISPATCHERS:
+        c = dataclasses.replace(cfg, **over)
+        same = (c.dispatcher == cfg.dispatcher and c.capacity_factor == cfg.capacity_factor)
+        if same and trained is not None:
+            rows.append((label, trained.memory_analysis(), "trained"))
+            continue
+        log(f"compiling the train step with {label} (compile only) ...")
+        rows.append((label, compiled_step(c, tc, mesh, state, ids_sharding, shape)
+                     .memory_analysis(), "compile-only"))
+    return rows
+
+
+def footprint(m) -> int:
+    """Bytes live at once per device: arguments + temporaries + outputs not aliased to a donated
+    argument."""
+    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes \
+        - m.alias_size_in_bytes
+
+
+def memory_table(rows) -> str:
+    """Markdown table of `memory_rows`, with each row's footprint relative to the first's."""
+    mib = lambda b: f"{b / 2**20:,.2f}"
+    base = footprint(rows[0][1])
+    out = ["| dispatcher | step | arguments MiB | temporaries MiB | total MiB | vs ring |",
+           "|---|---|---:|---:|---:|---:|"]
+    for label, m, how in rows:
+        out.append(f"| {label} | {how} | {mib(m.argument_size_in_bytes)} | "
+                   f"{mib(m.temp_size_in_bytes)} | {mib(footprint(m))} | "
+                   f"{footprint(m) / base:.2f}x |")
+    return "\n".join(out)
