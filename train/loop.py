@@ -59,6 +59,23 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                                    mask=mask))
 
 
+def abstract_state(cfg, tc: TrainConfig, mesh):
+    """(graphdef, state, tx, rules) like `init_state`, with `jax.ShapeDtypeStruct` leaves (shape,
+    dtype, sharding) and nothing allocated: for compile-only measurements of any model size."""
+    model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    params = jax.tree.map(lambda x: sds(x, fsdp_sharding(x, mesh)), params)
+    rest = jax.tree.map(lambda x: sds(x, x.sharding), rest)
+    tx = make_optimizer(tc)
+    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params),
+                             _opt_shardings(tx, params, mesh))
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    state = {"params": params, "opt_state": opt_state, "rest": rest,
+             "rng": sds(key, NamedSharding(mesh, P()))}
+    return graphdef, state, tx, model.rules
+
+
 def _replicated_if_needed(x, mesh):
     if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
         return x

@@ -13,6 +13,7 @@ import typing
 ARCHS = ("qwen3_moe", "qwen2_moe")
 DISPATCHERS = ("ring", "alltoall", "reference")
 ROUTINGS = ("expert", "token", "auto")
+REMAT_OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")   # relaymoe_jax.remat.options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ModelConfig:
     capacity_factor: float | None = None
     chunk_size: int | None = None
     gmm_impl: str = "auto"
+    # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
+    # per layer; "save_all" = no jax.checkpoint
+    attention_remat: str | tuple[str, ...] = "save_all"
 
     def __post_init__(self):
         check(self)
@@ -59,6 +63,11 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def remat_option(self, i: int) -> str:
+        """The attention recomputation option of layer i."""
+        r = self.attention_remat
+        return r if isinstance(r, str) else r[i]
 
     def is_moe_layer(self, i: int) -> bool:
         """Hugging Face's rule for which decoder layers hold the MoE block."""
@@ -77,7 +86,8 @@ def _type_ok(value, hint) -> bool:
     if hint is type(None):
         return value is None
     if origin is tuple:
-        return isinstance(value, tuple) and all(_type_ok(v, int) for v in value)
+        item = typing.get_args(hint)[0]
+        return isinstance(value, tuple) and all(_type_ok(v, item) for v in value)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -130,6 +140,13 @@ def check(cfg: ModelConfig) -> None:
             _fail(name, getattr(cfg, name), "a number >= 0")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
         _fail("capacity_factor", cfg.capacity_factor, "a number > 0 or null")
+    remat = cfg.attention_remat
+    names = (remat,) if isinstance(remat, str) else remat
+    if any(o not in REMAT_OPTIONS for o in names):
+        _fail("attention_remat", remat, f"one of {REMAT_OPTIONS} or a tuple of them")
+    if not isinstance(remat, str) and len(remat) != cfg.num_hidden_layers:
+        _fail("attention_remat", remat,
+              f"one option or {cfg.num_hidden_layers} (num_hidden_layers), got {len(remat)}")
 
 
 def check_mesh(cfg: ModelConfig, expert_size: int) -> None:

@@ -42,6 +42,11 @@ Names for remat (`jax.ad_checkpoint.checkpoint_name`, per layer, for
     "o_proj"     o_proj output (before the residual) [B, S, H]
     "mlp_norm"   post_attention_layernorm output     [B, S, H]
 The MoE block has no names: the ring's backward already recomputes each hop.
+
+Attention recomputation: `config.attention_remat` (one option, or one per layer) wraps each
+layer's attention block (input norm through o_proj) in `nnx.remat` with the option's policy
+(`relaymoe_jax.remat.options`); "save_all", the default, applies none. The MLP/MoE block is never
+wrapped: a checkpoint around the ring's custom_vjp would re-run the whole ring forward.
 """
 
 import jax
@@ -70,6 +75,7 @@ from relaymoe_jax.models.sharding import (
     to_tokens,
 )
 from relaymoe_jax.op import moe_ffn
+from relaymoe_jax.remat.options import policy as remat_policy
 
 
 class Attention(nnx.Module):
@@ -187,9 +193,14 @@ class DenseMLP(MLP):
         return super().__call__(x_bsh), None
 
 
+def _attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd):
+    return attn(checkpoint_name(norm(x_bsh), "attn_norm"), cos_bsd, sin_bsd)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, i: int, *, rules, rngs, dtype):
         eps = cfg.rms_norm_eps
+        self.remat_option = cfg.remat_option(i)        # relaymoe_jax.remat.options
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules,
@@ -202,8 +213,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_bsh, cos_bsd, sin_bsd):
         with jax.named_scope("attention_block"):
-            h_bsh = checkpoint_name(self.input_layernorm(x_bsh), "attn_norm")
-            x_bsh = x_bsh + self.self_attn(h_bsh, cos_bsd, sin_bsd)
+            block = _attention_block
+            if self.remat_option != "save_all":
+                block = nnx.remat(_attention_block, policy=remat_policy(self.remat_option))
+            x_bsh = x_bsh + block(self.input_layernorm, self.self_attn, x_bsh, cos_bsd, sin_bsd)
         with jax.named_scope("mlp_block"):
             h_bsh = checkpoint_name(self.post_attention_layernorm(x_bsh), "mlp_norm")
             y_bsh, stats = self.mlp(h_bsh)

@@ -1,0 +1,45 @@
+"""The recomputation options of one attention block, as `jax.checkpoint` policies over the
+model's checkpoint names (`relaymoe_jax.models.qwen`).
+
+The attention block is `x -> o_proj(attention(rope(qk_norm(qkv_proj(attn_norm(x))))))`; its
+input `x` (the residual stream) is kept in every option. From least to most memory:
+
+    option          kept for the backward               recomputed in the backward
+    full            nothing                             norm, q/k/v projections, attention
+    save_qkv        q_proj, k_proj, v_proj outputs      norm, q/k norm, rope, attention
+    save_attn_out   + the attention output              norm, q/k norm, rope, the scores
+                                                        and softmax (not P @ V)
+    save_all        everything (no jax.checkpoint)      nothing
+
+The projections are kept before the q/k RMSNorm, as the norm's backward needs its input: keeping
+only the normed q/k would still recompute the projection matmuls. `save_attn_out` is the option
+"attention output + log-sum-exp" of flash attention; with XLA's attention (CPU, and GPU where
+cuDNN does not apply) there is no log-sum-exp, and the backward still recomputes the scores and
+softmax from q and k, so only the P @ V product is avoided (see `costs.py`).
+"""
+
+import jax
+
+OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")
+
+SAVED_NAMES = {
+    "full": (),
+    "save_qkv": ("q_proj", "k_proj", "v_proj"),
+    "save_attn_out": ("q_proj", "k_proj", "v_proj", "attn_out"),
+}
+
+
+def check_option(option: str, what: str = "option") -> str:
+    if option not in OPTIONS:
+        raise ValueError(f"{what}={option!r}: expected one of {OPTIONS}")
+    return option
+
+
+def policy(option: str):
+    """The `jax.checkpoint` policy of `option`; None for "save_all" (no checkpoint at all)."""
+    check_option(option)
+    if option == "save_all":
+        return None
+    if option == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[option])

@@ -1,0 +1,72 @@
+"""train.planner: the remat plan's budget comes from the compiled fully-recomputed step, the planned
+step is compiled and fits, and its recompute FLOPs (cost_analysis) fall as the budget grows."""
+import dataclasses
+
+import jax
+import pytest
+
+from relaymoe_jax.models.configs import load_config
+from train import loop, planner
+from train import mesh as tm
+
+TC = loop.TrainConfig(batch_size=8, seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("configs/tiny.yaml")
+    mesh = tm.make_mesh(TC.mesh)
+    full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
+    return cfg, mesh, full
+
+
+def test_budget_respected_and_flops_fall_as_budget_grows(setup):
+    cfg, mesh, full = setup
+    per_layer = {o: c for o, c in planner.remat.option_costs(planner.remat.AttentionShape.of(
+        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype)).items()}
+    budgets = [0, per_layer["save_attn_out"].bytes * 2, per_layer["save_all"].bytes * 2]
+    reports = [planner.plan_remat(cfg, TC, mesh, full.peak + b) for b in budgets]
+    assert reports[0].plan.options == ("full", "full")
+    assert reports[1].plan.options == ("save_attn_out", "save_attn_out")
+    assert reports[2].plan.options == ("save_all", "save_all")
+    for r in reports:
+        assert r.full == full                          # the budget is the compiled full peak
+        assert r.plan.budget == r.capacity - full.peak
+        assert r.fits, (r.planned.peak, r.capacity)    # measured, compiled
+    saved = [r.flops_saved for r in reports]
+    assert saved[0] == 0 < saved[1] < saved[2]
+    # formula (matmuls) against cost_analysis: P @ V and projections exact up to elementwise
+    # ops; save_all adds the softmax's elementwise FLOPs that the formula does not count
+    assert abs(saved[1] - reports[1].plan.flops_saved) < 0.05 * saved[1]
+    assert reports[2].plan.flops_saved <= saved[2] < 1.3 * reports[2].plan.flops_saved
+    assert planner.plan_remat(cfg, TC, mesh, full.peak + budgets[1]) == reports[1]  # deterministic
+
+
+def test_capacity_below_full_recompute_peak(setup):
+    cfg, mesh, full = setup
+    with pytest.raises(ValueError, match="with full attention recomputation, more than"):
+        planner.plan_remat(cfg, TC, mesh, full.peak - 1)
+
+
+def test_abstract_state_matches_init_state():
+    tc = loop.TrainConfig(mesh="fsdp=2,expert=4")
+    cfg = load_config("configs/tiny.yaml")
+    mesh = tm.make_mesh(tc.mesh)
+    _, real, _, _ = loop.init_state(cfg, tc, mesh)
+    _, abstract, _, _ = loop.abstract_state(cfg, tc, mesh)
+    describe = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), t)
+    assert jax.tree.structure(real) == jax.tree.structure(abstract)
+    assert describe(real) == describe(abstract)
+
+
+@pytest.mark.parametrize("text, want", [("H100", 81_559 * 2**20), ("h200", 143_771 * 2**20),
+                                        ("80GiB", 80 * 2**30), ("12.5MB", 12_500_000),
+                                        ("1e9", 10**9)])
+def test_parse_memory(text, want):
+    assert planner.parse_memory(text) == want
+
+
+@pytest.mark.parametrize("text", ["A100x", "-5GB", "12 parsecs", "0"])
+def test_parse_memory_errors(text):
+    with pytest.raises(ValueError, match="--memory"):
+        planner.parse_memory(text)

@@ -1,0 +1,159 @@
+"""Compile-only planning of attention recomputation (paper §3.4), per dispatcher.
+
+    python -m train.planner --config configs/tiny.yaml --memory H100 --batch 8 --seq 256 [k=v ...]
+
+For a model config, a mesh (`mesh=`, as in `python -m train`), a micro-batch and sequence length,
+and a device memory (`--memory`: H100, H200, or a size such as 80GiB / 12.5MB / 1e9), for each
+dispatcher:
+
+1. compile (never run) the train step with every attention block fully recomputed and read its
+   per-device peak from XLA's buffer assignment (`memory_analysis()`: arguments + temporaries +
+   outputs not aliased to donated arguments); the budget is the usable memory minus that peak;
+2. choose one option per layer with the greedy c/m solver (`relaymoe_jax.remat`);
+3. compile the planned step and check its peak fits; report the FLOPs it no longer recomputes,
+   from `cost_analysis()` (full minus planned).
+
+The budget is measured on XLA:CPU with the emulated mesh. GPU buffer assignment differs (other
+fusions, cuDNN attention without [S, S] scores, allocator fragmentation, the CUDA context and
+XLA's preallocation: jax takes 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+otherwise, hence `--usable`, default 0.9); treat the CPU figures as a model, not a promise.
+"""
+
+import argparse
+import dataclasses
+import re
+import sys
+
+import jax
+from jax.sharding import NamedSharding
+
+from relaymoe_jax import remat
+from relaymoe_jax.models.configs import load_config, parse_overrides
+from train import loop
+from train import mesh as train_mesh
+from train.report import footprint
+
+# nvidia-smi's total memory of each device, MiB
+DEVICES = {"H100": 81_559 * 2**20, "H200": 143_771 * 2**20}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of `--memory`: a device name (DEVICES) or a number with an optional unit."""
+    if text.upper() in DEVICES:
+        return DEVICES[text.upper()]
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m[2].upper() not in _UNITS:
+        raise ValueError(f"--memory {text!r}: expected one of {sorted(DEVICES)} or a size like "
+                         "80GiB, 12.5MB, 1e9")
+    value = float(m[1]) * _UNITS[m[2].upper()]
+    if value <= 0:
+        raise ValueError(f"--memory {text!r}: must be > 0")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    peak: int           # bytes per device (report.footprint)
+    flops: float        # cost_analysis()["flops"] of the whole step, per device
+
+
+def step_cost(cfg, tc: loop.TrainConfig, mesh) -> StepCost:
+    """Compile (not run) the train step of `cfg` and `tc` on `mesh`; nothing is allocated."""
+    graphdef, state, tx, rules = loop.abstract_state(cfg, tc, mesh)
+    shape = (tc.batch_size, tc.seq_len)
+    ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
+    step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype)
+    compiled = loop.compile_step(step, state, ids_sharding, shape,
+                                 key=loop.step_key(cfg, tc, shape, mesh))
+    return StepCost(footprint(compiled.memory_analysis()), compiled.cost_analysis()["flops"])
+
+
+@dataclasses.dataclass(frozen=True)
+class RematReport:
+    dispatcher: str
+    capacity: int
+    full: StepCost
+    plan: remat.Plan
+    planned: StepCost
+
+    @property
+    def fits(self) -> bool:
+        return self.planned.peak <= self.capacity
+
+    @property
+    def flops_saved(self) -> float:
+        return self.full.flops - self.planned.flops
+
+
+def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
+    """Steps 1-3 of the module docstring for `cfg` as given (its dispatcher). ValueError if the
+    fully recomputed step does not fit `capacity` bytes."""
+    full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
+    if full.peak > capacity:
+        raise ValueError(f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
+                         f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
+                         f"MiB available (dispatcher={cfg.dispatcher}, batch {tc.batch_size}, "
+                         f"seq {tc.seq_len}): nothing to plan")
+    plan = remat.plan_attention_remat(cfg, batch=tc.batch_size, seq=tc.seq_len,
+                                      mesh_shape=dict(mesh.shape), dtype=tc.compute_dtype,
+                                      budget=capacity - full.peak)
+    planned = full if set(plan.options) == {"full"} else step_cost(
+        dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
+    return RematReport(cfg.dispatcher, capacity, full, plan, planned)
+
+
+def table(reports: list[RematReport]) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    rows = ["| dispatcher | full-recompute peak MiB | budget MiB | plan | planned peak MiB | "
+            "fits | recompute GFLOP saved (cost_analysis) | (formula) |",
+            "|---|---:|---:|---|---:|---|---:|---:|"]
+    for r in reports:
+        plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
+        rows.append(f"| {r.dispatcher} | {mib(r.full.peak)} | {mib(r.plan.budget)} | {plan} | "
+                    f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
+                    f"{r.flops_saved / 1e9:,.3f} | {r.plan.flops_saved / 1e9:,.3f} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.planner",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--memory", required=True, help="H100, H200, or a size (80GiB, 1e9, ...)")
+    p.add_argument("--usable", type=float, default=0.9,
+                   help="fraction of --memory the step may use (default 0.9)")
+    p.add_argument("--batch", type=int, required=True, help="global micro-batch (sequences)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--dispatchers", default="ring,alltoall")
+    p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
+    args = p.parse_args(argv)
+    if not 0 < args.usable <= 1:
+        raise ValueError(f"--usable {args.usable}: expected a fraction in (0, 1]")
+    capacity = int(parse_memory(args.memory) * args.usable)
+    over = parse_overrides(args.overrides)
+    train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
+    tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
+    sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
+    mesh = train_mesh.make_mesh(tc.mesh)
+    reports = []
+    for d in args.dispatchers.split(","):
+        cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
+                          **over)
+        train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+        print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
+        reports.append(plan_remat(cfg, tc, mesh, capacity))
+    print(f"\n{args.config}, batch {tc.batch_size} x seq {tc.seq_len}, mesh {dict(mesh.shape)}, "
+          f"{tc.compute_dtype}, usable memory {capacity / 2**20:,.1f} MiB per device "
+          f"({args.usable:g} x {args.memory}); XLA:CPU buffer assignment, compile only:\n"
+          + table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
