@@ -179,18 +179,18 @@ def _train(args, tc, cfg, graphdef, state, compiled, data, ids_sharding, mngr, m
 
 
 def _finish(args, tc, cfg, mesh, state, ids_sharding, shape, compiled, metrics_path):
-    """The loss-curve PNG (process 0) and, with --memory-table, the train step's memory per
-    dispatcher."""
-    if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
-        png = plot.plot_losses({cfg.dispatcher: metrics_path}, args.out / "loss.png",
-                               title=f"{args.config}: training loss")
-        _log(f"loss curve: {png}")
+    """With --memory-table the train step's memory per dispatcher, then the loss-curve PNG
+    (process 0), whose path is the last line."""
     if args.memory_table:
         rows = report.memory_rows(cfg, tc, mesh, state, ids_sharding, shape, compiled, log=_log)
         _log(f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
              f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}, "
              f"{tc.compute_dtype}; XLA memory_analysis of the compiled step):\n"
              + report.memory_table(rows))
+    if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
+        png = plot.plot_losses({cfg.dispatcher: metrics_path}, args.out / "loss.png",
+                               title=f"{args.config}: training loss")
+        _log(f"loss curve: {png}")
 
 
 def entry() -> None:

@@ -13,6 +13,7 @@ import typing
 ARCHS = ("qwen3_moe", "qwen2_moe")
 DISPATCHERS = ("ring", "alltoall", "reference")
 ROUTINGS = ("expert", "token", "auto")
+ATTENTION_IMPLS = ("xla", "chunked")
 REMAT_OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")   # relaymoe_jax.remat.options
 
 
@@ -53,6 +54,9 @@ class ModelConfig:
     capacity_factor: float | None = None
     chunk_size: int | None = None
     gmm_impl: str = "auto"
+    attention_impl: str = "xla"          # "xla" (jax.nn.dot_product_attention: [S, S] scores on
+                                         # the XLA path) or "chunked" (O(S * block) memory)
+    attention_block_k: int = 512         # keys per block of "chunked"
     # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
     # per layer; "save_all" = no jax.checkpoint
     attention_remat: str | tuple[str, ...] = "save_all"
@@ -140,6 +144,10 @@ def check(cfg: ModelConfig) -> None:
             _fail(name, getattr(cfg, name), "a number >= 0")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
         _fail("capacity_factor", cfg.capacity_factor, "a number > 0 or null")
+    if cfg.attention_impl not in ATTENTION_IMPLS:
+        _fail("attention_impl", cfg.attention_impl, f"one of {ATTENTION_IMPLS}")
+    if cfg.attention_block_k < 1:
+        _fail("attention_block_k", cfg.attention_block_k, "an int >= 1")
     remat = cfg.attention_remat
     names = (remat,) if isinstance(remat, str) else remat
     if any(o not in REMAT_OPTIONS for o in names):

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
+from relaymoe_jax.models.attention import chunked_causal_attention
 from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
 
 F32 = jnp.float32
@@ -91,14 +92,18 @@ def apply_rope(x_bsnd, cos_bsd, sin_bsd):
     return x_bsnd * cos_bsd[:, :, None, :] + rot * sin_bsd[:, :, None, :]
 
 
-def causal_attention(q_bsnd, k_bskd, v_bskd):
+def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512):
     """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
 
-    `jax.nn.dot_product_attention` picks cuDNN flash attention on GPU where it applies and XLA's
-    attention elsewhere. It materialises [B, N, S, S] scores on the XLA path.
+    impl="xla": `jax.nn.dot_product_attention`, which picks cuDNN flash attention on GPU where it
+    applies and XLA's attention elsewhere; the XLA path materialises [B, N, S, S] scores.
+    impl="chunked": `attention.chunked_causal_attention` (key blocks of `block_k`, online softmax,
+    a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
+    sequences.
     """
-    # LONG-SEQUENCE PATH: a chunked (blockwise over keys, online softmax) or ring/flash attention
-    # for sequences whose [S, S] scores do not fit goes here, selected by sequence length.
-    out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5,
-                                       is_causal=True)
+    if impl == "chunked":
+        out = chunked_causal_attention(q_bsnd, k_bskd, v_bskd, block_k=block_k)
+    else:
+        out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd,
+                                           scale=q_bsnd.shape[-1] ** -0.5, is_causal=True)
     return checkpoint_name(out, "attn_out")

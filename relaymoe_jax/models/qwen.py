@@ -99,6 +99,7 @@ class Attention(nnx.Module):
         if self.o_has_bias:
             self.o_bias = zeros((h,), ("embed",))
         self.qk_norm = cfg.arch == "qwen3_moe"
+        self.attention_impl, self.attention_block_k = cfg.attention_impl, cfg.attention_block_k
         if self.qk_norm:
             self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype,
                                   axis="head_dim")
@@ -130,7 +131,8 @@ class Attention(nnx.Module):
             k_bskd = constrain(k_bskd, self.rules.mesh, kv_spec)
             v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
         with jax.named_scope("attention"):
-            o_bsnd = causal_attention(q_bsnd, k_bskd, v_bskd)
+            o_bsnd = causal_attention(q_bsnd, k_bskd, v_bskd, self.attention_impl,
+                                      self.attention_block_k)
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
             if self.o_has_bias:
