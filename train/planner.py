@@ -1,6 +1,7 @@
 """Compile-only planning of attention recomputation (paper §3.4), per dispatcher.
 
-    python -m train.planner --config configs/tiny.yaml --memory H100 --batch 8 --seq 256 [k=v ...]
+    python -m train.planner --config configs/tiny.yaml --memory H100 --batch 8 --seq 256 \
+        [--max-batch LIMIT] [--max-seq LIMIT] [k=v ...]
 
 For a model config, a mesh (`mesh=`, as in `python -m train`), a micro-batch and sequence length,
 and a device memory (`--memory`: H100, H200, or a size such as 80GiB / 12.5MB / 1e9), for each
@@ -11,7 +12,10 @@ dispatcher:
    outputs not aliased to donated arguments); the budget is the usable memory minus that peak;
 2. choose one option per layer with the greedy c/m solver (`relaymoe_jax.remat`);
 3. compile the planned step and check its peak fits; report the FLOPs it no longer recomputes,
-   from `cost_analysis()` (full minus planned).
+   from `cost_analysis()` (full minus planned);
+4. with `--max-batch` / `--max-seq`, find the largest micro-batch at `--seq` / sequence length at
+   `--batch` whose fully recomputed step fits (`train.search`: doubling then bisection, one
+   compile per probe) and plan the remat at that size.
 
 The budget is measured on XLA:CPU with the emulated mesh. GPU buffer assignment differs (other
 fusions, cuDNN attention without [S, S] scores, allocator fragmentation, the CUDA context and
@@ -21,6 +25,7 @@ otherwise, hence `--usable`, default 0.9); treat the CPU figures as a model, not
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 
@@ -29,7 +34,7 @@ from jax.sharding import NamedSharding
 
 from relaymoe_jax import remat
 from relaymoe_jax.models.configs import load_config, parse_overrides
-from train import loop
+from train import loop, search
 from train import mesh as train_mesh
 from train.report import footprint
 
@@ -59,15 +64,27 @@ class StepCost:
     flops: float        # cost_analysis()["flops"] of the whole step, per device
 
 
-def step_cost(cfg, tc: loop.TrainConfig, mesh) -> StepCost:
-    """Compile (not run) the train step of `cfg` and `tc` on `mesh`; nothing is allocated."""
+def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
+    """Compile (not run) the train step of `cfg` and `tc` on `mesh`; nothing is allocated.
+    `memo=False` does not keep the executable (searches compile many sizes once each)."""
     graphdef, state, tx, rules = loop.abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
     step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype)
     compiled = loop.compile_step(step, state, ids_sharding, shape,
-                                 key=loop.step_key(cfg, tc, shape, mesh))
+                                 key=loop.step_key(cfg, tc, shape, mesh) if memo else None)
     return StepCost(footprint(compiled.memory_analysis()), compiled.cost_analysis()["flops"])
+
+
+def largest_size(cfg, tc: loop.TrainConfig, mesh, capacity: int, *, field: str, step: int,
+                 limit: int, log=lambda msg: None):
+    """(largest batch_size or seq_len (`field`), a multiple of `step` up to `limit`, whose fully
+    recomputed step fits `capacity`, or None; the `search.Search` record)."""
+    full = dataclasses.replace(cfg, attention_remat="full")
+    if field == "seq_len" and limit > full.max_position_embeddings:
+        full = dataclasses.replace(full, max_position_embeddings=limit)
+    peak = lambda n: step_cost(full, dataclasses.replace(tc, **{field: n}), mesh, memo=False).peak
+    return search.largest(peak, capacity, step, limit, log)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +134,20 @@ def table(reports: list[RematReport]) -> str:
     return "\n".join(rows)
 
 
+def size_table(title: str, field: str, found: list) -> str:
+    rows = [title, f"| dispatcher | largest {field} | full-recompute peak MiB | probes | "
+            "remat plan at that size |", "|---|---:|---:|---:|---|"]
+    for d, size, rec, rep in found:
+        if size is None:
+            rows.append(f"| {d} | none fits | {rec.probes[0][1] / 2**20:,.1f} | "
+                        f"{len(rec.probes)} | |")
+            continue
+        peak = dict(rec.probes)[size]
+        plan = ", ".join(f"{n}x {o}" for o, n in rep.plan.counts().items())
+        rows.append(f"| {d} | {size:,} | {peak / 2**20:,.1f} | {len(rec.probes)} | {plan} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.planner",
                                 description=__doc__.splitlines()[0])
@@ -126,6 +157,12 @@ def main(argv=None) -> int:
                    help="fraction of --memory the step may use (default 0.9)")
     p.add_argument("--batch", type=int, required=True, help="global micro-batch (sequences)")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--max-batch", type=int, default=None, metavar="LIMIT",
+                   help="also find the largest micro-batch <= LIMIT at --seq")
+    p.add_argument("--max-seq", type=int, default=None, metavar="LIMIT",
+                   help="also find the largest sequence length <= LIMIT at --batch")
+    p.add_argument("--seq-step", type=int, default=128, help="sequence lengths searched: "
+                   "multiples of this (default 128)")
     p.add_argument("--dispatchers", default="ring,alltoall")
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
     args = p.parse_args(argv)
@@ -137,17 +174,33 @@ def main(argv=None) -> int:
     tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
     sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
     mesh = train_mesh.make_mesh(tc.mesh)
-    reports = []
+    batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
+    reports, by_batch, by_seq = [], [], []
     for d in args.dispatchers.split(","):
         cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
                           **over)
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
         print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
         reports.append(plan_remat(cfg, tc, mesh, capacity))
-    print(f"\n{args.config}, batch {tc.batch_size} x seq {tc.seq_len}, mesh {dict(mesh.shape)}, "
-          f"{tc.compute_dtype}, usable memory {capacity / 2**20:,.1f} MiB per device "
-          f"({args.usable:g} x {args.memory}); XLA:CPU buffer assignment, compile only:\n"
-          + table(reports))
+        for limit, field, step, out in ((args.max_batch, "batch_size", batch_step, by_batch),
+                                        (args.max_seq, "seq_len", args.seq_step, by_seq)):
+            if limit is None:
+                continue
+            print(f"# {d}: searching the largest {field} <= {limit} ...", flush=True)
+            size, rec = largest_size(cfg, tc, mesh, capacity, field=field, step=step,
+                                     limit=limit, log=print)
+            rep = None if size is None else plan_remat(
+                cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
+            out.append((d, size, rec, rep))
+    head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
+            f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); XLA:CPU "
+            f"buffer assignment, compile only")
+    print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports))
+    if by_batch:
+        print("\n" + size_table(f"largest micro-batch at seq {tc.seq_len}:", "batch", by_batch))
+    if by_seq:
+        print("\n" + size_table(f"largest sequence at micro-batch {tc.batch_size}:", "seq",
+                                 by_seq))
     return 0
 
 
