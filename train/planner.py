@@ -175,13 +175,17 @@ def main(argv=None) -> int:
     sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
     mesh = train_mesh.make_mesh(tc.mesh)
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
-    reports, by_batch, by_seq = [], [], []
+    reports, by_batch, by_seq, notes = [], [], [], []
     for d in args.dispatchers.split(","):
         cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
                           **over)
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
         print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
-        reports.append(plan_remat(cfg, tc, mesh, capacity))
+        try:
+            reports.append(plan_remat(cfg, tc, mesh, capacity))
+        except ValueError as e:          # does not fit at this size: say so, still search
+            print(f"# {d}: {e}", flush=True)
+            notes.append(f"{d}: {e}")
         for limit, field, step, out in ((args.max_batch, "batch_size", batch_step, by_batch),
                                         (args.max_seq, "seq_len", args.seq_step, by_seq)):
             if limit is None:
@@ -195,7 +199,8 @@ def main(argv=None) -> int:
     head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
             f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); XLA:CPU "
             f"buffer assignment, compile only")
-    print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports))
+    print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
+          + "".join(f"\n- {n}" for n in notes))
     if by_batch:
         print("\n" + size_table(f"largest micro-batch at seq {tc.seq_len}:", "batch", by_batch))
     if by_seq:
