@@ -119,3 +119,24 @@ def test_bad_config_file_fails_before_compiling(tmp_path, text, match):
     bad.write_text(text)
     with pytest.raises(ValueError, match=match):
         cli.main(["--config", str(bad), "--steps", "1", "--out", str(tmp_path / "x")])
+
+
+def test_memory_table_compares_dispatchers(tmp_path, capsys):
+    from relaymoe_jax.models.configs import load_config
+    from train import loop, report
+    from train import mesh as tm
+    assert cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "--synthetic",
+                     "--memory-table"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith("| ring") or line.startswith("| alltoall")}
+    assert list(rows) == [label for label, _ in report.DISPATCHERS]
+    assert rows["ring"][0].strip() == "trained"
+    assert {r[0].strip() for lbl, r in rows.items() if lbl != "ring"} == {"compile-only"}
+    total = {lbl: float(r[3]) for lbl, r in rows.items()}
+    assert total["alltoall (dropless)"] > total["ring"]
+    # the trained step (real state) and the abstract compile agree on the ring's memory
+    tc = loop.TrainConfig(seq_len=32, batch_size=8, synthetic=True)
+    abstract = loop.compile_abstract(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
+    assert f"{report.footprint(abstract.memory_analysis()) / 2**20:,.2f}" == rows["ring"][3].strip()
+    assert out.rstrip().splitlines()[-1] == f"loss curve: {tmp_path / 'loss.png'}"

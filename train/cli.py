@@ -138,7 +138,7 @@ def main(argv=None) -> int:
                            metrics_path, start, meta)
             _log(f"done: step {args.steps}; metrics in {metrics_path}; checkpoints in "
                  f"{mngr.directory} (latest {mngr.latest_step()})")
-        _finish(args, tc, cfg, mesh, state, ids_sharding, shape, compiled, metrics_path)
+        _finish(args, tc, cfg, mesh, compiled, metrics_path)
         return 0
     finally:
         mngr.wait_until_finished()
@@ -178,11 +178,11 @@ def _train(args, tc, cfg, graphdef, state, compiled, data, ids_sharding, mngr, m
     return state
 
 
-def _finish(args, tc, cfg, mesh, state, ids_sharding, shape, compiled, metrics_path):
+def _finish(args, tc, cfg, mesh, compiled, metrics_path):
     """With --memory-table the train step's memory per dispatcher, then the loss-curve PNG
     (process 0), whose path is the last line."""
     if args.memory_table:
-        rows = report.memory_rows(cfg, tc, mesh, state, ids_sharding, shape, compiled, log=_log)
+        rows = report.memory_rows(cfg, tc, mesh, compiled, log=_log)
         _log(f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
              f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}, "
              f"{tc.compute_dtype}; XLA memory_analysis of the compiled step):\n"

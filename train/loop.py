@@ -231,6 +231,18 @@ def compile_step(step, state, ids_sharding, batch_shape, key=None):
     return compiled
 
 
+def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True):
+    """The train step of `cfg` and `tc` on `mesh`, compiled against `abstract_state` (nothing
+    allocated, nothing run): for memory and cost analysis. `memo=False` keeps no executable
+    (searches compile many sizes once each)."""
+    graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
+    shape = (tc.batch_size, tc.seq_len)
+    ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
+    step = make_step(graphdef, tx, cfg, tc.compute_dtype)
+    return compile_step(step, state, ids_sharding, shape,
+                        key=step_key(cfg, tc, shape, mesh) if memo else None)
+
+
 def memory_summary(compiled) -> str:
     """Per-device memory of the compiled step, from `memory_analysis()`."""
     m = compiled.memory_analysis()

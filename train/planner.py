@@ -30,7 +30,6 @@ import re
 import sys
 
 import jax
-from jax.sharding import NamedSharding
 
 from relaymoe_jax import remat
 from relaymoe_jax.models.configs import load_config, parse_overrides
@@ -65,14 +64,8 @@ class StepCost:
 
 
 def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
-    """Compile (not run) the train step of `cfg` and `tc` on `mesh`; nothing is allocated.
-    `memo=False` does not keep the executable (searches compile many sizes once each)."""
-    graphdef, state, tx, rules = loop.abstract_state(cfg, tc, mesh)
-    shape = (tc.batch_size, tc.seq_len)
-    ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype)
-    compiled = loop.compile_step(step, state, ids_sharding, shape,
-                                 key=loop.step_key(cfg, tc, shape, mesh) if memo else None)
+    """Compile (not run) the train step of `cfg` and `tc` on `mesh` (`loop.compile_abstract`)."""
+    compiled = loop.compile_abstract(cfg, tc, mesh, memo)
     return StepCost(footprint(compiled.memory_analysis()), compiled.cost_analysis()["flops"])
 
 

@@ -2,17 +2,13 @@
 buffer assignment of the compiled step (`memory_analysis()`), compile-only for the dispatchers
 that did not train.
 
-The step of another dispatcher is the same program with `ModelConfig.dispatcher` changed: its
-graph is built abstractly (`nnx.eval_shape`, no parameters allocated) and compiled against the
-trained state's shapes and shardings, so nothing runs.
+The step of another dispatcher is the same program with `ModelConfig.dispatcher` changed, compiled
+against the abstract state (`loop.compile_abstract`: shapes and shardings, nothing allocated), so
+nothing runs.
 """
 
 import dataclasses
 
-import jax
-from flax import nnx
-
-from relaymoe_jax.models import QwenMoe
 from train import loop
 
 # (label, ModelConfig overrides) in table order
@@ -21,20 +17,10 @@ DISPATCHERS = (("ring", {"dispatcher": "ring"}),
                ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}))
 
 
-def compiled_step(cfg, tc, mesh, state, ids_sharding, shape):
-    """The train step for `cfg`, compiled for `state`'s shapes and shardings (not run)."""
-    abstract = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef = nnx.split(abstract, nnx.Param, ...)[0]
-    step = loop.make_step(graphdef, loop.make_optimizer(tc), cfg, tc.compute_dtype)
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        state)
-    return loop.compile_step(step, like, ids_sharding, shape,
-                             key=loop.step_key(cfg, tc, shape, mesh))
-
-
-def memory_rows(cfg, tc, mesh, state, ids_sharding, shape, trained=None, log=print):
+def memory_rows(cfg, tc, mesh, trained=None, log=print):
     """[(label, memory_analysis, how)] for every entry of DISPATCHERS; `trained` is the compiled
-    step that ran (reused for the config's own dispatcher)."""
+    step that ran (reused for the config's own dispatcher), the others are compiled against the
+    abstract state (`loop.compile_abstract`)."""
     rows = []
     for label, over in DISPATCHERS:
         c = dataclasses.replace(cfg, **over)
@@ -43,8 +29,8 @@ def memory_rows(cfg, tc, mesh, state, ids_sharding, shape, trained=None, log=pri
             rows.append((label, trained.memory_analysis(), "trained"))
             continue
         log(f"compiling the train step with {label} (compile only) ...")
-        rows.append((label, compiled_step(c, tc, mesh, state, ids_sharding, shape)
-                     .memory_analysis(), "compile-only"))
+        rows.append((label, loop.compile_abstract(c, tc, mesh).memory_analysis(),
+                     "compile-only"))
     return rows
 
 

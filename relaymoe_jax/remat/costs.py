@@ -99,12 +99,3 @@ def layer_costs(cfg, batch: int, seq: int, mesh_shape: dict, dtype) -> list[dict
     """`option_costs` for every layer of the model (all attention layers have the same shape)."""
     c = option_costs(AttentionShape.of(cfg, batch, seq, mesh_shape, dtype))
     return [dict(c) for _ in range(cfg.num_hidden_layers)]
-
-
-def total_flops_saved(costs: list[dict[str, Cost]], options) -> int:
-    return sum(0 if o == "full" else c[o].flops for c, o in zip(costs, options))
-
-
-def total_bytes(costs: list[dict[str, Cost]], options) -> int:
-    return sum(0 if o == "full" else c[o].bytes for c, o in zip(costs, options))
-
