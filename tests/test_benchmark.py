@@ -27,3 +27,35 @@ def test_tiny_table_with_time(table, capsys):
     picked = "ring-token" if "'token'" in auto else "ring-expert"
     assert rows[picked]["x auto"] == "1.00" and rows[picked]["time x auto"] == "1.00"
     assert all(float(r["fwd+bwd ms"].replace(",", "")) > 0 for r in rows.values())
+
+
+@pytest.fixture(scope="module")
+def capacity():
+    return load_script("benchmarks/capacity.py", "capacity_bench")
+
+
+def test_capacity_table_reads_the_search_probes(capacity):
+    """Largest size, the first probe above the capacity and ring / it, from search records
+    (MiB peaks, capacity 250 MiB); a ring search that stopped at its limit reads ">=" ."""
+    mib, search = capacity.MIB, capacity.planner.search.Search
+    probes = lambda *pairs: [(s, p * mib) for s, p in pairs]
+    found = {"ring": (4096, search(256, 8192, probes((256, 10), (512, 20), (1024, 40),
+                                                      (2048, 80), (4096, 160), (8192, 320)))),
+             "alltoall dropless": (None, search(256, 8192, probes((256, 500)))),
+             "alltoall cap1.0": (1024, search(256, 8192, probes((256, 50), (512, 100),
+                                                                 (1024, 200), (2048, 400),
+                                                                 (1536, 300))))}
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capacity.capacity_table(found, 250 * mib).splitlines()[2:]]
+    assert rows == [["ring", "4,096", "160.0", "8,192", "320.0", "1.00x"],
+                    ["alltoall dropless", "none fits", "", "256", "500.0", ""],
+                    ["alltoall cap1.0", "1,024", "200.0", "1,536", "300.0", "4.00x"]]
+    found["ring"] = (8192, search(256, 8192, probes((8192, 100))))
+    table = capacity.capacity_table(found, 250 * mib)
+    assert "| ring | 8,192 (the limit) |" in table and "| >= 8.00x |" in table
+
+
+@pytest.mark.parametrize("bad", ["1280", "1280:0", "a:8", "1280:8:2"])
+def test_capacity_bad_throughput_sizes(capacity, bad):
+    with pytest.raises(SystemExit, match="--throughput"):
+        capacity.main(["--throughput", bad])

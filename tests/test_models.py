@@ -147,6 +147,23 @@ def test_router_topk_matches_numpy(norm):
     assert ids.dtype == jnp.int32 and logits.dtype == jnp.float32
 
 
+def test_router_topk_stays_sharded():
+    """lax.top_k on tokens sharded over an Explicit mesh makes XLA all-gather the whole
+    [T_global, E] scores onto every device; the router selects where the tokens live (a
+    shard_map), with the ids of numpy on the whole array and no all-gather in the program."""
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((8 * 64, 16)), rng.standard_normal((16, 32))
+    tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
+    x_th = jax.device_put(jnp.asarray(x, jnp.float32), tokens)
+    w_he = jax.device_put(jnp.asarray(w, jnp.float32), tokens.update(spec=()))
+    route = jax.jit(lambda x, w: router.route(x, w, top_k=4, norm_topk_prob=True)[2])
+    ids = route(x_th, w_he)
+    np.testing.assert_array_equal(ids, np.argsort(-(x @ w), axis=-1, kind="stable")[:, :4])
+    assert ids.sharding.spec[0] == "expert"
+    assert "all-gather" not in route.lower(x_th, w_he).compile().as_text()
+
+
 def numpy_losses(logits_lte, k):
     """float64 numpy: HF's load_balancing_loss_func (concatenated layers), per layer, z-loss."""
     logits = np.asarray(logits_lte, np.float64)

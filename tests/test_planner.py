@@ -84,3 +84,27 @@ def test_chunked_attention_cuts_the_step_peak():
     scores = 4 * 2048 * 2048 * 4              # N S S float32 per device (one sequence each)
     assert peak["xla"] > 3 * scores               # several score-sized buffers
     assert peak["chunked"] < 0.5 * peak["xla"], peak
+
+
+def test_chunked_attention_plan_skips_the_forward_scan():
+    """With the chunked attention, save_attn_out keeps o and the log-sum-exp, so the backward no
+    longer re-runs the forward scan (4 b N s S D FLOPs) on top of the projections. XLA's
+    cost_analysis counts a while loop's body once, so with J = 2 key blocks it sees half the
+    scan (with one block XLA merges the re-run scores with the backward's, which hides them).
+    save_all saves no more FLOPs, so even an unlimited budget plans save_attn_out."""
+    cfg = load_config("configs/tiny.yaml", attention_impl="chunked",
+                      attention_block_k=TC.seq_len // 2)
+    mesh = tm.make_mesh(TC.mesh)
+    costs = planner.remat.option_costs(planner.remat.AttentionShape.of(
+        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype))
+    assert costs["save_all"].flops == costs["save_attn_out"].flops
+    full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
+    r = planner.plan_remat(cfg, TC, mesh, full.peak + 2 * costs["save_attn_out"].bytes)
+    assert r.plan.options == ("save_attn_out", "save_attn_out") and r.fits
+    scan = costs["save_attn_out"].flops - costs["save_qkv"].flops
+    seen = 2 * (costs["save_qkv"].flops + scan // 2)          # per layer, loop body once
+    assert seen <= r.flops_saved < 1.1 * seen, (r.flops_saved, seen)
+    unlimited = planner.remat.plan_attention_remat(
+        cfg, batch=TC.batch_size, seq=TC.seq_len, mesh_shape=dict(mesh.shape),
+        dtype=TC.compute_dtype, budget=10**12)
+    assert unlimited.options == ("save_attn_out", "save_attn_out")

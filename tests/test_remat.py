@@ -102,6 +102,7 @@ def test_determinism():
     (lambda: remat.policy("nothing"), "'nothing'"),
     (lambda: load_config("configs/tiny.yaml", attention_remat="fast"), "attention_remat"),
     (lambda: load_config("configs/tiny.yaml", attention_remat=("full",)), "2 \\(num_hidden"),
+    (lambda: load_config("configs/tiny.yaml", moe_remat="yes"), "moe_remat"),
     (lambda: brute_force([{"save_qkv": Cost(1, 1)}] * 30, 5), "BRUTE_FORCE_LIMIT"),
 ])
 def test_bad_input(call, msg):
@@ -143,10 +144,11 @@ def _residual_bytes(cfg, option, b, s, dtype):
     return residual_bytes(option) - residual_bytes("full")
 
 
-@pytest.mark.parametrize("config, dtype", [("tiny", jnp.float32), ("tiny", jnp.bfloat16),
-                                           ("tiny-qwen2", jnp.float32)])
-def test_memory_formula_matches_saved_residuals(config, dtype):
-    cfg = load_config(f"configs/{config}.yaml")
+@pytest.mark.parametrize("config, dtype, impl", [
+    ("tiny", jnp.float32, "xla"), ("tiny", jnp.bfloat16, "xla"), ("tiny-qwen2", jnp.float32, "xla"),
+    ("tiny", jnp.bfloat16, "chunked")])
+def test_memory_formula_matches_saved_residuals(config, dtype, impl):
+    cfg = load_config(f"configs/{config}.yaml", attention_impl=impl, attention_block_k=64)
     b, s = 2, 256
     costs = remat.option_costs(remat.AttentionShape.of(cfg, b, s, {}, dtype))
     for opt in ("save_qkv", "save_attn_out"):
@@ -169,11 +171,13 @@ def test_attention_shape_follows_the_mesh():
 
 
 def test_options_give_the_same_loss_and_gradients():
+    """Every attention option, and the MoE block's recomputation (moe_remat, also around the
+    all-to-all), give the loss and gradients of no checkpoint at all."""
     mesh = jax.make_mesh((8,), ("expert",))
     ids = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
 
-    def loss_and_grads(option):
-        cfg = load_config("configs/tiny.yaml", attention_remat=option)
+    def loss_and_grads(**over):
+        cfg = load_config("configs/tiny.yaml", **over)
         model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -185,9 +189,10 @@ def test_options_give_the_same_loss_and_gradients():
         with jax.set_mesh(mesh):
             return jax.value_and_grad(f)(params)
 
-    ref_loss, ref_grads = loss_and_grads("save_all")
-    for option in ("full", ("save_qkv", "save_attn_out")):
-        loss, grads = loss_and_grads(option)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    ref_loss, ref_grads = loss_and_grads(attention_remat="save_all")
+    for over in (dict(attention_remat=("save_qkv", "save_attn_out"), moe_remat=True),
+                 dict(attention_remat="full", moe_remat=True, dispatcher="alltoall")):
+        loss, grads = loss_and_grads(**over)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(over))
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(over))

@@ -173,6 +173,10 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
                           **over)
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+        if cfg.attention_impl == "chunked" and not any("while loop" in n for n in notes):
+            notes.append("chunked attention: XLA's cost_analysis counts a while loop's body "
+                         "once, so its column sees one key block of the attention; the formula "
+                         "column counts them all")
         print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
         try:
             reports.append(plan_remat(cfg, tc, mesh, capacity))
@@ -191,7 +195,9 @@ def main(argv=None) -> int:
             out.append((d, size, rec, rep))
     head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
             f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); XLA:CPU "
-            f"buffer assignment, compile only")
+            f"buffer assignment, compile only. A GPU assigns buffers differently (other "
+            f"fusions, cuDNN attention without [S, S] scores, allocator fragmentation, the CUDA "
+            f"context): treat the sizes as a model, not a promise")
     print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
           + "".join(f"\n- {n}" for n in notes))
     if by_batch:

@@ -18,9 +18,12 @@ p = exp(s - lse) per block, with delta = rowsum(do * o):
 where dk_j and dv_j sum over the query heads of each kv group.
 
 Memory. Residuals kept between forward and backward: q, k, v, o and lse [B, S, N] float32,
-nothing of size S x S. Each scan step holds a few [B, S, N, block_k] float32 blocks (scores,
-probabilities and in the backward their gradients), so the temporaries are O(S * block_k) per
-head, plus the float32 carries (acc or dq, [B, S, N, D]) and dk, dv.
+nothing of size S x S. The forward names o and lse "attn_out" and "attn_lse"
+(`checkpoint_name`): under a `jax.checkpoint` policy that saves both, the backward starts from
+them; otherwise the forward scan runs again in the backward to rebuild them. Each scan step
+holds a few [B, S, N, block_k] float32 blocks (scores, probabilities and in the backward their
+gradients), so the temporaries are O(S * block_k) per head, plus the float32 carries (acc or dq,
+[B, S, N, D]) and dk, dv.
 All queries are processed against every key block (masked), so it does the full S^2 FLOPs,
 twice the causal minimum; it trades FLOPs for simplicity, not for memory.
 
@@ -42,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 F32 = jnp.float32
 NEG = -1e30   # finite "minus infinity": masked scores never make inf - inf = NaN
@@ -75,6 +79,7 @@ def _attention(q_bsnd, k_bskd, v_bskd, block_k, scale):
 def _attention_fwd(q_bsnd, k_bskd, v_bskd, block_k, scale):
     """Forward pass saving q, k, v, o and lse only."""
     o_bsnd, lse_bskg = _forward(q_bsnd, k_bskd, v_bskd, block_k, scale)
+    o_bsnd, lse_bskg = checkpoint_name(o_bsnd, "attn_out"), checkpoint_name(lse_bskg, "attn_lse")
     return o_bsnd, (q_bsnd, k_bskd, v_bskd, o_bsnd, lse_bskg)
 
 

@@ -60,6 +60,11 @@ class ModelConfig:
     # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
     # per layer; "save_all" = no jax.checkpoint
     attention_remat: str | tuple[str, ...] = "save_all"
+    # recompute the whole MLP/MoE block (its norm, router and dispatcher) in the backward,
+    # keeping only its input: Megatron's full recomputation of the MoE activations. It drops the
+    # all-to-all's dispatch buffers kept for the backward; the ring's custom_vjp keeps only its
+    # inputs already, so for the ring it mostly costs a second forward ring.
+    moe_remat: bool = False
 
     def __post_init__(self):
         check(self)
@@ -148,6 +153,8 @@ def check(cfg: ModelConfig) -> None:
         _fail("attention_impl", cfg.attention_impl, f"one of {ATTENTION_IMPLS}")
     if cfg.attention_block_k < 1:
         _fail("attention_block_k", cfg.attention_block_k, "an int >= 1")
+    if not isinstance(cfg.moe_remat, bool):
+        _fail("moe_remat", cfg.moe_remat, "true or false")
     remat = cfg.attention_remat
     names = (remat,) if isinstance(remat, str) else remat
     if any(o not in REMAT_OPTIONS for o in names):

@@ -58,7 +58,7 @@ from relaymoe_jax.models.sharding import AxisRules
 _ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _OURS_ONLY = ("arch", "router_z_loss_coef", "expert_bias", "expert_bias_rate", "dispatcher",
               "routing", "capacity_factor", "chunk_size", "gmm_impl", "attention_remat",
-              "attention_impl", "attention_block_k")
+              "attention_impl", "attention_block_k", "moe_remat")
 
 
 # ---------------------------------------------------------------------------------------------

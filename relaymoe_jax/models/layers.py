@@ -101,9 +101,8 @@ def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 5
     a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
     sequences.
     """
-    if impl == "chunked":
-        out = chunked_causal_attention(q_bsnd, k_bskd, v_bskd, block_k=block_k)
-    else:
-        out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd,
-                                           scale=q_bsnd.shape[-1] ** -0.5, is_causal=True)
+    if impl == "chunked":     # names its own residuals o and lse "attn_out" and "attn_lse"
+        return chunked_causal_attention(q_bsnd, k_bskd, v_bskd, block_k=block_k)
+    out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5,
+                                       is_causal=True)
     return checkpoint_name(out, "attn_out")

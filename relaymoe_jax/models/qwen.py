@@ -45,8 +45,10 @@ The MoE block has no names: the ring's backward already recomputes each hop.
 
 Attention recomputation: `config.attention_remat` (one option, or one per layer) wraps each
 layer's attention block (input norm through o_proj) in `nnx.remat` with the option's policy
-(`relaymoe_jax.remat.options`); "save_all", the default, applies none. The MLP/MoE block is never
-wrapped: a checkpoint around the ring's custom_vjp would re-run the whole ring forward.
+(`relaymoe_jax.remat.options`); "save_all", the default, applies none. The MLP/MoE block is
+wrapped (nothing saved but its input) only with `config.moe_remat`: the ring's custom_vjp keeps
+only its inputs anyway, and a checkpoint around it re-runs the whole ring forward; the all-to-all
+drops the dispatch buffers it would keep for the backward.
 """
 
 import jax
@@ -199,10 +201,15 @@ def _attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd):
     return attn(checkpoint_name(norm(x_bsh), "attn_norm"), cos_bsd, sin_bsd)
 
 
+def _mlp_block(norm, mlp, x_bsh):
+    return mlp(checkpoint_name(norm(x_bsh), "mlp_norm"))
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, i: int, *, rules, rngs, dtype):
         eps = cfg.rms_norm_eps
         self.remat_option = cfg.remat_option(i)        # relaymoe_jax.remat.options
+        self.moe_remat = cfg.moe_remat
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules,
@@ -220,8 +227,10 @@ class DecoderLayer(nnx.Module):
                 block = nnx.remat(_attention_block, policy=remat_policy(self.remat_option))
             x_bsh = x_bsh + block(self.input_layernorm, self.self_attn, x_bsh, cos_bsd, sin_bsd)
         with jax.named_scope("mlp_block"):
-            h_bsh = checkpoint_name(self.post_attention_layernorm(x_bsh), "mlp_norm")
-            y_bsh, stats = self.mlp(h_bsh)
+            block = _mlp_block
+            if self.moe_remat:
+                block = nnx.remat(_mlp_block, policy=jax.checkpoint_policies.nothing_saveable)
+            y_bsh, stats = block(self.post_attention_layernorm, self.mlp, x_bsh)
         return x_bsh + y_bsh, stats
 
 

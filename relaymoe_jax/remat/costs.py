@@ -8,10 +8,12 @@ size, `e` bytes per element of the compute dtype.
 
     m(save_qkv)      = b s (N + 2K) D e                      q, k, v projections
     m(save_attn_out) = m(save_qkv) + b s N D e               + attention output
-    m(save_all)      = m(save_attn_out) + b s H e            + the norm output
+    m(save_all)      = m(save_attn_out) + 2 b s H e          + the norm output (and its cast
+                                                               before the weight)
                        + 8 b s H                             + the RMSNorm's float32 copies
                        + [qk norm] 8 b s (N + K) D           + the q/k norms' float32 copies
-                       + b s (N + K) D e                     + q, k after RoPE
+                       + b s (N + K) D e + 4 b s D e         + q, k after RoPE, and RoPE's
+                                                               cos, sin broadcast for each
                        + [S > s] 2 b S K D e                 + gathered k, v (context parallel)
                        + b N s S (9 + e)                     + per score: the causal mask (1),
                                                                masked scores and exp (float32),
@@ -22,9 +24,19 @@ size, `e` bytes per element of the compute dtype.
     c(save_all)      = c(save_attn_out) + 2 b N s S D        + Q @ K^T
 
 `c` counts matmul FLOPs only (the norms, RoPE and softmax are elementwise: XLA's cost_analysis
-counts them too, ~7 FLOPs per score for the softmax on CPU). The attention terms are those of
-XLA's attention, which computes all S x S scores and masks them; causal flash attention computes
-about half, so its S-terms halve.
+counts them too, ~7 FLOPs per score for the softmax on CPU). The attention terms above are those
+of XLA's attention (`attention_impl="xla"`), which computes all S x S scores and masks them, keeps
+no log-sum-exp, and so recomputes the scores and softmax in the backward whatever is kept.
+
+With `attention_impl="chunked"` (`models/attention.py`, a custom_vjp whose residuals are q, k, v,
+o and the float32 log-sum-exp, named "attn_out" and "attn_lse") nothing of size S x S is kept,
+and keeping o and lse spares the backward the whole forward scan (Q @ K^T and P @ V over all key
+blocks, masked ones included):
+
+    m(save_attn_out) = m(save_qkv) + b s N D e + 4 b s N     + attention output, lse (float32)
+    m(save_all)      = m(save_attn_out) + the XLA rest above without the b N s S (9 + e) scores
+    c(save_attn_out) = c(save_qkv) + 4 b N s S D             Q @ K^T and P @ V
+    c(save_all)      = c(save_attn_out)                       (so the solver never picks it)
 
 The memory terms of save_qkv and save_attn_out are exactly the tensors the policy names; those of
 save_all are the residuals jax hands to XLA without a checkpoint, less the small ones ([b, s, 1]
@@ -54,6 +66,7 @@ class AttentionShape:
     H: int
     e: int
     qk_norm: bool
+    chunked: bool = False          # attention_impl="chunked" (see the module docstring)
 
     @classmethod
     def of(cls, cfg, batch: int, seq: int, mesh_shape: dict, dtype) -> "AttentionShape":
@@ -72,7 +85,7 @@ class AttentionShape:
         s = seq // ctx if seq % ctx == 0 else seq
         return cls(b=b, s=s, S=seq, N=cfg.num_attention_heads, K=cfg.num_key_value_heads,
                    D=cfg.head_size, H=cfg.hidden_size, e=np.dtype(dtype).itemsize,
-                   qk_norm=cfg.arch == "qwen3_moe")
+                   qk_norm=cfg.arch == "qwen3_moe", chunked=cfg.attention_impl == "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +98,16 @@ def option_costs(sh: AttentionShape) -> dict[str, Cost]:
     """{option: Cost} of one attention layer for every option but "full" (which is 0, 0)."""
     b, s, S, N, K, D, H, e = sh.b, sh.s, sh.S, sh.N, sh.K, sh.D, sh.H, sh.e
     qkv = Cost(b * s * (N + 2 * K) * D * e, 2 * b * s * H * (N + 2 * K) * D)
-    out = Cost(qkv.bytes + b * s * N * D * e, qkv.flops + 2 * b * N * s * S * D)
-    rest = (b * s * H * e + 8 * b * s * H + (8 * b * s * (N + K) * D if sh.qk_norm else 0)
-            + b * s * (N + K) * D * e + (2 * b * S * K * D * e if S > s else 0)
-            + b * N * s * S * (9 + e))
-    every = Cost(out.bytes + rest, out.flops + 2 * b * N * s * S * D)
+    rest = (2 * b * s * H * e + 8 * b * s * H + (8 * b * s * (N + K) * D if sh.qk_norm else 0)
+            + b * s * (N + K) * D * e + 4 * b * s * D * e
+            + (2 * b * S * K * D * e if S > s else 0))
+    if sh.chunked:
+        out = Cost(qkv.bytes + b * s * N * D * e + 4 * b * s * N,
+                   qkv.flops + 4 * b * N * s * S * D)
+        every = Cost(out.bytes + rest, out.flops)
+    else:
+        out = Cost(qkv.bytes + b * s * N * D * e, qkv.flops + 2 * b * N * s * S * D)
+        every = Cost(out.bytes + rest + b * N * s * S * (9 + e), out.flops + 2 * b * N * s * S * D)
     costs = {"save_qkv": qkv, "save_attn_out": out, "save_all": every}
     assert tuple(costs) == OPTIONS[1:]
     return costs

@@ -7,15 +7,18 @@ input `x` (the residual stream) is kept in every option. From least to most memo
     option          kept for the backward               recomputed in the backward
     full            nothing                             norm, q/k/v projections, attention
     save_qkv        q_proj, k_proj, v_proj outputs      norm, q/k norm, rope, attention
-    save_attn_out   + the attention output              norm, q/k norm, rope, the scores
-                                                        and softmax (not P @ V)
+    save_attn_out   + the attention output (and the     norm, q/k norm, rope; with XLA's
+                    chunked attention's log-sum-exp)    attention also the scores and
+                                                        softmax (not P @ V)
     save_all        everything (no jax.checkpoint)      nothing
 
 The projections are kept before the q/k RMSNorm, as the norm's backward needs its input: keeping
 only the normed q/k would still recompute the projection matmuls. `save_attn_out` is the option
-"attention output + log-sum-exp" of flash attention; with XLA's attention (CPU, and GPU where
-cuDNN does not apply) there is no log-sum-exp, and the backward still recomputes the scores and
-softmax from q and k, so only the P @ V product is avoided (see `costs.py`).
+"attention output + log-sum-exp" of flash attention. With `attention_impl="chunked"` the
+custom_vjp names its o and lse residuals "attn_out" and "attn_lse", so its backward starts from
+them and the forward scan is not re-run. With XLA's attention (CPU, and GPU where cuDNN does not
+apply) there is no log-sum-exp, and the backward still recomputes the scores and softmax from q
+and k, so only the P @ V product is avoided (see `costs.py`).
 """
 
 import jax
@@ -25,7 +28,7 @@ OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")
 SAVED_NAMES = {
     "full": (),
     "save_qkv": ("q_proj", "k_proj", "v_proj"),
-    "save_attn_out": ("q_proj", "k_proj", "v_proj", "attn_out"),
+    "save_attn_out": ("q_proj", "k_proj", "v_proj", "attn_out", "attn_lse"),
 }
 
 
