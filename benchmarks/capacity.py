@@ -116,13 +116,7 @@ def recompute_table(plans: dict, cfgs: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax, bx = fig.subplots(1, 2)
+def _plot_capacity(ax, found: dict, memory: int) -> None:
     for name, (seq, rec) in found.items():
         pts = sorted(rec.probes)
         line, = ax.plot([s for s, _ in pts], [p / MIB for _, p in pts], "o-", label=name)
@@ -133,24 +127,41 @@ def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
     ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="peak MiB per device",
            title="capacity: full recomputation, same micro-batch")
     ax.legend()
+
+
+def _plot_recompute(ax, plans: dict) -> None:
     names = list(VARIANTS)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs, ys = [], []
-        for j, (_size, by) in enumerate(plans.items()):
-            r = by[name]
-            xs.append(j + i * width)
-            ys.append(0 if isinstance(r, str) else r.plan.flops_saved / 1e9)
-        bars = bx.bar(xs, ys, width, label=name)
-        for x, (_size, by) in zip(xs, plans.items()):
+        xs = [j + i * width for j in range(len(plans))]
+        ys = [0 if isinstance(by[name], str) else by[name].plan.flops_saved / 1e9
+              for by in plans.values()]
+        bars = ax.bar(xs, ys, width, label=name)
+        for x, by in zip(xs, plans.values()):
             if isinstance(by[name], str):
-                bx.annotate("OOM", (x, 0), ha="center", va="bottom", fontsize=8,
+                ax.annotate("OOM", (x, 0), ha="center", va="bottom", fontsize=8,
                             color=bars.patches[0].get_facecolor())
-    bx.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(plans))],
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(plans))],
                   [f"seq {s:,}\nb={b}" for s, b in plans])
-    bx.set(ylabel="attention recompute GFLOP saved / device / step",
+    ax.set(ylabel="attention recompute GFLOP saved / device / step",
            title="recomputation: greedy plan within the capacity")
-    bx.legend()
+    ax.legend()
+
+
+def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
+    """One panel per part that ran: peak vs sequence length, and the FLOPs each plan saves."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [p for p in (found and "capacity", plans and "recompute") if p]
+    fig = Figure(figsize=(5.5 * len(panels), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels):
+        if panel == "capacity":
+            _plot_capacity(ax, found, memory)
+        else:
+            _plot_recompute(ax, plans)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
@@ -163,13 +174,19 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq", type=int, default=32768)
     p.add_argument("--seq-step", type=int, default=256)
     p.add_argument("--throughput", default="1280:24,2048:16,3072:8", metavar="SEQ:BATCH,...")
+    p.add_argument("--parts", default="capacity,recompute",
+                   help="capacity (Figure 15), recompute (Figure 13), or both (default)")
     p.add_argument("--out", type=Path, default=Path("docs/img/capacity.png"))
     p.add_argument("overrides", nargs="*", help="model or train key=value")
     args = p.parse_args(argv)
     print("# reproduce: python benchmarks/capacity.py " + shlex.join(
         [f"--memory={args.memory}", f"--batch={args.batch}", f"--max-seq={args.max_seq}",
-         f"--seq-step={args.seq_step}", f"--throughput={args.throughput}", f"--out={args.out}",
+         f"--seq-step={args.seq_step}", f"--throughput={args.throughput}",
+         f"--parts={args.parts}", f"--out={args.out}",
          *args.overrides]), flush=True)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"capacity", "recompute"}:
+        raise SystemExit(f"--parts {args.parts!r}: expected capacity, recompute or both")
     memory = planner.parse_memory(args.memory)
     sizes = [tuple(item.split(":")) for item in args.throughput.split(",") if item]
     if not all(len(s) == 2 and all(v.isdigit() and int(v) > 0 for v in s) for s in sizes):
@@ -181,13 +198,16 @@ def main(argv=None) -> int:
     tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq_step, **train_kw)
     mesh = train_mesh.make_mesh(tc.mesh)
     cfgs = configs(over)
-    found = capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
-    plans = recompute(cfgs, tc, mesh, memory, sizes) if sizes else {}
-    print(f"\nscaled {CONFIG} ({', '.join(f'{k}={v}' for k, v in SCALED.items())}), EP=8, "
+    found = (capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
+             if "capacity" in parts else {})
+    plans = recompute(cfgs, tc, mesh, memory, sizes) if "recompute" in parts and sizes else {}
+    model = {**SCALED, **over}
+    print(f"\nscaled {CONFIG} ({', '.join(f'{k}={v}' for k, v in model.items())}), EP=8, "
           f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; XLA:CPU buffer "
           "assignment, compile only")
-    print(f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
-          + capacity_table(found, memory))
+    if found:
+        print(f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
+              + capacity_table(found, memory))
     if plans:
         print("\nattention recomputation plans (Figure 13):\n" + recompute_table(plans, cfgs))
     print(f"plot: {plot(found, plans, memory, args.out)}")

@@ -107,7 +107,9 @@ def _from_blocks(x_jbtkd, s):
 def _full_like(x, value):
     """float32 `value` shaped and sharded like `x` (`jnp.full_like` drops an Explicit sharding
     outside a `jax.set_mesh` context, which would break the scan carry's type)."""
-    return jnp.where(True, jnp.asarray(value, F32), x.astype(F32))
+    # the scalar made once x exists: see relaymoe_jax.dispatch.hop.late_zero
+    scalar = lax.optimization_barrier((jnp.asarray(value, F32), x))[0]
+    return jnp.where(True, scalar, x.astype(F32))
 
 
 def _out_sharding(x):

@@ -102,6 +102,8 @@ def _zeros_like_vma(shape, dtype, *operands) -> jax.Array:
     operand gives the union, with no version-specific type inspection.
     """
     zero = sum(lax.full_like(op, 0, dtype, shape=()) for op in operands)
+    # made once the operands exist: see relaymoe_jax.dispatch.hop.late_zero
+    zero = lax.optimization_barrier((zero, operands[0]))[0]
     return jnp.broadcast_to(zero, shape)
 
 
