@@ -49,9 +49,10 @@ VARIANTS = {"ring": dict(dispatcher="ring"),
 MIB = 2**20
 
 
-def configs(overrides: dict) -> dict:
-    """{variant: ModelConfig} of the scaled model on EP=8."""
-    return {name: load_config(CONFIG, expert_size=8, **{**SCALED, **over, **overrides})
+def configs(overrides: dict, mesh) -> dict:
+    """{variant: ModelConfig} of the scaled model on `mesh` (default EP=8)."""
+    ep = train_mesh.expert_size(dict(mesh.shape))
+    return {name: load_config(CONFIG, expert_size=ep, **{**SCALED, **over, **overrides})
             for name, over in VARIANTS.items()}
 
 
@@ -97,7 +98,7 @@ def capacity_table(found: dict, memory: int) -> str:
     return "\n".join(rows)
 
 
-def recompute_table(plans: dict, cfgs: dict) -> str:
+def recompute_table(plans: dict, cfgs: dict, mesh, dtype) -> str:
     rows = ["| seq | micro-batch | dispatcher | full-recompute peak MiB | plan | planned peak MiB "
             "| attention recompute GFLOP saved per device (formula) | of all avoidable |",
             "|---:|---:|---|---:|---|---:|---:|---:|"]
@@ -107,7 +108,7 @@ def recompute_table(plans: dict, cfgs: dict) -> str:
                 rows.append(f"| {seq:,} | {batch} | {name} | does not fit | | | | |")
                 continue
             costs = planner.remat.option_costs(planner.remat.AttentionShape.of(
-                cfgs[name], batch, seq, {"expert": 8}, "float32"))
+                cfgs[name], batch, seq, dict(mesh.shape), dtype))
             best = len(r.plan.options) * max(c.flops for c in costs.values())
             plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
             rows.append(f"| {seq:,} | {batch} | {name} | {r.full.peak / MIB:,.1f} | {plan} | "
@@ -197,19 +198,21 @@ def main(argv=None) -> int:
     train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
     tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq_step, **train_kw)
     mesh = train_mesh.make_mesh(tc.mesh)
-    cfgs = configs(over)
+    cfgs = configs(over, mesh)
     found = (capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
              if "capacity" in parts else {})
     plans = recompute(cfgs, tc, mesh, memory, sizes) if "recompute" in parts and sizes else {}
     model = {**SCALED, **over}
-    print(f"\nscaled {CONFIG} ({', '.join(f'{k}={v}' for k, v in model.items())}), EP=8, "
+    print(f"\nscaled {CONFIG} ({', '.join(f'{k}={v}' for k, v in model.items())}), "
+          f"mesh {dict(mesh.shape)}, "
           f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; XLA:CPU buffer "
           "assignment, compile only")
     if found:
         print(f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
               + capacity_table(found, memory))
     if plans:
-        print("\nattention recomputation plans (Figure 13):\n" + recompute_table(plans, cfgs))
+        print("\nattention recomputation plans (Figure 13):\n"
+              + recompute_table(plans, cfgs, mesh, tc.compute_dtype))
     print(f"plot: {plot(found, plans, memory, args.out)}")
     return 0
 

@@ -24,6 +24,7 @@ from jax import lax
 
 from relaymoe_jax.dispatch import plan
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
+from relaymoe_jax.late import late_zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,19 +165,6 @@ class Hop:
 
 def zeros_f32(shape, *refs):
     """f32 zeros that vary over the same manual axes as `refs` (an accumulator), made once
-    `refs[0]` exists (`late_zero`)."""
+    `refs[0]` exists (`relaymoe_jax.late.late_zero`)."""
     return plan.vary_like(jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]),
                                            shape), *refs)
-
-
-def late_zero(scalar, anchor):
-    """`scalar` through an optimization barrier with `anchor`: broadcast it to make a loop
-    accumulator that XLA can only materialise once `anchor` (an input of the loop) exists.
-
-    Without it XLA merges identical zero broadcasts program-wide (CSE) and gives every while
-    loop that carries one its own copy, and XLA:CPU schedules all those copies early: the
-    accumulators of every layer's loops were alive at once (measured: 306 of a 534 MiB
-    train-step peak, 8 layers of the scaled Qwen3-30B at 4,096 tokens per device). A barrier on
-    the scalar, not on the broadcast, so no full-size zeros exist before they are needed.
-    """
-    return jax.lax.optimization_barrier((scalar, anchor))[0]

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from relaymoe_jax.late import late_zero
+
 F32 = jnp.float32
 NEG = -1e30   # finite "minus infinity": masked scores never make inf - inf = NaN
 
@@ -107,9 +109,7 @@ def _from_blocks(x_jbtkd, s):
 def _full_like(x, value):
     """float32 `value` shaped and sharded like `x` (`jnp.full_like` drops an Explicit sharding
     outside a `jax.set_mesh` context, which would break the scan carry's type)."""
-    # the scalar made once x exists: see relaymoe_jax.dispatch.hop.late_zero
-    scalar = lax.optimization_barrier((jnp.asarray(value, F32), x))[0]
-    return jnp.where(True, scalar, x.astype(F32))
+    return jnp.where(True, late_zero(jnp.asarray(value, F32), x), x.astype(F32))
 
 
 def _out_sharding(x):

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from relaymoe_jax.late import late_zero
+
 DEFAULT_TILE_M = 128
 
 
@@ -102,8 +104,7 @@ def _zeros_like_vma(shape, dtype, *operands) -> jax.Array:
     operand gives the union, with no version-specific type inspection.
     """
     zero = sum(lax.full_like(op, 0, dtype, shape=()) for op in operands)
-    # made once the operands exist: see relaymoe_jax.dispatch.hop.late_zero
-    zero = lax.optimization_barrier((zero, operands[0]))[0]
+    zero = late_zero(zero, operands[0])           # made once the operands exist
     return jnp.broadcast_to(zero, shape)
 
 
