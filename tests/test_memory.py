@@ -27,7 +27,7 @@ def test_ring_uses_a_fraction_of_alltoall(measured, ring):
 @pytest.mark.parametrize("routing", ["expert", "token"])
 def test_ring_is_near_its_analytic_floor(measured, routing):
     """Within 15% below and 30% above the analytic live set. Since the loop accumulators are made
-    late (`dispatch.hop.late_zero`) XLA overlaps part of what the model counts as live together
+    late (`relaymoe_jax.late`) XLA overlaps part of what the model counts as live together
     (measured fwd / fwd+bwd: expert 1.11 / 0.88, token 0.91 / 0.87)."""
     got = measured[f"ring-{routing}"]
     floor = memory.ring_floor_bytes(SHAPE, routing=routing)
