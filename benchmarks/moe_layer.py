@@ -1,10 +1,12 @@
 """Per-device memory, ring traffic and (optionally) time of one MoE layer: ring vs all-to-all.
 
 Memory is XLA's own buffer assignment (`compiled.memory_analysis()`), per device, on emulated CPU
-devices. Ring traffic is read from the compiled HLO: the bytes of the collective permutes in one
-iteration of the forward ring loop and of the backward ring loop, next to the paper's Table 2
-prediction. Run `python benchmarks/moe_layer.py --help`; the first output line is the command
-that reproduces the table.
+devices, or with `--target h100|h200` on abstract GPUs: the XLA:GPU compiler's buffer assignment
+for an 8-GPU node, compiled without a GPU (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra), bf16,
+with the Pallas grouped-matmul kernel. Ring traffic is read from the compiled HLO: the bytes of the
+collective permutes in one iteration of the forward ring loop and of the backward ring loop, next
+to the paper's Table 2 prediction. Run `python benchmarks/moe_layer.py --help`; the first output
+line is the command that reproduces the table. No timing is possible with --target.
 """
 
 import argparse
@@ -17,18 +19,28 @@ VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")   # = mem
 # experts at long sequence), with H, F and tokens scaled by 1/8 so they run on a CPU host: weights
 # shrink 64x, tokens 8x, so token routing's advantage at E384 shrinks 8x but keeps its side.
 MODES_PRESET = [(384, 12, 256, 256, 2560), (384, 16, 256, 256, 2560), (128, 8, 256, 96, 16384)]
+# --target's default shapes, full size: the paper shape (Qwen3-30B-A3B's experts, 61,440 tokens
+# per device) at k=8 and 16, and paper §4.5's 384-expert configs (H = F = 2048, 20K tokens).
+GPU_PRESET = [(128, 8, 2048, 768, 61440), (128, 16, 2048, 768, 61440),
+              (384, 12, 2048, 2048, 20480), (384, 16, 2048, 2048, 20480)]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", "-E", type=int, nargs="+", default=[64])
-    p.add_argument("--top-k", "-k", type=int, nargs="+", default=[8])
-    p.add_argument("--hidden", "-H", type=int, default=512)
-    p.add_argument("--ffn", "-F", type=int, default=256)
-    p.add_argument("--tokens-per-device", "-T", type=int, nargs="+", default=[2048])
-    p.add_argument("--ep", type=int, default=8, help="expert-parallel size = emulated devices")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"])
+    p.add_argument("--experts", "-E", type=int, nargs="+", default=None, help="default 64")
+    p.add_argument("--top-k", "-k", type=int, nargs="+", default=None, help="default 8")
+    p.add_argument("--hidden", "-H", type=int, default=None, help="default 512")
+    p.add_argument("--ffn", "-F", type=int, default=None, help="default 256")
+    p.add_argument("--tokens-per-device", "-T", type=int, nargs="+", default=None,
+                   help="default 2048")
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size = devices")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=None,
+                   help="default float32 (bfloat16 with --target)")
+    p.add_argument("--target", choices=["h100", "h200"], default=None,
+                   help="compile for abstract GPUs (XLA:GPU, no GPU needed; implies "
+                        "--compile-only). Without shape flags: the full-size shapes "
+                        + ", ".join(str(c) for c in GPU_PRESET) + " (E, k, H, F, T/dev)")
     p.add_argument("--chunk", type=int, default=None, help="ring chunk (default: balanced share)")
     p.add_argument("--paper", action="store_true",
                    help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
@@ -44,8 +56,20 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     a = p.parse_args(argv)
+    shape_flags = (a.experts, a.top_k, a.hidden, a.ffn, a.tokens_per_device)
+    a.gpu_preset = a.target is not None and all(v is None for v in shape_flags) and not (
+        a.paper or a.modes)
+    for name, default in (("experts", [64]), ("top_k", [8]), ("hidden", 512), ("ffn", 256),
+                          ("tokens_per_device", [2048])):
+        if getattr(a, name) is None:
+            setattr(a, name, default)
+    a.dtype = a.dtype or (["bfloat16"] if a.target else ["float32"])
     if a.paper and a.modes:
         p.error("--paper and --modes are two presets: choose one")
+    if a.target:
+        if a.time:
+            p.error("--time needs a real device; --target compiles for abstract GPUs only")
+        a.compile_only = True
     if a.paper:
         a.experts, a.top_k, a.hidden, a.ffn = [128], [8, 16], 2048, 768
         a.tokens_per_device, a.dtype, a.compile_only = [61440], ["float32", "bfloat16"], True
@@ -57,8 +81,8 @@ def parse_args(argv=None):
 def shapes(args):
     from relaymoe_jax.memory import LayerShape
     for dtype in args.dtype:
-        if args.modes:
-            for e, k, h, f, t in MODES_PRESET:
+        if args.modes or args.gpu_preset:
+            for e, k, h, f, t in MODES_PRESET if args.modes else GPU_PRESET:
                 yield LayerShape(e, k, h, f, t, args.ep, dtype, args.chunk)
             continue
         for e in args.experts:
@@ -108,25 +132,45 @@ def main(argv=None):
                                + f" --xla_force_host_platform_device_count={args.ep}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import logging
+    import warnings
 
     import jax
 
-    from relaymoe_jax import memory
+    from relaymoe_jax import gpu_mesh, memory
 
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: we know
+    warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     cmd = " ".join(shlex.quote(a) for a in ["python", sys.argv[0], *(argv or sys.argv[1:])])
-    print(f"# reproduce: {cmd}")
-    print(f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
-          "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
-    print("# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
-          "permutes (XLA:CPU sends bf16 as f32); Table 2: the paper's prediction. "
-          "'x auto': this row / the ring mode routing='auto' picks (listed under the table)")
-    mesh = jax.make_mesh((args.ep,), ("expert",))
+    print(f"# reproduce: {cmd}", flush=True)
+    if args.target:
+        try:
+            mesh = gpu_mesh.mesh((args.ep,), ("expert",), target=args.target)
+        except (gpu_mesh.PluginMissing, ValueError) as e:
+            sys.exit(f"moe_layer.py: {e}")
+        gib = gpu_mesh.device_memory(args.target) / 2**30
+        print(f"# jax {jax.__version__}, XLA:GPU compiler for {args.ep} abstract "
+              f"{gpu_mesh.device_kind(args.target)} ({gib:,.1f} "
+              "GiB each), no GPU: buffer assignment only, no timing; gmm_impl='auto' = the Pallas "
+              "kernel; per-device temp_size_in_bytes from compiled.memory_analysis(); "
+              "MiB = 2^20 bytes")
+        wire = "as the GPU program sends them: bf16 stays bf16"
+    else:
+        mesh = jax.make_mesh((args.ep,), ("expert",))
+        print(f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
+              "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
+        wire = "XLA:CPU sends bf16 as f32"
+    print(f"# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
+          f"permutes ({wire}); Table 2: the paper's prediction. "
+          "'x auto': this row / the ring mode routing='auto' picks (listed under the table)",
+          flush=True)
     head = ("E", "k", "H", "F", "T/dev", "dtype", "variant", "fwd MiB", "fwd+bwd MiB", "x auto",
             "[T*k,H] units", "x floor", "hop fwd KiB", "Table 2 fwd", "hop bwd KiB",
             "Table 2 bwd")
     if args.time:
         head += ("fwd+bwd ms", "time x auto")
+    if args.target:
+        head += (f"fwd+bwd % of {args.target.upper()}",)
+        device_bytes = gpu_mesh.device_memory(args.target)
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     notes = []
@@ -153,6 +197,8 @@ def main(argv=None):
             if args.time:
                 cells += [f"{secs[v] * 1e3:,.1f}" if v in secs else "(too big)",
                           f"{secs[v] / secs[auto]:.2f}" if v in secs and auto in secs else "-"]
+            if args.target:
+                cells.append(f"{100 * m['fwdbwd'] / device_bytes:,.1f}")
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     print("\n" + "\n".join(notes))
 

@@ -88,3 +88,52 @@ def loop_permute_bytes(hlo_text: str) -> list[int]:
 def total_permute_bytes(hlo_text: str) -> int:
     """Bytes one device sends by collective permute over one program execution."""
     return sum(p.bytes * p.trips for p in collective_permutes(hlo_text))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSchedule:
+    """The order of one while body's async permutes around the while loops it runs.
+
+    Positions are instruction indices in the body's scheduled order (`as_text()` of a compiled,
+    scheduled module prints each computation in its schedule's order).
+    """
+    computation: str            # the while body
+    starts: tuple[int, ...]     # positions of its collective-permute-starts
+    dones: tuple[int, ...]      # positions of their -dones
+    loops: tuple[int, ...]      # positions of the while loops it runs (a ring hop's chunk loop)
+
+    @property
+    def overlapped(self) -> bool:
+        """Every transfer starts before the body's first loop and ends after its last one."""
+        return bool(self.loops and self.starts) and (
+            max(self.starts) < min(self.loops) and min(self.dones) > max(self.loops))
+
+
+def loop_schedules(hlo_text: str) -> list[LoopSchedule]:
+    """Every while body that issues async collective permutes, with their order around its loops.
+
+    A ring loop body hides its transfer behind its hop's compute when `overlapped` holds: the
+    permute starts before the chunk loop and is waited for after it. A synchronous
+    `collective-permute` (XLA:CPU) has no start/done pair and is not listed.
+    """
+    bodies = set(re.findall(r"\bwhile\(.*?\bbody=%([^\s,]+)", hlo_text))
+    order: dict[str, list[tuple[str, str, str]]] = {}   # computation -> (name, opcode, operands)
+    comp = ""
+    for line in hlo_text.splitlines():
+        if (m := _COMP.match(line)) and line.rstrip().endswith("{"):
+            comp = m.group(1)
+        elif (m := _INSTR.match(line)) and comp in bodies:
+            name, _, opcode, operands, _ = m.groups()
+            order.setdefault(comp, []).append((name, opcode, operands))
+    out = []
+    for comp, instrs in order.items():
+        pos = {name: i for i, (name, _, _) in enumerate(instrs)}
+        starts = [i for i, (_, op, _) in enumerate(instrs) if op == "collective-permute-start"]
+        if not starts:
+            continue
+        start_names = {instrs[i][0] for i in starts}
+        dones = [i for i, (_, op, ops) in enumerate(instrs) if op == "collective-permute-done"
+                 and re.findall(r"%([^\s,]+)", ops)[0] in start_names]
+        loops = [pos[name] for name, op, _ in instrs if op == "while"]
+        out.append(LoopSchedule(comp, tuple(starts), tuple(dones), tuple(loops)))
+    return out

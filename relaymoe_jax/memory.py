@@ -59,9 +59,11 @@ def ring_floor_bytes(s: LayerShape, backward: bool = True, routing: str = "exper
                 2*W_p f32
     Token routing (a token partition's metadata: pair order [T*k] int32 + router weights [T*k]):
       forward:  visiting and next tokens 2*[T,H] + their metadata + output accumulator and its
-                transfer 2*[T,H] f32
+                transfer 2*[T,H] f32 + this hop's partial output [T,H] f32 (the accumulator
+                trails one hop so that its transfer overlaps the compute; dispatch/ring.py)
       fwd+bwd:  visiting and next tokens and dy 4*[T,H] + their metadata + dx accumulator [T,H]
-                f32 + d expert_weights [T*k] f32 + the local dW accumulator W_p f32
+                f32 + d expert_weights [T*k] f32 + this hop's partials of both, [T,H] + [T*k]
+                f32 + the local dW accumulator W_p f32
     """
     if routing not in ("expert", "token"):
         raise ValueError(f"routing={routing!r}: expected 'expert' or 'token'")
@@ -72,8 +74,8 @@ def ring_floor_bytes(s: LayerShape, backward: bool = True, routing: str = "exper
     if routing == "token":
         meta = 2 * t * k * (4 + b)
         if not backward:
-            return 2 * t * h * b + meta + 2 * t * h * 4 + chunk_fwd
-        return 4 * t * h * b + meta + t * h * 4 + t * k * 4 + w_p * 4 + chunk_bwd
+            return 2 * t * h * b + meta + 3 * t * h * 4 + chunk_fwd
+        return 4 * t * h * b + meta + 2 * (t * h * 4 + t * k * 4) + w_p * 4 + chunk_bwd
     if not backward:
         return t * h * 4 + 2 * w_p * b + chunk_fwd
     return t * h * (b + 4) + t * k * 8 + 2 * w_p * b + 2 * w_p * 4 + chunk_bwd
@@ -124,13 +126,16 @@ def compiled_memory(fn, args):
 
 
 def measure_layer(s: LayerShape, mesh, variant: str, axis="expert"):
-    """One variant, compile-only: {"fwd", "fwdbwd"} temp bytes per device, and the bytes one
+    """One variant, compile-only for `mesh`'s devices (emulated CPUs, or abstract GPUs from
+    `relaymoe_jax.gpu_mesh`: then XLA:GPU's buffer assignment, with gmm_impl "auto" the Pallas
+    kernel): {"fwd", "fwdbwd"} temp bytes per device, and the bytes one
     ring hop sends, read from the compiled HLO's collective permutes: "hop_fwd" (the forward
     loop body) and "hop_bwd" (the fwd+bwd program's loop bodies minus the forward's). 0 for the
     all-to-all, which has no ring."""
     fwd, fwdbwd = layer_fns(s, mesh, variant, axis)
     args = abstract_args(s, mesh, axis)
-    c_fwd, c_all = (jax.jit(f).lower(*args).compile() for f in (fwd, fwdbwd))
+    with jax.set_mesh(mesh):   # an abstract GPU mesh (`gpu_mesh`): Pallas needs the context
+        c_fwd, c_all = (jax.jit(f).trace(*args).lower().compile() for f in (fwd, fwdbwd))
     hop_fwd = sum(hlo.loop_permute_bytes(c_fwd.as_text()))
     return {"fwd": c_fwd.memory_analysis().temp_size_in_bytes,
             "fwdbwd": c_all.memory_analysis().temp_size_in_bytes,

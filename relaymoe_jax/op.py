@@ -13,6 +13,7 @@ from relaymoe_jax.dispatch import plan
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
 from relaymoe_jax.dispatch.reference import reference_moe
 from relaymoe_jax.dispatch.ring import RingConfig, ring_moe
+from relaymoe_jax.kernels.gmm import resolve_impl
 from relaymoe_jax.validate import validate
 
 log = logging.getLogger("relaymoe_jax")
@@ -47,9 +48,10 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
       chunk_size: ring only: pairs per chunk (default: the balanced share ceil(T_local*k / EP)).
       token_axes: mesh axes the token dimension is sharded over; must include the expert axes.
         Default: every axis of the mesh.
-      gmm_impl: grouped matmul, see `relaymoe_jax.kernels.gmm`: "auto" (the Pallas kernel on
-        GPU, the blocked XLA one elsewhere), "xla", "ragged_dot", "pallas", or
-        "pallas-interpret" (the Pallas kernel in its CPU interpreter: slow, for tests).
+      gmm_impl: grouped matmul, see `relaymoe_jax.kernels.gmm`: "auto" (the Pallas kernel when
+        `mesh`'s devices are GPUs, abstract ones included; the blocked XLA one elsewhere),
+        "xla", "ragged_dot", "pallas", or "pallas-interpret" (the Pallas kernel in its CPU
+        interpreter: slow, for tests).
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).
 
     Returns y [tokens, hidden] in x.dtype, or (y, stats) with return_stats=True.
@@ -60,6 +62,8 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
                      dispatcher=dispatcher, routing=routing, capacity_factor=capacity_factor,
                      chunk_size=chunk_size, token_axes=token_axes, gmm_impl=gmm_impl)
     num_experts = w_gate.shape[0]
+    if gmm_impl == "auto":   # from the mesh's devices: an abstract GPU mesh gets the kernel
+        gmm_impl = resolve_impl("auto", mesh=mesh)
     stats = {
         "dropped_pairs": jnp.int32(0),
         "ignored_pairs": jnp.sum((expert_ids < 0) | (expert_ids >= num_experts)).astype(jnp.int32),

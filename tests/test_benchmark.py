@@ -59,3 +59,19 @@ def test_capacity_table_reads_the_search_probes(capacity):
 def test_capacity_bad_throughput_sizes(capacity, bad):
     with pytest.raises(SystemExit, match="--throughput"):
         capacity.main(["--throughput", bad])
+
+
+def test_target_defaults_to_the_full_size_gpu_shapes(table):
+    args = table.parse_args(["--target", "h100"])
+    assert args.compile_only and args.dtype == ["bfloat16"]
+    got = [(s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.dtype)
+           for s in table.shapes(args)]
+    assert got == [(*c, "bfloat16") for c in table.GPU_PRESET]
+    # shape flags given: the user's shape, not the preset
+    args = table.parse_args(["--target", "h200", "-E", "16", "-T", "64"])
+    assert [(s.experts, s.tokens_per_device) for s in table.shapes(args)] == [(16, 64)]
+
+
+def test_target_refuses_timing(table):
+    with pytest.raises(SystemExit):
+        table.parse_args(["--target", "h100", "--time"])

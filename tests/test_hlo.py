@@ -118,3 +118,33 @@ def test_async_pair_counted_once():
 )
 def test_shape_bytes(shape, nbytes):
     assert hlo.shape_bytes(shape) == nbytes
+
+
+def _scheduled_body(order):
+    """A scheduled while body whose instructions come in `order` (start / loop / done / other)."""
+    lines = {
+        "start": "  %cp-start = (f32[4], f32[4]) collective-permute-start(%p), channel_id=1",
+        "loop": "  %chunks = (s32[], f32[4]) while(%t), condition=%cond, body=%hop",
+        "done": "  %cp-done = f32[4] collective-permute-done(%cp-start)",
+        "other": "  %add = f32[4] add(%p, %p)",
+    }
+    return "\n".join([
+        "%hop (a: (s32[], f32[4])) -> (s32[], f32[4]) {", "  %a = f32[4] parameter(0)", "}",
+        "%ring (p: f32[4]) -> f32[4] {", "  %p = f32[4] parameter(0)",
+        *(lines[o] for o in order), "}",
+        "ENTRY %main (x: f32[4]) -> f32[4] {",
+        '  %w = f32[4] while(%x), condition=%c, body=%ring, backend_config={"known_trip_count":'
+        '{"n":"7"}}', "}"])
+
+
+@pytest.mark.parametrize("order, overlapped", [
+    (["start", "other", "loop", "done"], True),
+    (["loop", "start", "done"], False),        # the transfer waits for the hop's compute
+    (["start", "done", "loop"], False),        # waited for before the compute: nothing hidden
+    (["start", "loop", "other", "done"], True),
+])
+def test_loop_schedules_reads_the_order(order, overlapped):
+    (s,) = hlo.loop_schedules(_scheduled_body(order))
+    assert s.computation == "ring"
+    assert s.overlapped is overlapped
+    assert len(s.starts) == len(s.dones) == len(s.loops) == 1

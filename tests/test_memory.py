@@ -17,8 +17,8 @@ def measured():
 @pytest.mark.parametrize("ring", ["ring-expert", "ring-token"])
 def test_ring_uses_a_fraction_of_alltoall(measured, ring):
     ring = measured[ring]
-    # Measured with jax 0.12.0.1: expert routing 11.6 MiB, token routing 10.1 MiB;
-    # capacity 1.0: 6.59x / 7.51x.
+    # Measured with jax 0.12.0.1: expert routing 11.6 MiB, token routing 11.2 MiB (10.1 before
+    # its accumulator trailed one hop for overlap); capacity 1.0: 6.59x / 6.81x.
     assert measured["a2a-cap1.0"]["fwdbwd"] >= 5.5 * ring["fwdbwd"]
     assert measured["a2a-dropless"]["fwdbwd"] >= 20 * ring["fwdbwd"]
     assert measured["a2a-cap1.0"]["fwd"] >= 2 * ring["fwd"]
@@ -28,7 +28,7 @@ def test_ring_uses_a_fraction_of_alltoall(measured, ring):
 def test_ring_is_near_its_analytic_floor(measured, routing):
     """Within 15% below and 30% above the analytic live set. Since the loop accumulators are made
     late (`relaymoe_jax.late`) XLA overlaps part of what the model counts as live together
-    (measured fwd / fwd+bwd: expert 1.11 / 0.88, token 0.91 / 0.87)."""
+    (measured fwd / fwd+bwd: expert 1.11 / 0.88, token 0.92 / 0.88)."""
     got = measured[f"ring-{routing}"]
     floor = memory.ring_floor_bytes(SHAPE, routing=routing)
     assert 0.85 * floor <= got["fwdbwd"] <= 1.3 * floor

@@ -12,7 +12,10 @@ accumulated in float32. Zero groups (G == 0) give all-zero outputs.
 
 impl="pallas" is the Pallas (Triton lowering) GPU kernel of `pallas.py`, with its
 own custom_vjp; `interpret=True` runs it on CPU with the Pallas interpreter
-(tests). "auto" picks "pallas" on GPU and the blocked "xla" version elsewhere.
+(tests). "auto" picks "pallas" when the code compiles for a GPU and the blocked "xla" version
+elsewhere; the platform is that of the mesh in context (`jax.set_mesh`, a shard_map's mesh),
+so a deviceless compile for an abstract GPU mesh (`relaymoe_jax.gpu_mesh`) gets the kernel
+although its process runs on a CPU backend.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relaymoe_jax import gpu_mesh
 from relaymoe_jax.kernels.gmm import pallas
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
@@ -27,16 +31,18 @@ from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
 IMPLS = ("auto", "xla", "ragged_dot", "pallas")
 
 
-def resolve_impl(impl: str, interpret: bool = False) -> str:
+def resolve_impl(impl: str, interpret: bool = False, mesh=None) -> str:
     """Holds the concrete implementation name for `impl`.
 
-    "auto" is "pallas" when JAX's default backend is a GPU (or when `interpret`
-    asks for the Pallas interpreter), else "xla". `interpret` applies to Pallas.
+    "auto" is "pallas" when the code compiles for a GPU (or when `interpret`
+    asks for the Pallas interpreter), else "xla". The platform is `mesh`'s when
+    given, else the context mesh's, else JAX's default backend
+    (`relaymoe_jax.gpu_mesh.platform`). `interpret` applies to Pallas.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if interpret or jax.default_backend() == "gpu" else "xla"
+        return "pallas" if interpret or gpu_mesh.platform(mesh) == "gpu" else "xla"
     if interpret and impl != "pallas":
         raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to "
                          f"impl={impl!r}")

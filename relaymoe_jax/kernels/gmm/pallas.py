@@ -213,7 +213,10 @@ def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
     src_t = _source_rows(rows_ref, row0, bm, own_t, x_ref.shape[0]) if gather else None
     cols_ok = _in_bounds(n0, bn, n_dim)
     w_g = jnp.minimum(g, num_groups - 1)  # padding items (g == G) load no weights
-    trips = jnp.where((g < num_groups) & (hi > lo), pl.cdiv(k_dim, bk), 0)
+    # An int32 product, not jnp.where: Pallas' Triton lowering types a select of two Python
+    # ints as its i1 predicate, and the scf.for then fails XLA's Triton verifier (issue 13).
+    live = ((g < num_groups) & (hi > lo)).astype(jnp.int32)
+    trips = live * jnp.int32(pl.cdiv(k_dim, bk))
     contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
 
     def body(kb, acc_tn):
