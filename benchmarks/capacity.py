@@ -1,8 +1,18 @@
 """The two uses of the ring's saved memory in full-model training (paper §4.4), scaled to compile
-on CPU: longer sequences (Figure 15) and less attention recomputation (Figure 13).
+on CPU: longer sequences (Figure 15) and less attention recomputation (Figure 13); or, with
+`--target`, the capacity experiment at full size on the XLA:GPU compiler.
 
     python benchmarks/capacity.py [--memory 1GiB] [--batch 8] [--max-seq 32768] [--seq-step 256]
         [--throughput 1280:24,2048:16,3072:8] [--out docs/img/capacity.png] [k=v ...]
+    python benchmarks/capacity.py --target h100 --config configs/moe-k8.yaml --batch 12 \
+        --seqs 40960,65536,92160,100352,116736,153600 mesh=context=8 [--max-seq L] [k=v ...]
+
+With `--target h100|h200` the model is `--config` at its real size (none of SCALED below; only the
+experiment's settings: chunked attention, every attention and MoE block recomputed), bf16, on
+`--hosts` hosts of 8 abstract GPUs (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra, no GPU),
+and `--memory` defaults to 0.9 x the target's. `--seqs` probes the listed sequence lengths (the
+paper's 40K-150K), `--max-seq` also searches the largest that fits (doubling and bisection from
+`--seq-step`); every probe is one compile of the whole train step by XLA:GPU.
 
 Model: configs/qwen3-30b-a3b.yaml with the paper's routing (E=128 experts, top-8) and the
 sizes of SCALED below (hidden 256, expert FFN 96, 4 layers, 4 query heads and 1 kv head of 64,
@@ -30,15 +40,22 @@ backward (`attention_remat=full`, `moe_remat=true`) for the capacity experiment.
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 from pathlib import Path
+
+if __name__ == "__main__" and "--target" in " ".join(sys.argv):   # before jax (gpu_mesh)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from relaymoe_jax.models.configs import load_config, parse_overrides
 from train import loop, planner  # train first: 8 emulated CPU devices before jax is imported
 from train import mesh as train_mesh
 
 CONFIG = "configs/qwen3-30b-a3b.yaml"
+# --target: the experiment's settings on a full-size config (paper §4.4: full recomputation)
+FULL_SIZE = dict(attention_impl="chunked", attention_block_k=512, attention_remat="full",
+                 moe_remat=True)
 SCALED = dict(hidden_size=256, moe_intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=256,
               attention_impl="chunked", attention_block_k=128, max_position_embeddings=131072,
@@ -49,11 +66,32 @@ VARIANTS = {"ring": dict(dispatcher="ring"),
 MIB = 2**20
 
 
-def configs(overrides: dict, mesh) -> dict:
-    """{variant: ModelConfig} of the scaled model on `mesh` (default EP=8)."""
+def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = None) -> dict:
+    """{variant: ModelConfig} of `config` with `scaled` (default SCALED) on `mesh`."""
     ep = train_mesh.expert_size(dict(mesh.shape))
-    return {name: load_config(CONFIG, expert_size=ep, **{**SCALED, **over, **overrides})
+    scaled = SCALED if scaled is None else scaled
+    return {name: load_config(config, expert_size=ep, **{**scaled, **over, **overrides})
             for name, over in VARIANTS.items()}
+
+
+def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
+    """{variant: (longest of `seqs` that fits or None, search record of every probe)}: the fully
+    recomputed step at each listed sequence length, one compile each."""
+    found = {}
+    for name, cfg in cfgs.items():
+        print(f"# {name}: sequences {', '.join(f'{s:,}' for s in seqs)} at micro-batch "
+              f"{tc.batch_size} ...", flush=True)
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(
+            cfg.max_position_embeddings, *seqs))
+        rec = planner.search.Search(step=min(seqs), limit=max(seqs))
+        for seq in seqs:
+            peak = planner.step_cost(cfg, dataclasses.replace(tc, seq_len=seq), mesh,
+                                     memo=False).peak
+            rec.probes.append((seq, peak))
+            print(f"  size {seq}: {peak / MIB:,.1f} MiB "
+                  f"{'fits' if peak <= memory else 'does not fit'}", flush=True)
+        found[name] = (max((s for s, p in rec.probes if p <= memory), default=None), rec)
+    return found
 
 
 def capacity(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, limit: int, step: int):
@@ -170,9 +208,18 @@ def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--memory", default="1GiB", help="usable memory per device (default 1GiB)")
+    p.add_argument("--memory", default=None,
+                   help="usable memory per device (default 1GiB; 0.9 x the device's with "
+                        "--target)")
+    p.add_argument("--target", choices=list(planner.gpu_mesh.TARGETS), default=None,
+                   help="compile for abstract GPUs with XLA:GPU, --config at full size")
+    p.add_argument("--hosts", type=int, default=1, help="with --target: hosts of 8 GPUs")
+    p.add_argument("--config", default=CONFIG, help=f"model config (default {CONFIG})")
+    p.add_argument("--seqs", default="", metavar="SEQ,...",
+                   help="probe these sequence lengths (each one compile per dispatcher)")
     p.add_argument("--batch", type=int, default=8, help="micro-batch of the capacity search")
-    p.add_argument("--max-seq", type=int, default=32768)
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="search the largest sequence up to this (default 32768 without --seqs)")
     p.add_argument("--seq-step", type=int, default=256)
     p.add_argument("--throughput", default="1280:24,2048:16,3072:8", metavar="SEQ:BATCH,...")
     p.add_argument("--parts", default="capacity,recompute",
@@ -180,15 +227,37 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/img/capacity.png"))
     p.add_argument("overrides", nargs="*", help="model or train key=value")
     args = p.parse_args(argv)
+    target = args.target
+    if args.hosts < 1 or (args.hosts != 1 and not target):
+        raise SystemExit(f"--hosts {args.hosts}: expected >= 1, and only with --target")
+    try:
+        seqs = [int(v) for v in args.seqs.split(",") if v]
+    except ValueError:
+        seqs = [0]
+    if any(v < 1 for v in seqs):
+        raise SystemExit(f"--seqs {args.seqs!r}: expected positive integers SEQ[,SEQ...]")
+    if target:
+        args.parts = "capacity"
+    if args.max_seq is None and not seqs:
+        args.max_seq = 32768
     print("# reproduce: python benchmarks/capacity.py " + shlex.join(
-        [f"--memory={args.memory}", f"--batch={args.batch}", f"--max-seq={args.max_seq}",
-         f"--seq-step={args.seq_step}", f"--throughput={args.throughput}",
+        [*([f"--target={target}", f"--hosts={args.hosts}"] if target else []),
+         *([f"--config={args.config}"] if args.config != CONFIG else []),
+         *([f"--seqs={args.seqs}"] if seqs else []),
+         *([f"--memory={args.memory}"] if args.memory else []), f"--batch={args.batch}",
+         *([f"--max-seq={args.max_seq}", f"--seq-step={args.seq_step}"] if args.max_seq else []),
+         *([f"--throughput={args.throughput}"] if not target else []),
          f"--parts={args.parts}", f"--out={args.out}",
          *args.overrides]), flush=True)
     parts = set(args.parts.split(","))
     if not parts or parts - {"capacity", "recompute"}:
         raise SystemExit(f"--parts {args.parts!r}: expected capacity, recompute or both")
-    memory = planner.parse_memory(args.memory)
+    if target:
+        gpu = planner.gpu_mesh
+        memory = (planner.parse_memory(args.memory) if args.memory
+                  else int(0.9 * gpu.device_memory(target)))
+    else:
+        memory = planner.parse_memory(args.memory or "1GiB")
     sizes = [tuple(item.split(":")) for item in args.throughput.split(",") if item]
     if not all(len(s) == 2 and all(v.isdigit() and int(v) > 0 for v in s) for s in sizes):
         raise SystemExit(f"--throughput {args.throughput!r}: expected SEQ:BATCH[,SEQ:BATCH...] "
@@ -196,17 +265,33 @@ def main(argv=None) -> int:
     sizes = [(int(a), int(b)) for a, b in sizes]
     over = parse_overrides(args.overrides)
     train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
+    if target:
+        train_kw.setdefault("compute_dtype", "bfloat16")
     tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq_step, **train_kw)
-    mesh = train_mesh.make_mesh(tc.mesh)
-    cfgs = configs(over, mesh)
-    found = (capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
-             if "capacity" in parts else {})
+    if target:
+        shape = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu.GPUS_PER_HOST)
+        mesh = gpu.mesh(tuple(shape.values()), tuple(shape), target=target)
+        where = (f"XLA:GPU buffer assignment for {mesh.devices.size} abstract "
+                 f"{gpu.device_kind(target)}, compile only, no GPU (no timing)")
+        model = {**FULL_SIZE, **over}
+        cfgs = configs(over, mesh, args.config, scaled=FULL_SIZE)
+    else:
+        where = "XLA:CPU buffer assignment, compile only"
+        model = {**SCALED, **over}
+        cfgs = configs(over, mesh := train_mesh.make_mesh(tc.mesh), args.config)
+    found = {}
+    if "capacity" in parts and seqs:
+        found = probe(cfgs, tc, mesh, memory, seqs)
+    if "capacity" in parts and args.max_seq:
+        searched = capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
+        for name, (seq, rec) in searched.items():   # one record per dispatcher, probes merged
+            if name in found:
+                rec.probes = found[name][1].probes + rec.probes
+            found[name] = (seq, rec)
     plans = recompute(cfgs, tc, mesh, memory, sizes) if "recompute" in parts and sizes else {}
-    model = {**SCALED, **over}
-    print(f"\nscaled {CONFIG} ({', '.join(f'{k}={v}' for k, v in model.items())}), "
-          f"mesh {dict(mesh.shape)}, "
-          f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; XLA:CPU buffer "
-          "assignment, compile only")
+    print(f"\n{'' if target else 'scaled '}{args.config} "
+          f"({', '.join(f'{k}={v}' for k, v in model.items())}), mesh {dict(mesh.shape)}, "
+          f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; {where}")
     if found:
         print(f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
               + capacity_table(found, memory))

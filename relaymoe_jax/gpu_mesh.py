@@ -115,8 +115,14 @@ def topology(num_devices: int = GPUS_PER_HOST, *, target: str = "h100",
     require_plugin()
     hosts, per_host = _hosts(num_devices, gpus_per_host)
     from jax.experimental import topologies
-    return topologies.get_topology_desc(platform="cuda", target_config=text,
-                                        topology=f"1x{hosts}x{per_host}")
+    try:
+        return topologies.get_topology_desc(platform="cuda", target_config=text,
+                                            topology=f"1x{hosts}x{per_host}")
+    except NotImplementedError as e:   # jax tried to start CUDA first, failed, dropped the plugin
+        raise PluginMissing(
+            "deviceless GPU compiles need JAX_PLATFORMS=cpu in the environment before jax is "
+            "imported (without it jax tries to start CUDA, fails for lack of a GPU and drops "
+            f"the CUDA plugin): {e}") from e
 
 
 def mesh(axis_sizes, axis_names, *, target: str = "h100", gpus_per_host: int = GPUS_PER_HOST,

@@ -75,3 +75,36 @@ def test_target_defaults_to_the_full_size_gpu_shapes(table):
 def test_target_refuses_timing(table):
     with pytest.raises(SystemExit):
         table.parse_args(["--target", "h100", "--time"])
+
+
+def test_capacity_probes_listed_lengths(capacity, monkeypatch):
+    """--seqs: one fully recomputed step per length and dispatcher; the longest that fits is
+    reported per dispatcher and compared with the ring's (peaks faked: linear in the sequence)."""
+    per_token = {"ring": 1, "alltoall dropless": 9, "alltoall cap1.0": 3}
+    seen = []
+
+    def fake_cost(cfg, tc, mesh, memo=True):
+        seen.append((cfg.dispatcher, cfg.capacity_factor, tc.seq_len, cfg.max_position_embeddings))
+        name = ("ring" if cfg.dispatcher == "ring" else "alltoall cap1.0"
+                if cfg.capacity_factor else "alltoall dropless")
+        return capacity.planner.StepCost(per_token[name] * tc.seq_len * capacity.MIB, None)
+
+    monkeypatch.setattr(capacity.planner, "step_cost", fake_cost)
+    cfgs = {n: capacity.load_config("configs/tiny.yaml", expert_size=8, **capacity.FULL_SIZE,
+                                    **over) for n, over in capacity.VARIANTS.items()}
+    tc = capacity.loop.TrainConfig(batch_size=8, seq_len=64)
+    found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [40960, 65536, 153600])
+    assert len(seen) == 9 and {s[3] for s in seen} == {153600}   # positions cover the longest
+    assert {n: s for n, (s, _) in found.items()} == {
+        "ring": 153600, "alltoall dropless": None, "alltoall cap1.0": 65536}
+    table = capacity.capacity_table(found, 200_000 * capacity.MIB)
+    assert "| ring | 153,600 (the limit) |" in table and "| >= 2.34x |" in table
+    assert "| alltoall dropless | none fits |" in table
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--seqs", "40960,x"], "--seqs"), (["--seqs", "0"], "--seqs"), (["--hosts", "2"], "--hosts"),
+])
+def test_capacity_bad_target_arguments(capacity, argv, match):
+    with pytest.raises(SystemExit, match=match):
+        capacity.main(argv)

@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import pytest
 
+from relaymoe_jax import gpu_mesh
 from relaymoe_jax.models.configs import load_config
 from train import loop, planner
 from train import mesh as tm
@@ -59,7 +60,7 @@ def test_abstract_state_matches_init_state():
     assert describe(real) == describe(abstract)
 
 
-@pytest.mark.parametrize("text, want", [("H100", 81_559 * 2**20), ("h200", 143_771 * 2**20),
+@pytest.mark.parametrize("text, want", [("H100", 84_929_347_584), ("h200", 143_771 * 2**20),
                                         ("80GiB", 80 * 2**30), ("12.5MB", 12_500_000),
                                         ("1e9", 10**9)])
 def test_parse_memory(text, want):
@@ -108,3 +109,28 @@ def test_chunked_attention_plan_skips_the_forward_scan():
         cfg, batch=TC.batch_size, seq=TC.seq_len, mesh_shape=dict(mesh.shape),
         dtype=TC.compute_dtype, budget=10**12)
     assert unlimited.options == ("save_attn_out", "save_attn_out")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
+def test_target_plans_on_the_gpu_compiler(capsys):
+    """--target h100: the steps are compiled by XLA:GPU for abstract H100s (mesh over 8 of them,
+    memory the H100's), the planned step fits, and the missing cost_analysis is said, not faked."""
+    assert planner.main(["--config", "configs/tiny.yaml", "--target", "h100", "--batch", "8",
+                         "--seq", "128", "--dispatchers", "ring", "--usable", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "XLA:GPU buffer assignment for 8 abstract NVIDIA H100 80GB HBM3" in out
+    assert f"usable memory {0.5 * gpu_mesh.device_memory('h100') / 2**20:,.1f} MiB" in out
+    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == "yes" and cells[6] == "n/a" and float(cells[7]) > 0
+    assert 0 < float(cells[1].replace(",", "")) < float(cells[4].replace(",", "")) + 1e3
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--batch", "8", "--seq", "128"], "--memory is required without --target"),
+    (["--batch", "8", "--seq", "128", "--memory", "H100", "--hosts", "2"], "only with --target"),
+])
+def test_target_argument_errors(argv, match):
+    with pytest.raises(ValueError, match=match):
+        planner.main(["--config", "configs/tiny.yaml", *argv])

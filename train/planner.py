@@ -2,6 +2,8 @@
 
     python -m train.planner --config configs/tiny.yaml --memory H100 --batch 8 --seq 256 \
         [--max-batch LIMIT] [--max-seq LIMIT] [k=v ...]
+    python -m train.planner --config configs/qwen3-30b-a3b.yaml --target h100 --batch 8 \
+        --seq 4096 compute_dtype=bfloat16 [k=v ...]
 
 For a model config, a mesh (`mesh=`, as in `python -m train`), a micro-batch and sequence length,
 and a device memory (`--memory`: H100, H200, or a size such as 80GiB / 12.5MB / 1e9), for each
@@ -17,28 +19,39 @@ dispatcher:
    `--batch` whose fully recomputed step fits (`train.search`: doubling then bisection, one
    compile per probe) and plan the remat at that size.
 
-The budget is measured on XLA:CPU with the emulated mesh. GPU buffer assignment differs (other
-fusions, cuDNN attention without [S, S] scores, allocator fragmentation, the CUDA context and
-XLA's preallocation: jax takes 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-otherwise, hence `--usable`, default 0.9); treat the CPU figures as a model, not a promise.
+Without `--target` the budget is measured on XLA:CPU with the emulated mesh. GPU buffer
+assignment differs (other fusions, cuDNN attention without [S, S] scores, allocator
+fragmentation, the CUDA context and XLA's preallocation: jax takes 75% of the GPU unless
+XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise, hence `--usable`, default 0.9); treat the CPU
+figures as a model, not a promise.
+
+With `--target h100|h200` every step is compiled by the XLA:GPU compiler for abstract GPUs
+(`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra; no GPU needed): `--hosts` hosts of 8 GPUs,
+`mesh=` over all of them, `--memory` defaulting to the target's, and the grouped matmul the Pallas
+kernel. That is the GPU compiler's own buffer assignment; still no timing, and the GPU compiler
+gives no `cost_analysis()`, so the FLOPs saved come from the solver's formula only.
 """
 
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
 
+if __name__ == "__main__" and "--target" in sys.argv:   # before jax: see relaymoe_jax.gpu_mesh
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 
-from relaymoe_jax import remat
+from relaymoe_jax import gpu_mesh, remat
 from relaymoe_jax.models.configs import load_config, parse_overrides
 from train import loop, search
 from train import mesh as train_mesh
 from train.report import footprint
 
-# nvidia-smi's total memory of each device, MiB
-DEVICES = {"H100": 81_559 * 2**20, "H200": 143_771 * 2**20}
+# device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
+DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -59,14 +72,18 @@ def parse_memory(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    peak: int           # bytes per device (report.footprint)
-    flops: float        # cost_analysis()["flops"] of the whole step, per device
+    peak: int             # bytes per device (report.footprint)
+    flops: float | None   # cost_analysis()["flops"] of the whole step, per device; None when the
+                          # compiler gives none (XLA:GPU without a device)
 
 
 def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
-    """Compile (not run) the train step of `cfg` and `tc` on `mesh` (`loop.compile_abstract`)."""
-    compiled = loop.compile_abstract(cfg, tc, mesh, memo)
-    return StepCost(footprint(compiled.memory_analysis()), compiled.cost_analysis()["flops"])
+    """Compile (not run) the train step of `cfg` and `tc` on `mesh` (`loop.compile_abstract`),
+    under `mesh` as the context mesh (an abstract GPU mesh needs it for the Pallas kernel)."""
+    with jax.set_mesh(mesh):
+        compiled = loop.compile_abstract(cfg, tc, mesh, memo)
+    cost = compiled.cost_analysis()
+    return StepCost(footprint(compiled.memory_analysis()), cost["flops"] if cost else None)
 
 
 def largest_size(cfg, tc: loop.TrainConfig, mesh, capacity: int, *, field: str, step: int,
@@ -93,7 +110,9 @@ class RematReport:
         return self.planned.peak <= self.capacity
 
     @property
-    def flops_saved(self) -> float:
+    def flops_saved(self) -> float | None:
+        if self.full.flops is None or self.planned.flops is None:
+            return None
         return self.full.flops - self.planned.flops
 
 
@@ -121,9 +140,10 @@ def table(reports: list[RematReport]) -> str:
             "|---|---:|---:|---|---:|---|---:|---:|"]
     for r in reports:
         plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
+        measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
         rows.append(f"| {r.dispatcher} | {mib(r.full.peak)} | {mib(r.plan.budget)} | {plan} | "
                     f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
-                    f"{r.flops_saved / 1e9:,.3f} | {r.plan.flops_saved / 1e9:,.3f} |")
+                    f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |")
     return "\n".join(rows)
 
 
@@ -145,7 +165,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.planner",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--memory", required=True, help="H100, H200, or a size (80GiB, 1e9, ...)")
+    p.add_argument("--memory", default=None,
+                   help="H100, H200, or a size (80GiB, 1e9, ...); default: --target's")
+    p.add_argument("--target", choices=[t for t in gpu_mesh.TARGETS], default=None,
+                   help="compile for abstract GPUs of this kind with XLA:GPU (no GPU needed; "
+                        "the gpu-compile extra) instead of the emulated CPU devices")
+    p.add_argument("--hosts", type=int, default=1,
+                   help=f"with --target: hosts of {gpu_mesh.GPUS_PER_HOST} GPUs (default 1)")
     p.add_argument("--usable", type=float, default=0.9,
                    help="fraction of --memory the step may use (default 0.9)")
     p.add_argument("--batch", type=int, required=True, help="global micro-batch (sequences)")
@@ -161,12 +187,27 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.usable <= 1:
         raise ValueError(f"--usable {args.usable}: expected a fraction in (0, 1]")
+    if args.memory is None and args.target is None:
+        raise ValueError("--memory is required without --target (H100, H200 or a size)")
+    if args.hosts < 1 or (args.hosts != 1 and args.target is None):
+        raise ValueError(f"--hosts {args.hosts}: expected >= 1, and only with --target")
+    args.memory = args.memory or args.target.upper()
     capacity = int(parse_memory(args.memory) * args.usable)
     over = parse_overrides(args.overrides)
     train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
     tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
-    sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
-    mesh = train_mesh.make_mesh(tc.mesh)
+    if args.target:
+        sizes = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu_mesh.GPUS_PER_HOST)
+        mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes), target=args.target)
+        where = (f"XLA:GPU buffer assignment for {math.prod(sizes.values())} abstract "
+                 f"{gpu_mesh.device_kind(args.target)}, compile only, no GPU: no timing, and "
+                 f"no cost_analysis (the FLOPs are the solver's formula)")
+    else:
+        sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
+        mesh = train_mesh.make_mesh(tc.mesh)
+        where = ("XLA:CPU buffer assignment, compile only. A GPU assigns buffers differently "
+                 "(other fusions, cuDNN attention without [S, S] scores, allocator "
+                 "fragmentation, the CUDA context): treat the sizes as a model, not a promise")
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
     reports, by_batch, by_seq, notes = [], [], [], []
     for d in args.dispatchers.split(","):
@@ -194,10 +235,7 @@ def main(argv=None) -> int:
                 cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
             out.append((d, size, rec, rep))
     head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
-            f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); XLA:CPU "
-            f"buffer assignment, compile only. A GPU assigns buffers differently (other "
-            f"fusions, cuDNN attention without [S, S] scores, allocator fragmentation, the CUDA "
-            f"context): treat the sizes as a model, not a promise")
+            f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}")
     print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
           + "".join(f"\n- {n}" for n in notes))
     if by_batch:
@@ -211,6 +249,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, gpu_mesh.PluginMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
