@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax import gpu_mesh, hlo, moe_ffn
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
+from scripts import load_script
 
 needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
                                   reason="needs the gpu-compile extra (jax CUDA plugin)")
@@ -112,17 +113,23 @@ def _one_gpu():
     return gpu_mesh.mesh((1,), ("x",))
 
 
-BLOCKS = [None, (16, 16, 16), (32, 64, 32), (128, 128, 64), (128, 256, 64)]
+# blocks (m, n, k[, warps, stages]): small ones, then every config the prepared GPU run times
+# (benchmarks/gpu.py PALLAS_CONFIGS), so that run cannot fail to compile.
+GPU_RUN = load_script("benchmarks/gpu.py", "gpu_bench_configs")
+BLOCKS = [(16, 16, 16), (32, 64, 32), *(tuple(GPU_RUN._pallas_cfg(c).values())
+                                        for c in GPU_RUN.PALLAS_CONFIGS if c != "default")]
 
 
 @needs_plugin
 @pytest.mark.parametrize("dtype, blocks", [
-    *((jnp.bfloat16, b) for b in BLOCKS), (jnp.float32, None), (jnp.float32, (16, 16, 16)),
+    (jnp.bfloat16, None), *((jnp.bfloat16, b) for b in BLOCKS), (jnp.float32, None),
+    (jnp.float32, (16, 16, 16)),
 ])
 def test_kernel_compiles_with_vjp(dtype, blocks):
     """gmm (fused row gather) and its VJP (gmm on the transposed weights + tgmm): 3 kernels."""
     mesh, r = _one_gpu(), P()
-    kw = {} if blocks is None else dict(zip(("block_m", "block_n", "block_k"), blocks))
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    kw = {} if blocks is None else dict(zip(names, blocks))
     g, k, n = EXPERT_SHAPES["qwen3_30b_a3b"]
     s = functools.partial(_sds, mesh, r)
     c = _compile(_gmm_fwd_bwd(kw, False), mesh, s((T_ROWS, k), dtype), s((g, k, n), dtype),

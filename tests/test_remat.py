@@ -2,6 +2,7 @@
 knapsack), the cost formulas against the residuals jax really saves, the options applied to the
 model (same loss and gradients as no checkpoint), bad input, determinism."""
 import contextlib
+import dataclasses
 import io
 import re
 
@@ -15,7 +16,7 @@ import relaymoe_jax.remat as remat
 from relaymoe_jax.models import QwenMoe, qwen
 from relaymoe_jax.models.configs import load_config
 from relaymoe_jax.models.layers import rope_cos_sin
-from relaymoe_jax.remat import Cost, brute_force, greedy, optimality_gap
+from relaymoe_jax.remat import Cost, brute_force, greedy, optimality_gap, uniform
 
 
 def _random_instance(rng, layers):
@@ -59,6 +60,36 @@ def test_greedy_against_brute_force():
     print(f"greedy optimality gap over 300 random instances: mean {gaps.mean():.3f}, "
           f"max {gaps.max():.3f}, optimal in {np.mean(gaps == 0):.0%}")
     assert np.mean(gaps == 0) > 0.6 and gaps.mean() < 0.05
+
+
+def test_uniform_is_the_best_single_option_plan():
+    """For a scanned model: brute force restricted to one option for all layers, by enumeration."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        costs = _random_instance(rng, int(rng.integers(1, 6)))
+        budget = int(rng.integers(0, 200))
+        plan = uniform(costs, budget)
+        assert len(set(plan.options)) == 1 and plan.bytes <= budget
+        fits = [(sum(c[o].flops for c in costs), -sum(c[o].bytes for c in costs), o)
+                for o in remat.OPTIONS[1:] if sum(c[o].bytes for c in costs) <= budget]
+        best = max((f for f in fits if f[0] > 0), default=None)
+        assert plan.options[0] == (best[2] if best else "full"), (costs, budget, plan)
+        assert plan.flops_saved == (best[0] if best else 0)
+        assert plan.flops_saved <= brute_force(costs, budget).flops_saved
+
+
+def test_scanned_model_gets_a_uniform_plan():
+    cfg = load_config("configs/tiny.yaml", num_hidden_layers=4)
+    costs = remat.layer_costs(cfg, 8, 256, {"expert": 8}, "float32")
+    budget = int(2.5 * costs[0]["save_attn_out"].bytes)   # fits 2 layers' save_attn_out, not 4
+    mixed = remat.plan_attention_remat(cfg, batch=8, seq=256, mesh_shape={"expert": 8},
+                                       dtype="float32", budget=budget)
+    assert len(set(mixed.options)) > 1
+    scanned = remat.plan_attention_remat(dataclasses.replace(cfg, scan_layers=True), batch=8,
+                                         seq=256, mesh_shape={"expert": 8}, dtype="float32",
+                                         budget=budget)
+    assert len(set(scanned.options)) == 1 and scanned.bytes <= budget
+    assert scanned.flops_saved <= mixed.flops_saved
 
 
 def test_greedy_on_model_costs_and_gap():

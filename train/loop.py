@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import QwenMoe
+from relaymoe_jax.models.sharding import LAYERS
 
 
 @dataclasses.dataclass
@@ -47,13 +48,24 @@ class TrainConfig:
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
 
+def _weight_ndim(x) -> int:
+    """A parameter's own number of dimensions: a `scan_layers` model's stacked layer axis
+    (logical name "layers", from the Variable's metadata) is not one of them."""
+    if isinstance(x, nnx.Variable):
+        names = x.get_metadata().get("logical_axes", ())
+        return x.get_value().ndim - (1 if names[:1] == (LAYERS,) else 0)
+    return x.ndim
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warmup + cosine decay, global-norm clipping, and weight decay only on
-    parameters with at least 2 dimensions (never on norms or biases)."""
+    parameters with at least 2 dimensions (never on norms or biases; a stacked layer axis does
+    not count, so a scanned model's [L, H] norms are not decayed either)."""
     sched = optax.warmup_cosine_decay_schedule(
         0.0, tc.lr, max(tc.warmup_steps, 0), max(tc.schedule_steps, tc.warmup_steps + 1),
         end_value=tc.lr * tc.min_lr_ratio)
-    mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    mask = lambda params: jax.tree.map(lambda p: _weight_ndim(p) >= 2, params,
+                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
     return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
                        optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
                                    mask=mask))

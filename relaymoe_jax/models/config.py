@@ -65,6 +65,11 @@ class ModelConfig:
     # all-to-all's dispatch buffers kept for the backward; the ring's custom_vjp keeps only its
     # inputs already, so for the ring it mostly costs a second forward ring.
     moe_remat: bool = False
+    # store the decoder layers' parameters stacked on a leading "layers" axis and run them with
+    # one `jax.lax.scan`: the compiled program holds one layer body whatever the depth (compile
+    # time no longer grows with num_hidden_layers). The layers must be alike: all MoE or all
+    # dense, one attention_remat option (see `qwen.py`, "Scanned layers").
+    scan_layers: bool = False
 
     def __post_init__(self):
         check(self)
@@ -162,6 +167,23 @@ def check(cfg: ModelConfig) -> None:
     if not isinstance(remat, str) and len(remat) != cfg.num_hidden_layers:
         _fail("attention_remat", remat,
               f"one option or {cfg.num_hidden_layers} (num_hidden_layers), got {len(remat)}")
+    if cfg.scan_layers:
+        check_scannable(cfg)
+
+
+def check_scannable(cfg: ModelConfig) -> None:
+    """`scan_layers=True` runs one layer body for every layer, so the layers must be alike."""
+    if not isinstance(cfg.attention_remat, str) and len(set(cfg.attention_remat)) > 1:
+        _fail("attention_remat", cfg.attention_remat,
+              "one option for every layer with scan_layers=True (the scanned layers share one "
+              "body; set scan_layers=false for a per-layer plan)")
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
+    if moe and dense:
+        _fail("scan_layers", cfg.scan_layers,
+              f"layers of one kind (the scanned layers share one body), but layers {dense} are "
+              f"dense and {moe} MoE (decoder_sparse_step={cfg.decoder_sparse_step}, "
+              f"mlp_only_layers={list(cfg.mlp_only_layers)}); set scan_layers=false")
 
 
 def check_mesh(cfg: ModelConfig, expert_size: int) -> None:

@@ -9,7 +9,8 @@ Loading never builds the model on one device. The model's structure comes from `
 `NamedSharding`: the callback returns only the slice a device holds, read lazily with
 `safetensors.safe_open(framework="numpy")`. Held in host memory at once: one non-expert tensor
 (a replicated tensor is read once and handed to every device), or one device's experts of one
-stacked tensor ([E/EP, H, F]: the per-expert tensors it needs, or a slice of a fused 3-D tensor).
+stacked tensor ([E/EP, H, F]: the per-expert tensors it needs, or a slice of a fused 3-D tensor);
+with `scan_layers`, the same for all L layers of one parameter at once.
 
 Weight mapping (torch `Linear.weight` is [out, in], ours are [in, out]; `mapping` is the code).
 Prefix `model.layers.i.` = ours `layers[i].`; e = expert; T = transpose:
@@ -32,6 +33,11 @@ Prefix `model.layers.i.` = ours `layers[i].`; e = expert; T = transpose:
     mlp.{gate,up,down}_proj.weight (dense layers)         mlp.{gate,up,down}_proj   T
     model.norm.weight [H]                      norm.weight [H]
     lm_head.weight [V, H] (absent when tied)   lm_head [H, V]                       T
+
+With `scan_layers=True` the model holds one stacked tensor per parameter of the layers, [L, ...]
+(`qwen.py`): loading stacks the L per-layer tensors of each (`model.layers.i.<name>` goes to
+`layers.<name>[i]`), each device reading its own slice of every layer, and export writes one
+tensor per layer as above. The files are the same either way.
 
 `transformers` 5.x `save_pretrained` writes the per-expert names (it reverts its fused in-memory
 layout on save); the fused names are read too. `save_pretrained` here writes per-expert names by
@@ -58,7 +64,7 @@ from relaymoe_jax.models.sharding import AxisRules
 _ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _OURS_ONLY = ("arch", "router_z_loss_coef", "expert_bias", "expert_bias_rate", "dispatcher",
               "routing", "capacity_factor", "chunk_size", "gmm_impl", "attention_remat",
-              "attention_impl", "attention_block_k", "moe_remat")
+              "attention_impl", "attention_block_k", "moe_remat", "scan_layers")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +225,9 @@ def _expert_rows(ckpt: _Checkpoint, entry: Entry, e0: int, e1: int, ffn: int) ->
                      for e in range(e0, e1)])
 
 
-def _place(entry: Entry, abstract, sharding, ckpt: _Checkpoint, dtype, ffn: int):
-    shape = tuple(abstract.shape)
+def _reader(entry: Entry, shape, ckpt: _Checkpoint, dtype, ffn: int):
+    """index -> the part `index` of our tensor of `shape` (its layout), read from `ckpt`."""
+    shape = tuple(shape)
     np_dtype = jnp.dtype(dtype)
     cache = {}
 
@@ -244,7 +251,28 @@ def _place(entry: Entry, abstract, sharding, ckpt: _Checkpoint, dtype, ffn: int)
                              f"expected {shape[1:]}")
         return rows[(slice(None), *index[1:])].astype(np_dtype)
 
-    return jax.make_array_from_callback(shape, sharding, callback)
+    return callback
+
+
+def _place(entries: list[Entry], stacked: bool, abstract, sharding, ckpt: _Checkpoint, dtype,
+           ffn: int):
+    """Our parameter on `sharding` from its checkpoint entry, or, `stacked` (scanned) [L, ...],
+    from the L entries of its layers: each device reads only its slice of every layer."""
+    shape = tuple(abstract.shape)
+    if not stacked:
+        return jax.make_array_from_callback(
+            shape, sharding, _reader(entries[0], shape, ckpt, dtype, ffn))
+    readers = [_reader(e, shape[1:], ckpt, dtype, ffn) for e in entries]
+    if len(readers) != shape[0]:
+        raise ValueError(f"{entries[0].path}: {len(readers)} layers for a stack of {shape[0]}")
+    read_rows = lambda index: np.stack([readers[i](index[1:])
+                                        for i in range(*index[0].indices(shape[0]))])
+    return jax.make_array_from_callback(shape, sharding, read_rows)
+
+
+def _layer_of(entry: Entry) -> int | None:
+    """The decoder layer of an entry (`("layers", i, ...)`), else None."""
+    return entry.path[1] if entry.path[0] == "layers" else None
 
 
 def _get_path(module, path):
@@ -252,6 +280,33 @@ def _get_path(module, path):
     for p in path:
         node = node[p] if isinstance(p, int) else getattr(node, p)
     return node
+
+
+def _variable(model, entry: Entry):
+    """(our variable of `entry`, the layer to take from it or None): with `scan_layers` a
+    decoder-layer entry `("layers", i, *rest)` is row i of the stacked variable `layers.rest`."""
+    i = _layer_of(entry)
+    if i is not None and model.config.scan_layers:
+        return _get_path(model.layers, entry.path[2:]), i
+    return _get_path(model, entry.path), None
+
+
+def _grouped(model, entries: list[Entry]):
+    """[(variable, [entries])]: one entry per variable, or a scanned variable's L entries (in
+    layer order), in the order of the first entry of each."""
+    groups: dict[int, tuple] = {}
+    for entry in entries:
+        var, _ = _variable(model, entry)
+        groups.setdefault(id(var), (var, []))[1].append(entry)
+    return list(groups.values())
+
+
+def _value(model, entry: Entry) -> np.ndarray:
+    """Our tensor of `entry` on the host (one layer's row of a stacked variable, gathered
+    alone)."""
+    var, i = _variable(model, entry)
+    value = var[...]
+    return np.asarray(jax.device_get(value if i is None else value[i]))
 
 
 def from_pretrained(path: str, *, mesh: jax.sharding.Mesh, dtype=jnp.float32,
@@ -270,11 +325,11 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh, dtype=jnp.float32,
     model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0), dtype=dtype,
                                            rules=rules))
     model_rules = model.rules
-    for entry in wanted:
-        var = _get_path(model, entry.path)
+    for var, entries in _grouped(model, wanted):
         names = var.get_metadata()["logical_axes"]
         sharding = model_rules.sharding(*names)
-        var.set_value(_place(entry, var.get_value(), sharding, ckpt, dtype,
+        stacked = _variable(model, entries[0])[1] is not None
+        var.set_value(_place(entries, stacked, var.get_value(), sharding, ckpt, dtype,
                              cfg.moe_intermediate_size))
     return model
 
@@ -310,7 +365,7 @@ def hf_tensors(model: QwenMoe, expert_layout: str = "per_expert"):
     cfg = model.config
     entries = mapping(cfg)
     for n, entry in enumerate(entries):
-        a = np.asarray(jax.device_get(_get_path(model, entry.path)[...]))
+        a = _value(model, entry)
         if entry.kind == "same":
             yield entry.name, a
         elif entry.kind == "reshape":
@@ -324,7 +379,7 @@ def hf_tensors(model: QwenMoe, expert_layout: str = "per_expert"):
         elif entry.which == "down":
             yield f"{entry.name}.down_proj", np.ascontiguousarray(np.swapaxes(a, 1, 2))
         elif entry.which == "up":   # gate was stacked just before: read it again
-            gate = np.asarray(jax.device_get(_get_path(model, entries[n - 1].path)[...]))
+            gate = _value(model, entries[n - 1])
             yield f"{entry.name}.gate_up_proj", np.ascontiguousarray(
                 np.swapaxes(np.concatenate([gate, a], axis=2), 1, 2))
 

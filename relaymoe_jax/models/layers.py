@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models.attention import chunked_causal_attention
 from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
@@ -40,6 +41,57 @@ def _initializer(shape, dtype, sharding, init, std):
                        out_shardings=sharding)
     fill = {"ones": 1.0, "zeros": 0.0}[init]
     return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _layer_writer(sharding: NamedSharding):
+    """buf[i] = v for a stacked buffer `buf` [L, ...] on `sharding`, in place (donated). Both
+    are put on their sharding first: under `nnx.eval_shape` the (abstract) values need not carry
+    their mesh sharding type yet, which an Explicit mesh's dynamic_update_slice requires."""
+    row = P(*tuple(sharding.spec)[1:])
+
+    def write(buf, v, i):
+        buf = constrain(buf, sharding.mesh, sharding.spec)
+        v = constrain(v.astype(buf.dtype), sharding.mesh, row)
+        return jax.lax.dynamic_update_index_in_dim(buf, v, i, 0)
+
+    return jax.jit(write, out_shardings=sharding, donate_argnums=0)
+
+
+def stack_modules(make, n: int, rules: AxisRules, axis: str):
+    """The module `make(0)` with each of its variables replaced by the stack over
+    `make(0), ..., make(n - 1)` of that variable, on a new leading dimension of size `n` named
+    `axis` (a logical name of `sharding.py`; the `logical_axes` and `out_sharding` metadata get
+    it too, and the value is placed on `rules.sharding(axis, *names)`).
+
+    The modules are made in order (so they draw from a shared `nnx.Rngs` exactly as `n` separate
+    modules would) and each is written into preallocated stacks (donated) and dropped: memory
+    holds the stacks plus one module. Works on abstract values too (inside `nnx.eval_shape`)."""
+    def variables(module):
+        return {path: v for path, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+
+    first = make(0)
+    template = variables(first)
+    stacks, shardings = {}, {}
+    for path, var in template.items():
+        value = var.get_value()
+        names = (axis, *var.get_metadata()["logical_axes"])
+        shardings[path] = rules.sharding(*names)
+        buf = _initializer((n, *value.shape), jnp.dtype(value.dtype), shardings[path], "zeros",
+                           0.0)()
+        stacks[path] = _layer_writer(shardings[path])(buf, value, 0)
+    for i in range(1, n):
+        found = variables(make(i))
+        if found.keys() != template.keys():
+            raise ValueError(f"stack_modules: module {i} differs in structure from module 0 "
+                             f"at {sorted(map(str, found.keys() ^ template.keys()))}")
+        for path, var in found.items():
+            stacks[path] = _layer_writer(shardings[path])(stacks[path], var.get_value(), i)
+    for path, var in template.items():
+        var.set_value(stacks[path])
+        var.set_metadata("out_sharding", shardings[path].spec)
+        var.set_metadata("logical_axes", (axis, *var.get_metadata()["logical_axes"]))
+    return first
 
 
 class RMSNorm(nnx.Module):

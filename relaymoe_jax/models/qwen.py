@@ -49,6 +49,24 @@ layer's attention block (input norm through o_proj) in `nnx.remat` with the opti
 wrapped (nothing saved but its input) only with `config.moe_remat`: the ring's custom_vjp keeps
 only its inputs anyway, and a checkpoint around it re-runs the whole ring forward; the all-to-all
 drops the dispatch buffers it would keep for the backward.
+
+Scanned layers (`config.scan_layers`): `model.layers` is then ONE `DecoderLayer` whose variables
+are stacked on a leading axis of size L, logical name "layers" (never sharded, see
+`sharding.py`): w_gate [L, E, H, F], q_proj [L, H, N, D], the expert bias [L, E]... The forward
+runs `jax.lax.scan` over `nnx.split(model.layers)`: each step `nnx.merge`s one layer's slice and
+calls it, so the compiled program holds one layer body whatever the depth (compile time and
+program size do not grow with L), and the per-layer stats come out of the scan already stacked.
+Same math as the unscanned model (tests/test_scan.py): the weights are made by L `DecoderLayer`s
+drawn in the same order and stacked (`layers.stack_modules`), so a seed gives the same weights in
+both layouts; remat (`nnx.remat` of the blocks, the checkpoint names) sits inside the body, once.
+Requirements, checked by `ModelConfig`: all layers MoE or all dense, and one `attention_remat`
+option. Choices: a plain `jax.lax.scan` over the split state rather than `nnx.scan`, because the
+body only reads the layer (nothing to write back, no graph updates or Rngs to carry) and the
+stacked Variables are ordinary pytrees, so nothing of NNX's transform machinery (its
+`transform_metadata` for sharding metadata, which knows nothing of our `logical_axes`) is
+needed; and stacking built modules rather than `nnx.vmap` over the constructor, so that the
+initializers, shardings and random draws stay those of the unscanned model. `model.layers[i]`
+does not exist then: row i of each stacked variable is layer i (`hf.py` maps names so).
 """
 
 import jax
@@ -68,8 +86,10 @@ from relaymoe_jax.models.layers import (
     embed_lookup,
     param,
     rope_cos_sin,
+    stack_modules,
 )
 from relaymoe_jax.models.sharding import (
+    LAYERS,
     AxisRules,
     constrain,
     from_tokens,
@@ -234,6 +254,16 @@ class DecoderLayer(nnx.Module):
         return x_bsh + y_bsh, stats
 
 
+def _layer_stats(st, b, s, rules, return_router_logits):
+    """What the model keeps of one MoE layer's stats (router logits only when asked for, on
+    [B, S, E])."""
+    st = dict(st)
+    logits = st.pop("logits")
+    if return_router_logits:
+        st["logits"] = from_tokens(logits, b, s, rules)
+    return st
+
+
 class QwenMoe(nnx.Module):
     """The decoder. `QwenMoe(config, mesh=mesh, rngs=nnx.Rngs(0))` draws random weights (normal,
     std `initializer_range`; norms 1, biases 0), created sharded per `rules` (default
@@ -248,8 +278,11 @@ class QwenMoe(nnx.Module):
         h, v = config.hidden_size, config.vocab_size
         std = config.initializer_range
         self.embed_tokens = param(rules, rngs, (v, h), ("vocab", "embed"), dtype, std=std)
-        self.layers = nnx.List([DecoderLayer(config, i, rules=rules, rngs=rngs, dtype=dtype)
-                                for i in range(config.num_hidden_layers)])
+        make = lambda i: DecoderLayer(config, i, rules=rules, rngs=rngs, dtype=dtype)
+        if config.scan_layers:   # one DecoderLayer whose variables are [L, ...]
+            self.layers = stack_modules(make, config.num_hidden_layers, rules, LAYERS)
+        else:
+            self.layers = nnx.List([make(i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(h, eps=config.rms_norm_eps, rules=rules, dtype=dtype)
         if not config.tie_word_embeddings:
             self.lm_head = param(rules, rngs, (h, v), ("embed", "vocab"), dtype, std=std)
@@ -270,12 +303,26 @@ class QwenMoe(nnx.Module):
         with jax.named_scope("embed"):
             x_bsh = embed_lookup(self.embed_tokens[...], ids_bs, mesh, P(*act, None))
         cos_bsd, sin_bsd = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, self.dtype)
-        stats = []
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{i}"):
-                x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd)
-            if st is not None:
-                stats.append(st)
+        keep = lambda st: None if st is None else _layer_stats(st, b, s, rules,
+                                                               return_router_logits)
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(x_bsh, layer_state):   # one layer: its slice of every stacked variable
+                x_bsh, st = nnx.merge(graphdef, layer_state)(x_bsh, cos_bsd, sin_bsd)
+                return x_bsh, keep(st)
+
+            with jax.named_scope("layers"):
+                x_bsh, stats = jax.lax.scan(body, x_bsh, state)
+        else:
+            per_layer = []
+            for i, layer in enumerate(self.layers):
+                with jax.named_scope(f"layer_{i}"):
+                    x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd)
+                if st is not None:
+                    per_layer.append(keep(st))
+            stats = (jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer
+                     else None)
         with jax.named_scope("lm_head"):
             x_bsh = self.norm(x_bsh)
             if cfg.tie_word_embeddings:
@@ -285,9 +332,11 @@ class QwenMoe(nnx.Module):
         return logits_bsv, self._aux(stats, b, s, return_router_logits)
 
     def _aux(self, stats, b, s, return_router_logits):
+        """The aux dict from the MoE layers' stats stacked on a leading layer axis (None when
+        there is no MoE layer)."""
         cfg = self.config
         e = cfg.num_experts
-        if not stats:
+        if stats is None:
             zero = jnp.float32(0)
             aux = {"aux_loss": zero, "aux_loss_per_layer": jnp.zeros((0,)), "z_loss": zero,
                    "z_loss_per_layer": jnp.zeros((0,)), "router_loss": zero,
@@ -295,19 +344,16 @@ class QwenMoe(nnx.Module):
             if return_router_logits:
                 aux["router_logits"] = jnp.zeros((0, b, s, e))
             return aux
-        f_le = jnp.stack([st["f"] for st in stats])
-        p_le = jnp.stack([st["p"] for st in stats])
-        z_l = jnp.stack([st["z"] for st in stats])
+        f_le, p_le, z_l = stats["f"], stats["p"], stats["z"]
         aux = {"aux_loss": rt.load_balancing_loss(f_le, p_le),
                "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
                "z_loss": jnp.mean(z_l), "z_loss_per_layer": z_l,
-               "expert_load": jnp.stack([st["load"] for st in stats]),
-               "dropped_pairs": sum(st["dropped"] for st in stats)}
+               "expert_load": stats["load"],
+               "dropped_pairs": jnp.sum(stats["dropped"], dtype=jnp.int32)}
         aux["router_loss"] = (cfg.router_aux_loss_coef * aux["aux_loss"]
                               + cfg.router_z_loss_coef * aux["z_loss"])
         if return_router_logits:
-            aux["router_logits"] = jnp.stack(
-                [from_tokens(st["logits"], b, s, self.rules) for st in stats])
+            aux["router_logits"] = stats["logits"]
         return aux
 
     def update_expert_bias(self, expert_load_le, rate: float | None = None):
@@ -317,11 +363,15 @@ class QwenMoe(nnx.Module):
         if not self.config.expert_bias:
             raise ValueError("update_expert_bias: the config has expert_bias=False")
         rate = self.config.expert_bias_rate if rate is None else rate
-        for n, i in enumerate(self.moe_layers):
-            mlp = self.layers[i].mlp
-            old = mlp.expert_bias.get_value()
-            new = rt.expert_bias_update(old, jnp.asarray(expert_load_le)[n], rate)
+        if self.config.scan_layers:   # every layer is MoE: one [L, E] bias, updated row-wise
+            pairs = [(self.layers.mlp.expert_bias, jnp.asarray(expert_load_le))]
+        else:
+            pairs = [(self.layers[i].mlp.expert_bias, jnp.asarray(expert_load_le)[n])
+                     for n, i in enumerate(self.moe_layers)]
+        for var, load in pairs:
+            old = var.get_value()
+            new = rt.expert_bias_update(old, load, rate)
             if not isinstance(old, jax.core.Tracer):   # eager: keep the placement (jit keeps it)
                 new = jax.device_put(new, old.sharding)
-            mlp.expert_bias.set_value(new)
+            var.set_value(new)
 

@@ -9,6 +9,7 @@ Every array in the model is described by logical axis names:
     experts     stacked experts (moe_ffn's expert_axis)         expert; folded: all other axes
     expert_ffn  an expert's ffn (moe_ffn's expert_tensor_axis)  expert_tensor, if present
     embed, heads, kv_heads, head_dim, ffn, vocab, router        replicated
+    layers      the stacked layer axis (`scan_layers`)          replicated, always
 
 Default layouts (`rules_for(mesh)`), the three the tests run:
 - `("expert",)`: batch and tokens over `expert`, experts over `expert`, the rest replicated.
@@ -22,6 +23,14 @@ Any name can be overridden: `rules_for(mesh, heads=("tensor",))`; layouts other 
 above are not tested. Activations whose dimension does not divide by an axis' size drop that axis
 (e.g. batch 2 on 8 devices is replicated for attention; the MoE then reshards its flattened tokens
 over `tokens`); parameters must divide (`ModelConfig.check_mesh`).
+
+With `ModelConfig.scan_layers` every decoder-layer parameter has one more, leading dimension
+named `layers` (e.g. w_gate is ("layers", "experts", "embed", "expert_ffn")). The rules never
+shard it (`rules_for` refuses an override): `jax.lax.scan` slices one layer per step, which must
+be local to every device, so each device holds its share of every layer as before. (The
+trainer's FSDP *storage*, `train.loop.fsdp_sharding`, treats it like any other dimension: it is
+chosen when it is a parameter's largest free one, e.g. q_norm [48, 16]; the step gathers every
+parameter back to these rules before the forward.)
 """
 
 import dataclasses
@@ -33,7 +42,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LOGICAL = ("batch", "seq", "tokens", "experts", "expert_ffn", "embed", "heads", "kv_heads",
-           "head_dim", "ffn", "vocab", "router")
+           "head_dim", "ffn", "vocab", "router", "layers")
+LAYERS = "layers"   # the leading axis of the stacked (scanned) decoder-layer parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +124,9 @@ def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None
         bad = [a for a in v if a not in names]
         if bad:
             raise ValueError(f"rules_for({k}={v}): {bad} not axes of the mesh {names}")
+        if k == LAYERS and v:
+            raise ValueError(f"rules_for({k}={v}): the stacked layer axis is never sharded "
+                             "(the layer scan slices one layer per step)")
         table[k] = v
     if any(a not in table["tokens"] for a in table["experts"]):
         raise ValueError(f"tokens={table['tokens']} must include every expert axis "

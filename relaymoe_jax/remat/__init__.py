@@ -12,14 +12,16 @@ verification by compiling are in `train.planner`.
 
 from relaymoe_jax.remat.costs import AttentionShape, Cost, layer_costs, option_costs
 from relaymoe_jax.remat.options import OPTIONS, policy
-from relaymoe_jax.remat.solver import Plan, brute_force, greedy, optimality_gap
+from relaymoe_jax.remat.solver import Plan, brute_force, greedy, optimality_gap, uniform
 
 
 def plan_attention_remat(cfg, *, batch: int, seq: int, mesh_shape: dict, dtype, budget) -> Plan:
     """The greedy plan for `cfg`'s attention layers at this micro-batch, sequence length, mesh
-    ({axis: size}) and compute dtype, within `budget` bytes per device."""
-    return greedy(layer_costs(cfg, batch, seq, mesh_shape, dtype), budget)
+    ({axis: size}) and compute dtype, within `budget` bytes per device; with `cfg.scan_layers`
+    (one layer body for all layers) the best plan with one option for every layer (`uniform`)."""
+    costs = layer_costs(cfg, batch, seq, mesh_shape, dtype)
+    return (uniform if getattr(cfg, "scan_layers", False) else greedy)(costs, budget)
 
 
 __all__ = ["OPTIONS", "AttentionShape", "Cost", "Plan", "brute_force", "greedy", "layer_costs",
-           "optimality_gap", "option_costs", "plan_attention_remat", "policy"]
+           "optimality_gap", "option_costs", "plan_attention_remat", "policy", "uniform"]

@@ -77,6 +77,22 @@ def greedy(costs: Sequence[Mapping[str, Cost]], budget) -> Plan:
     return _plan(costs, chosen, budget)
 
 
+def uniform(costs: Sequence[Mapping[str, Cost]], budget) -> Plan:
+    """The best plan that gives every layer the same option (a scanned model, `scan_layers`, has
+    one layer body): the option saving the most FLOPs whose bytes over all layers fit `budget`
+    (ties: fewer bytes); "full" everywhere when none fits. Exact for that constraint."""
+    _check(costs, budget)
+    n = len(costs)
+    shared = set.intersection(*(set(layer) for layer in costs)) if costs else set()
+    best = None
+    for o in sorted(shared, key=OPTIONS.index):
+        kept = sum(layer[o].bytes for layer in costs)
+        saved = sum(layer[o].flops for layer in costs)
+        if kept <= budget and saved > 0 and (best is None or (saved, -kept) > best[1]):
+            best = (o, (saved, -kept))
+    return _plan(costs, {} if best is None else dict.fromkeys(range(n), best[0]), budget)
+
+
 def brute_force(costs: Sequence[Mapping[str, Cost]], budget) -> Plan:
     """The plan with the most FLOPs saved within `budget` (ties: fewer bytes, then the first in
     enumeration order). Exponential: refuses more than BRUTE_FORCE_LIMIT assignments."""
