@@ -72,7 +72,10 @@ Caveats:
   * Triton needs power-of-two block shapes, and `tl.dot` needs >= 16; both are
     checked here.
   * The block defaults are untuned guesses for H100/H200 bf16: 64 x 128 x 64,
-    4 warps, 3 stages (2 for 4-byte dtypes, to fit shared memory).
+    4 warps, 3 stages (2 for 4-byte dtypes, to fit shared memory). On an H200
+    they run at 300-377 TFLOP/s forward (BENCHMARKS.md, "On a real H200").
+    Shared memory is checked when a kernel is loaded, not compiled: 128 x 256 x 64
+    with 3 stages compiles but its tgmm needs 245,760 bytes (> 232,448) at launch.
   * A tile shared by two groups is computed once per group. That is at most G
     extra tiles of `block_m` rows, about 12% at M=8192, G=16, block_m=64.
   * Interpret mode fails under `shard_map(check_vma=True)` in JAX 0.12: the
