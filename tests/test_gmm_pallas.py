@@ -344,3 +344,34 @@ def test_tgmm_fused_gather_either_operand():
     _assert_close(out, ref.tgmm(other, x_mk, sizes))
     _assert_close(doth, want_dy)
     _assert_close(dtok, _scatter_ref(want_dx, rows, sizes))
+
+
+# ------------------------------------------------------- shared memory per stage
+
+BF, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize("name, tiles, cfg, want", [
+    ("gmm", ((64, 64, BF), (64, 128, BF)), gp.Config(), 3),             # default blocks
+    ("gmm", ((64, 64, F32), (64, 128, F32)), gp.Config(), 2),           # 4-byte operands
+    # the H200 failure: tgmm 128 x 256 x 64, 3 stages = 245,760 bytes > 232,448; fitted to 2
+    ("tgmm", ((128, 64, BF), (128, 256, BF)), gp.Config(128, 256, 64), 2),
+    ("tgmm", ((128, 64, F32), (128, 256, F32)), gp.Config(128, 256, 64), 1),
+    ("gmm", ((128, 64, BF), (64, 256, BF)), gp.Config(128, 256, 64, num_stages=3), 3),
+])
+def test_stages_fit_shared_memory(name, tiles, cfg, want):
+    got = gp._compiler_params(cfg, name, tiles).num_stages
+    assert got == want
+    per_stage = sum(r * c * np.dtype(d).itemsize for r, c, d in tiles)
+    assert got * per_stage <= gp.SMEM_BYTES
+
+
+def test_explicit_stages_over_shared_memory_are_refused():
+    cfg = gp.Config(128, 256, 64, num_warps=8, num_stages=3)
+    with pytest.raises(ValueError, match=r"tgmm: num_stages=3 keeps 3 x 81,920 = 245,760 bytes"):
+        gp._compiler_params(cfg, "tgmm", ((128, 64, BF), (128, 256, BF)))
+    # end to end: the public tgmm refuses before any kernel runs (interpret mode on CPU)
+    x = jnp.zeros((256, 64), BF)
+    with pytest.raises(ValueError, match="245,760 bytes"):
+        gp.tgmm(x, jnp.zeros((256, 256), BF), jnp.array([128, 128]), interpret=True,
+                block_m=128, block_n=256, block_k=64, num_stages=3)

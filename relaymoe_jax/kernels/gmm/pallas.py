@@ -75,7 +75,8 @@ Caveats:
     4 warps, 3 stages (2 for 4-byte dtypes, to fit shared memory). On an H200
     they run at 300-377 TFLOP/s forward (BENCHMARKS.md, "On a real H200").
     Shared memory is checked when a kernel is loaded, not compiled: 128 x 256 x 64
-    with 3 stages compiles but its tgmm needs 245,760 bytes (> 232,448) at launch.
+    with 3 stages compiles but its tgmm needs 245,760 bytes (> 232,448) at launch,
+    so stages are fitted to SMEM_BYTES up front (`_compiler_params`).
   * A tile shared by two groups is computed once per group. That is at most G
     extra tiles of `block_m` rows, about 12% at M=8192, G=16, block_m=64.
   * Interpret mode fails under `shard_map(check_vma=True)` in JAX 0.12: the
@@ -127,10 +128,32 @@ def _fit_block(block: int, dim: int) -> int:
     return min(block, max(MIN_BLOCK, pl.next_power_of_2(max(dim, 1))))
 
 
-def _compiler_params(cfg: Config, *dtypes) -> plt.CompilerParams:
-    """Holds the Triton launch parameters; default stages fit shared memory."""
-    itemsize = max(np.dtype(d).itemsize for d in dtypes)
-    stages = cfg.num_stages if cfg.num_stages is not None else (3 if itemsize <= 2 else 2)
+# Shared memory one Triton program may use on Hopper (H100/H200: 227 KiB opt-in per block). Triton
+# keeps `num_stages` copies of each pipelined operand tile there. A config over it compiles (the
+# limit is checked when the kernel is loaded) and then fails at launch with RESOURCE_EXHAUSTED, as
+# 128 x 256 x 64 with 3 stages did for tgmm on an H200 (245,760 bytes; BENCHMARKS.md).
+SMEM_BYTES = 232_448
+
+
+def _compiler_params(cfg: Config, name: str, tiles) -> plt.CompilerParams:
+    """Holds the Triton launch parameters for kernel `name` whose pipelined operand tiles are
+    `tiles` ((rows, cols, dtype) each). Default stages: 3 for <= 2-byte operands, else 2, fewer
+    when the tiles' copies would not fit SMEM_BYTES; explicit `num_stages` that do not fit are
+    refused (ValueError naming the bytes) instead of failing at launch on the GPU."""
+    per_stage = sum(r * c * np.dtype(d).itemsize for r, c, d in tiles)
+    itemsize = max(np.dtype(d).itemsize for _, _, d in tiles)
+    if cfg.num_stages is not None:
+        stages = cfg.num_stages
+        if stages * per_stage > SMEM_BYTES:
+            raise ValueError(
+                f"{name}: num_stages={stages} keeps {stages} x {per_stage:,} = "
+                f"{stages * per_stage:,} bytes of operand tiles in shared memory, more than the "
+                f"{SMEM_BYTES:,} a Hopper block may use; use fewer stages or smaller blocks "
+                f"(or num_stages=None to fit them)")
+    else:
+        stages = 3 if itemsize <= 2 else 2
+        while stages > 1 and stages * per_stage > SMEM_BYTES:
+            stages -= 1
     return plt.CompilerParams(num_warps=cfg.num_warps or 4, num_stages=stages)
 
 
@@ -271,7 +294,7 @@ def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, c
         kernel,
         out_shape=_out_shape((m, n), out_dtype, x),
         grid=(meta[0].shape[0], pl.cdiv(n, bn)),
-        compiler_params=_compiler_params(cfg, x.dtype, w_gkn.dtype),
+        compiler_params=_compiler_params(cfg, "gmm", ((bm, bk, x.dtype), (bk, bn, w_gkn.dtype))),
         interpret=cfg.interpret,
         name="relaymoe_gmm",
     )(*meta, x, w_gkn, *rows)
@@ -333,7 +356,7 @@ def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config):
         kernel,
         out_shape=_out_shape((num_groups, k, n), out_dtype, x),
         grid=(num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
-        compiler_params=_compiler_params(cfg, x.dtype, y.dtype),
+        compiler_params=_compiler_params(cfg, "tgmm", ((bm, bk, x.dtype), (bm, bn, y.dtype))),
         interpret=cfg.interpret,
         name="relaymoe_tgmm",
     )(start_g, end_g, x, y, *rows)
