@@ -136,7 +136,7 @@ def test_kernel_compiles_with_vjp(dtype, blocks):
                  s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((M_ROWS, n), dtype))
     text = c.as_text()
     assert text.count(TRITON_CALL) == 3
-    assert "dot(" not in text.replace("triton", "")   # every matmul is a kernel, none XLA's
+    assert "dot(" not in text   # every matmul is a kernel, none XLA's (its dots print "dot(")
 
 
 @needs_plugin
@@ -152,13 +152,6 @@ def test_down_projection_and_tgmm_compile(shape):
     tg = _compile(_tgmm_fwd_bwd({}), mesh, s((T_ROWS, h), bf), s((M_ROWS, f), bf),
                   s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((g, h, f), bf))
     assert tg.as_text().count(TRITON_CALL) == 3   # tgmm + its two gmm backward kernels
-
-
-@needs_plugin
-def test_non_power_of_two_block_is_refused():
-    # Why blocks are checked up front: Triton needs power-of-two blocks.
-    with pytest.raises(ValueError, match="power of two"):
-        gp.gmm(jnp.zeros((64, 64)), jnp.zeros((2, 64, 64)), jnp.array([32, 32]), block_m=48)
 
 
 # ------------------------------------------------------------------- moe_ffn
