@@ -54,8 +54,10 @@ from train import mesh as train_mesh
 
 CONFIG = "configs/qwen3-30b-a3b.yaml"
 # --target: the experiment's settings on a full-size config (paper §4.4: full recomputation)
-FULL_SIZE = dict(attention_impl="chunked", attention_block_k=512, attention_remat="full",
-                 moe_remat=True)
+# and the layer scan; key blocks of 128: each block's float32 scores are [b, S/8, heads, 128],
+# 0.94 GiB per buffer at micro-batch 12 and 40,960 tokens (3.75 GiB with blocks of 512)
+FULL_SIZE = dict(attention_impl="chunked", attention_block_k=128, attention_remat="full",
+                 moe_remat=True, scan_layers=True)
 SCALED = dict(hidden_size=256, moe_intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=256,
               attention_impl="chunked", attention_block_k=128, max_position_embeddings=131072,
@@ -76,7 +78,8 @@ def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = N
 
 def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
     """{variant: (longest of `seqs` that fits or None, search record of every probe)}: the fully
-    recomputed step at each listed sequence length, one compile each."""
+    recomputed step at each listed sequence length in increasing order, one compile each,
+    stopping at the first that does not fit."""
     found = {}
     for name, cfg in cfgs.items():
         print(f"# {name}: sequences {', '.join(f'{s:,}' for s in seqs)} at micro-batch "
@@ -84,12 +87,16 @@ def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) 
         cfg = dataclasses.replace(cfg, max_position_embeddings=max(
             cfg.max_position_embeddings, *seqs))
         rec = planner.search.Search(step=min(seqs), limit=max(seqs))
-        for seq in seqs:
+        for seq in sorted(seqs):
             peak = planner.step_cost(cfg, dataclasses.replace(tc, seq_len=seq), mesh,
                                      memo=False).peak
             rec.probes.append((seq, peak))
             print(f"  size {seq}: {peak / MIB:,.1f} MiB "
                   f"{'fits' if peak <= memory else 'does not fit'}", flush=True)
+            if peak > memory:   # the peak grows with the sequence: longer ones cannot fit
+                print(f"  (not probed: {', '.join(f'{s:,}' for s in seqs if s > seq) or 'none'})",
+                      flush=True)
+                break
         found[name] = (max((s for s, p in rec.probes if p <= memory), default=None), rec)
     return found
 

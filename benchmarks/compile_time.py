@@ -36,7 +36,7 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     t1 = time.perf_counter()
     shape = (tc.batch_size, tc.seq_len)
     ids = jax.NamedSharding(mesh_, rules.fit(shape, "batch", "seq"))
-    step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype)
+    step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     jitted = jax.jit(step, in_shardings=(shardings, ids),
                      out_shardings=(shardings, jax.NamedSharding(mesh_, jax.P())),

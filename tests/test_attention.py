@@ -139,3 +139,41 @@ def test_context_parallel_sharding_matches_unsharded(under_set_mesh):
     assert [x.sharding.spec for x in (o, dq, dk, dv)] == [q_spec, q_spec, kv_spec, kv_spec]
     for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert _rel_err(g, w_) < 1e-5
+
+
+def test_no_mask_residuals_in_a_rematerialised_layer_scan():
+    """Inside a differentiated layer scan with the attention rematerialised (the model's
+    scan_layers + attention_remat=full), JAX must not hoist the causal masks out of the
+    backward as stacked [blocks, B, S, K, G, block_k] residuals (found at full size: 75 GiB per
+    device); the barrier in `_mask_st` makes them depend on the keys. Read from the jaxpr: no
+    bool array there has a leading dimension of the number of key blocks."""
+    b, s, n, kv, d, block = 2, 64, 4, 2, 8, 16
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for h in (n, kv, kv))
+    attn = jax.checkpoint(lambda q, k, v: chunked_causal_attention(q, k, v, block_k=block),
+                          policy=jax.checkpoint_policies.nothing_saveable)
+
+    def layers(q, k, v):
+        def body(x, _):
+            return x + attn(q + x, k + x[..., :kv, :], v), None
+        return jnp.sum(jax.lax.scan(body, jnp.zeros_like(q), None, length=3)[0] ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(layers, argnums=(0, 1, 2)))(q, k, v)
+    shapes = set()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            for var in eqn.outvars:
+                aval = getattr(var, "aval", None)
+                if aval is not None and getattr(aval, "dtype", None) == jnp.bool_:
+                    shapes.add(tuple(aval.shape))
+            for p in eqn.params.values():
+                for j in p if isinstance(p, (list, tuple)) else (p,):
+                    inner = getattr(j, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+
+    walk(jaxpr.jaxpr)
+    assert (b, s, kv, n // kv, block) in shapes, shapes   # the walk sees the per-block masks
+    stacked = [sh for sh in shapes if len(sh) == 6 and sh[0] == s // block]
+    assert not stacked, stacked

@@ -78,8 +78,9 @@ def test_target_refuses_timing(table):
 
 
 def test_capacity_probes_listed_lengths(capacity, monkeypatch):
-    """--seqs: one fully recomputed step per length and dispatcher; the longest that fits is
-    reported per dispatcher and compared with the ring's (peaks faked: linear in the sequence)."""
+    """--seqs: one fully recomputed step per length and dispatcher, in increasing order up to the
+    first that does not fit; the longest that fits is reported per dispatcher and compared with
+    the ring's (peaks faked: linear in the sequence)."""
     per_token = {"ring": 1, "alltoall dropless": 9, "alltoall cap1.0": 3}
     seen = []
 
@@ -93,8 +94,9 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
     cfgs = {n: capacity.load_config("configs/tiny.yaml", expert_size=8, **capacity.FULL_SIZE,
                                     **over) for n, over in capacity.VARIANTS.items()}
     tc = capacity.loop.TrainConfig(batch_size=8, seq_len=64)
-    found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [40960, 65536, 153600])
-    assert len(seen) == 9 and {s[3] for s in seen} == {153600}   # positions cover the longest
+    found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [65536, 153600, 40960])
+    assert {s[3] for s in seen} == {153600}   # positions cover the longest
+    assert [s[2] for s in seen] == [40960, 65536, 153600, 40960, 40960, 65536, 153600]
     assert {n: s for n, (s, _) in found.items()} == {
         "ring": 153600, "alltoall dropless": None, "alltoall cap1.0": 65536}
     table = capacity.capacity_table(found, 200_000 * capacity.MIB)

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
             _log(f"already at step {start} >= --steps {args.steps}; nothing to do")
         else:
             t0 = time.perf_counter()
-            compiled = loop.compile_step(loop.make_step(graphdef, tx, cfg, tc.compute_dtype),
+            step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
+            compiled = loop.compile_step(step,
                                          state, ids_sharding, shape,
                                          key=loop.step_key(cfg, tc, shape, mesh))
             _log(f"train step ready in {time.perf_counter() - t0:.1f} s on "

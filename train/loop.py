@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import QwenMoe
+from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
 from relaymoe_jax.models.sharding import LAYERS
 
 
@@ -43,6 +44,7 @@ class TrainConfig:
     synthetic: bool = False
     mesh: str = "expert=-1"            # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
     compute_dtype: str = "float32"     # "bfloat16": bf16 compute, float32 master weights
+    loss_chunk: int = DEFAULT_CHUNK    # tokens per device per LM-head chunk (models/loss.py)
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -168,12 +170,15 @@ def next_token_targets(ids_bs):
     return targets, weights
 
 
-def make_step(graphdef, tx, cfg, compute_dtype: str = "float32"):
+def make_step(graphdef, tx, cfg, compute_dtype: str = "float32",
+              loss_chunk: int = DEFAULT_CHUNK):
     """step(state, ids) -> (state, metrics): one AdamW update on next-token cross-entropy plus
     the router losses. The parameters are gathered from their `fsdp` storage (if any) and, with
     `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
     weights, the optimizer and the update stay float32; the router and the losses compute in
-    float32 anyway). The expert bias is not touched here: `update_expert_bias` (eager, as
+    float32 anyway). The LM head and cross-entropy run in chunks of `loss_chunk` tokens per
+    device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab] logits are ever built.
+    The expert bias is not touched here: `update_expert_bias` (eager, as
     `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics["expert_load"]`."""
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
@@ -186,11 +191,11 @@ def make_step(graphdef, tx, cfg, compute_dtype: str = "float32"):
     def loss_fn(params, rest, ids):
         model = nnx.merge(graphdef, jax.tree.map(cast, params), rest)
         model.dtype = dtype
-        logits, aux = model(ids)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        x_bsh, aux = model.hidden(ids)
         targets, weights = next_token_targets(ids)
-        nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
-        lm = jnp.sum(nll * weights) / (ids.shape[0] * (ids.shape[1] - 1))
+        with jax.named_scope("lm_loss"):
+            nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)
+        lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
         return lm + aux["router_loss"], (lm, aux)
 
     def step(state, ids):
@@ -250,7 +255,7 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True):
     graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    step = make_step(graphdef, tx, cfg, tc.compute_dtype)
+    step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
     return compile_step(step, state, ids_sharding, shape,
                         key=step_key(cfg, tc, shape, mesh) if memo else None)
 

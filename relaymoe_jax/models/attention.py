@@ -118,8 +118,16 @@ def _out_sharding(x):
     return sharding if sharding.mesh.explicit_axes else None
 
 
-def _mask_st(j, s, block_k):
-    """Causal mask [S, block_k] of key block j: query i sees key j * block_k + t iff <= i."""
+def _mask_st(j, k_btkd, s, block_k):
+    """Causal mask [S, block_k] of key block j: query i sees key j * block_k + t iff <= i.
+
+    `j` passes through an optimization barrier with the key block, so that the mask depends on
+    the keys as far as JAX's partial evaluation can tell. Otherwise, inside a differentiated
+    layer scan, the masks (a function of the block index only) are "known" values: JAX hoists
+    them out of the rematerialised backward and stores every block's mask broadcast to
+    [B, S, K, G, block_k] as a residual (75 GiB per device at 12 x 40,960 tokens on 8 GPUs).
+    The barrier is free at run time."""
+    j, _ = lax.optimization_barrier((j, k_btkd))
     k_pos_t = j * block_k + jnp.arange(block_k)
     return k_pos_t[None, :] <= jnp.arange(s)[:, None]
 
@@ -139,7 +147,7 @@ def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
     def step(carry, xs):
         m_bskg, l_bskg, acc_bskgd = carry
         j, k_btkd, v_btkd = xs
-        mask_st = _mask_st(j, s, block_k)
+        mask_st = _mask_st(j, k_btkd, s, block_k)
         s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
         m_new = jnp.maximum(m_bskg, s_bskgt.max(-1))
         p_bskgt = jnp.where(mask_st[None, :, None, None, :], jnp.exp(s_bskgt - m_new[..., None]),
@@ -170,7 +178,7 @@ def _attention_bwd(block_k, scale, res, do_bsnd):
     def step(dq_bskgd, xs):
         j, k_btkd, v_btkd = xs
         kv_sharding = _out_sharding(k_btkd)
-        mask_st = _mask_st(j, s, block_k)
+        mask_st = _mask_st(j, k_btkd, s, block_k)
         s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
         p_bskgt = jnp.where(mask_st[None, :, None, None, :],
                             jnp.exp(s_bskgt - lse_bskg[..., None]), 0.0)

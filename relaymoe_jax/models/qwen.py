@@ -293,6 +293,24 @@ class QwenMoe(nnx.Module):
 
     def __call__(self, input_ids, *, positions=None, return_router_logits=False):
         """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict)."""
+        x_bsh, aux = self.hidden(input_ids, positions=positions,
+                                 return_router_logits=return_router_logits)
+        with jax.named_scope("lm_head"):
+            if self.config.tie_word_embeddings:
+                logits_bsv = jnp.einsum("bsh,vh->bsv", x_bsh, self.embed_tokens[...])
+            else:
+                logits_bsv = jnp.einsum("bsh,hv->bsv", x_bsh, self.lm_head[...])
+        return logits_bsv, aux
+
+    def head_hv(self):
+        """The LM head as [H, V] (`embed_tokens.T` when tied), for `loss.lm_loss`."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        return self.lm_head[...]
+
+    def hidden(self, input_ids, *, positions=None, return_router_logits=False):
+        """input_ids [B, S] int -> (the final-norm hidden states [B, S, H], aux dict): the model
+        without its LM head (the trainer's chunked loss, `loss.lm_loss`, applies the head)."""
         cfg, rules, mesh = self.config, self.rules, self.rules.mesh
         b, s = input_ids.shape
         act = rules.fit((b, s), "batch", "seq")
@@ -323,13 +341,9 @@ class QwenMoe(nnx.Module):
                     per_layer.append(keep(st))
             stats = (jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer
                      else None)
-        with jax.named_scope("lm_head"):
+        with jax.named_scope("final_norm"):
             x_bsh = self.norm(x_bsh)
-            if cfg.tie_word_embeddings:
-                logits_bsv = jnp.einsum("bsh,vh->bsv", x_bsh, self.embed_tokens[...])
-            else:
-                logits_bsv = jnp.einsum("bsh,hv->bsv", x_bsh, self.lm_head[...])
-        return logits_bsv, self._aux(stats, b, s, return_router_logits)
+        return x_bsh, self._aux(stats, b, s, return_router_logits)
 
     def _aux(self, stats, b, s, return_router_logits):
         """The aux dict from the MoE layers' stats stacked on a leading layer axis (None when
