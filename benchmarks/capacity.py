@@ -10,8 +10,9 @@ on CPU: longer sequences (Figure 15) and less attention recomputation (Figure 13
 With `--target h100|h200` the model is `--config` at its real size (none of SCALED below; only the
 experiment's settings: chunked attention, every attention and MoE block recomputed), bf16, on
 `--hosts` hosts of 8 abstract GPUs (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra, no GPU),
-and `--memory` defaults to 0.9 x the target's. `--seqs` probes the listed sequence lengths (the
-paper's 40K-150K), `--max-seq` also searches the largest that fits (doubling and bisection from
+and `--memory` defaults to 0.9 x the target's. `--seqs` finds the longest of the listed sequence
+lengths that fits (the paper's 40K-150K; `train.search.largest_listed`: the smallest, the largest,
+then where the measured peaks' line crosses the memory), `--max-seq` also searches the largest that fits (doubling and bisection from
 `--seq-step`); every probe is one compile of the whole train step by XLA:GPU.
 
 Model: configs/qwen3-30b-a3b.yaml with the paper's routing (E=128 experts, top-8) and the
@@ -78,26 +79,19 @@ def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = N
 
 def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
     """{variant: (longest of `seqs` that fits or None, search record of every probe)}: the fully
-    recomputed step at each listed sequence length in increasing order, one compile each,
-    stopping at the first that does not fit."""
+    recomputed step, one compile per probe, at as few of the listed lengths as
+    `train.search.largest_listed` needs (the smallest, the largest, then where the line through
+    the measured peaks crosses `memory`)."""
     found = {}
     for name, cfg in cfgs.items():
-        print(f"# {name}: sequences {', '.join(f'{s:,}' for s in seqs)} at micro-batch "
-              f"{tc.batch_size} ...", flush=True)
+        print(f"# {name}: the longest of {', '.join(f'{s:,}' for s in sorted(seqs))} at "
+              f"micro-batch {tc.batch_size} ...", flush=True)
         cfg = dataclasses.replace(cfg, max_position_embeddings=max(
             cfg.max_position_embeddings, *seqs))
-        rec = planner.search.Search(step=min(seqs), limit=max(seqs))
-        for seq in sorted(seqs):
-            peak = planner.step_cost(cfg, dataclasses.replace(tc, seq_len=seq), mesh,
-                                     memo=False).peak
-            rec.probes.append((seq, peak))
-            print(f"  size {seq}: {peak / MIB:,.1f} MiB "
-                  f"{'fits' if peak <= memory else 'does not fit'}", flush=True)
-            if peak > memory:   # the peak grows with the sequence: longer ones cannot fit
-                print(f"  (not probed: {', '.join(f'{s:,}' for s in seqs if s > seq) or 'none'})",
-                      flush=True)
-                break
-        found[name] = (max((s for s, p in rec.probes if p <= memory), default=None), rec)
+        peak = lambda seq, cfg=cfg: planner.step_cost(
+            cfg, dataclasses.replace(tc, seq_len=seq), mesh, memo=False).peak
+        found[name] = planner.search.largest_listed(
+            peak, memory, seqs, log=lambda m: print(m, flush=True))
     return found
 
 

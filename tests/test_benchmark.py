@@ -78,9 +78,9 @@ def test_target_refuses_timing(table):
 
 
 def test_capacity_probes_listed_lengths(capacity, monkeypatch):
-    """--seqs: one fully recomputed step per length and dispatcher, in increasing order up to the
-    first that does not fit; the longest that fits is reported per dispatcher and compared with
-    the ring's (peaks faked: linear in the sequence)."""
+    """--seqs: fully recomputed steps at the listed lengths that `largest_listed` picks (the
+    smallest, the largest, then the interpolated boundary); the longest that fits is reported per
+    dispatcher and compared with the ring's (peaks faked: linear in the sequence)."""
     per_token = {"ring": 1, "alltoall dropless": 9, "alltoall cap1.0": 3}
     seen = []
 
@@ -96,7 +96,7 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
     tc = capacity.loop.TrainConfig(batch_size=8, seq_len=64)
     found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [65536, 153600, 40960])
     assert {s[3] for s in seen} == {153600}   # positions cover the longest
-    assert [s[2] for s in seen] == [40960, 65536, 153600, 40960, 40960, 65536, 153600]
+    assert [s[2] for s in seen] == [40960, 153600, 40960, 40960, 153600, 65536]
     assert {n: s for n, (s, _) in found.items()} == {
         "ring": 153600, "alltoall dropless": None, "alltoall cap1.0": 65536}
     table = capacity.capacity_table(found, 200_000 * capacity.MIB)

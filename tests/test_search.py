@@ -19,7 +19,39 @@ def test_largest_against_exhaustive_scan(slope, capacity, step, limit):
     assert all(size % step == 0 and size <= limit for size, _ in rec.probes)
 
 
+PAPER = [40960, 65536, 92160, 100352, 116736, 126976, 153600]
+
+
+@pytest.mark.parametrize("peak", [
+    lambda s: 0.35 * s + 28_000,                  # affine, as the full-size steps nearly are
+    lambda s: s * s / 300_000 + 20_000,           # convex
+    lambda s: 60_000 if s > 90_000 else 10_000,   # a step
+    lambda s: 2 ** (s // 20_000),                 # wildly non-affine
+])
+@pytest.mark.parametrize("capacity", [5_000, 30_000, 50_000, 60_000, 72_000, 10**9])
+def test_largest_listed_against_exhaustive_scan(peak, capacity):
+    want = max((s for s in PAPER if peak(s) <= capacity), default=None)
+    got, rec = search.largest_listed(peak, capacity, PAPER[::-1])
+    assert got == want
+    probed = dict(rec.probes)
+    assert len(probed) == len(rec.probes) <= len(PAPER)           # never twice
+    if want is not None:                                          # the boundary was measured
+        assert probed[want] <= capacity
+        assert want == PAPER[-1] or probed[PAPER[PAPER.index(want) + 1]] > capacity
+
+
+def test_largest_listed_few_probes_when_affine():
+    peak = lambda s: 0.35 * s + 28_000
+    for capacity in (30_000, 50_000, 60_000, 72_000, 90_000):
+        _, rec = search.largest_listed(peak, capacity, PAPER)
+        assert len(rec.probes) <= 4, (capacity, rec.probes)
+    _, rec = search.largest_listed(peak, 1_000, PAPER)
+    assert rec.probes == [(40960, peak(40960))]                   # smallest first
+
+
 def test_largest_bad_input():
+    with pytest.raises(ValueError, match="positive sizes"):
+        search.largest_listed(lambda n: n, 10, [])
     with pytest.raises(ValueError, match="step=0"):
         search.largest(lambda n: n, 10, 0, 8)
     with pytest.raises(ValueError, match="limit=4"):
