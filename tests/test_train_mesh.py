@@ -108,3 +108,32 @@ def test_bad_mesh_fails_before_compiling(tmp_path, over, msg):
     with pytest.raises(ValueError, match=msg):
         cli.parse(["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path),
                    *over])
+
+
+@pytest.mark.parametrize("spec", ["fsdp=2,context=4", "fsdp=8"])
+def test_fsdp_gather_keeps_folded_experts_sharded(spec):
+    """Parallel folding with an fsdp axis: the experts are sharded over every axis, fsdp
+    included. The step's gather restores each parameter's model sharding (its out_sharding
+    metadata): fsdp comes off the parameters it was added to for storage and stays on the
+    experts (stripping it from them gathered every expert weight onto every device)."""
+    tc = loop.TrainConfig(mesh=spec)
+    mesh = tm.make_mesh(tc.mesh)
+    _, state, _, _ = loop.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
+    params = state["params"]
+    gathered = jax.jit(lambda p: jax.tree.map(loop.gather_fsdp, p, is_leaf=loop.is_variable))
+    with jax.set_mesh(mesh):
+        out = gathered.trace(params).out_info
+    got = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    variables = jax.tree.leaves(params, is_leaf=loop.is_variable)
+    assert len(got) == len(variables)
+    experts = 0
+    for v, o in zip(variables, got):
+        model_spec = tuple(v.get_metadata()["out_sharding"])
+        assert tuple(o.sharding.spec) == model_spec, (v.get_metadata()["logical_axes"], o)
+        if "experts" in v.get_metadata()["logical_axes"]:
+            experts += 1
+            assert "fsdp" in str(model_spec)
+    assert experts == 3 * load_config("configs/tiny.yaml").num_hidden_layers
+    stored = [v.get_value().sharding.spec for v in variables]
+    assert any("fsdp" in str(s) for s, v in zip(stored, variables)
+               if "experts" not in v.get_metadata()["logical_axes"])   # storage added fsdp

@@ -118,14 +118,32 @@ def fsdp_sharding(x, mesh) -> NamedSharding:
 
 
 def gather_fsdp(x):
-    """Inside the step: the parameter back on its model sharding (`fsdp` removed), an
-    all-gather whose transpose reduce-scatters the gradient back to the stored sharding."""
+    """Inside the step: the parameter back on its model sharding, an all-gather whose transpose
+    reduce-scatters the gradient back to the stored sharding.
+
+    Give it the `nnx.Variable` (map with `is_leaf=is_variable`): its value is resharded to the
+    model's spec (the Variable's `out_sharding` metadata), which keeps an `fsdp` that the model
+    itself uses: with parallel folding (no `expert` axis) the experts are sharded over every axis,
+    `fsdp` included, and `fsdp_sharding` leaves them as they are. A bare array can only have
+    `fsdp` removed from its spec: right for everything but folded experts."""
+    if isinstance(x, nnx.Variable):
+        value, spec = x.get_value(), x.get_metadata().get("out_sharding")
+        if spec is None:
+            return x.replace(gather_fsdp(value))
+        sharding = jax.typeof(value).sharding
+        if tuple(sharding.spec) == tuple(spec):
+            return x
+        return x.replace(jax.sharding.reshard(value, NamedSharding(sharding.mesh, P(*spec))))
     sharding = jax.typeof(x).sharding
     spec = [tuple(a for a in _spec_entries(e) if a != "fsdp") for e in sharding.spec]
     if all(len(a) == len(_spec_entries(e)) for a, e in zip(spec, sharding.spec)):
         return x
     spec = [None if not a else a[0] if len(a) == 1 else a for a in spec]
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
+
+
+def is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def _opt_shardings(tx, params, mesh):
@@ -184,12 +202,14 @@ def make_step(graphdef, tx, cfg, compute_dtype: str = "float32",
         raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
     dtype = jnp.dtype(compute_dtype)
 
-    def cast(x):
-        x = gather_fsdp(x)
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    def cast(v):
+        v = gather_fsdp(v)
+        x = v.get_value() if is_variable(v) else v
+        x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return v.replace(x) if is_variable(v) else x
 
     def loss_fn(params, rest, ids):
-        model = nnx.merge(graphdef, jax.tree.map(cast, params), rest)
+        model = nnx.merge(graphdef, jax.tree.map(cast, params, is_leaf=is_variable), rest)
         model.dtype = dtype
         x_bsh, aux = model.hidden(ids)
         targets, weights = next_token_targets(ids)
