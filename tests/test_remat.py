@@ -227,3 +227,23 @@ def test_options_give_the_same_loss_and_gradients():
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(over))
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(over))
+
+
+@pytest.mark.parametrize("moe_remat, layer_outputs", [(True, 2), (False, 4)])
+def test_full_recompute_keeps_only_each_layer_input(moe_remat, layer_outputs):
+    """attention_remat=full with moe_remat=true checkpoints the whole decoder layer: the model
+    keeps one [B, S, H] residual per layer (its input; here the outputs of the residual adds
+    that feed the next layer and the final norm), not also the MLP block's input, which the
+    attention block alone under its own checkpoint must keep. Read from print_saved_residuals."""
+    mesh = jax.make_mesh((8,), ("expert",))
+    cfg = load_config("configs/tiny.yaml", attention_remat="full", moe_remat=moe_remat)
+    model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jax.random.randint(jax.random.key(0), (8, 32), 0, cfg.vocab_size)
+    out = io.StringIO()
+    with jax.set_mesh(mesh), contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids)[0]), params)
+    adds = [line for line in out.getvalue().splitlines()
+            if re.match(rf"f32\[8(@\w+)?,32,{cfg.hidden_size}\] output of add .*qwen\.py", line)]
+    assert cfg.num_hidden_layers == 2 and len(adds) == layer_outputs, out.getvalue()

@@ -213,10 +213,12 @@ def test_scanned_matches_unscanned(layout, over):
 
 
 @pytest.mark.parametrize("over, remats", [(dict(), 0), (dict(attention_remat="full"), 1),
-                                          (dict(attention_remat="save_qkv", moe_remat=True), 2)])
+                                          (dict(attention_remat="save_qkv", moe_remat=True), 2),
+                                          (dict(attention_remat="full", moe_remat=True), 1)])
 def test_checkpoint_names_and_remat_inside_the_scan(over, remats):
     """The scan body holds each checkpoint name once (for every layer) and the jax.checkpoint of
-    the attention block (and of the MoE block with moe_remat); nothing is unrolled per layer."""
+    the attention block (and of the MoE block with moe_remat; one of the whole layer when both
+    recompute everything); nothing is unrolled per layer."""
     model = QwenMoe(tiny(scan_layers=True, num_hidden_layers=3, **over), mesh=mesh(),
                     rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)

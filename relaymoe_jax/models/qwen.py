@@ -241,17 +241,30 @@ class DecoderLayer(nnx.Module):
                                 dtype=dtype, std=cfg.initializer_range)
 
     def __call__(self, x_bsh, cos_bsd, sin_bsd):
-        with jax.named_scope("attention_block"):
-            block = _attention_block
-            if self.remat_option != "save_all":
-                block = nnx.remat(_attention_block, policy=remat_policy(self.remat_option))
-            x_bsh = x_bsh + block(self.input_layernorm, self.self_attn, x_bsh, cos_bsd, sin_bsd)
-        with jax.named_scope("mlp_block"):
-            block = _mlp_block
-            if self.moe_remat:
-                block = nnx.remat(_mlp_block, policy=jax.checkpoint_policies.nothing_saveable)
-            y_bsh, stats = block(self.post_attention_layernorm, self.mlp, x_bsh)
-        return x_bsh + y_bsh, stats
+        """Each block under its own `jax.checkpoint` (attention: `remat_option`; MLP/MoE:
+        `moe_remat`), except when both recompute everything (`full` and `moe_remat`): then the
+        whole layer is one checkpoint that keeps only its input, not also the MLP block's input
+        (the same recomputation, one [B, S, H] activation less per layer)."""
+        if self.remat_option == "full" and self.moe_remat:
+            layer = nnx.remat(_decoder_layer, policy=jax.checkpoint_policies.nothing_saveable,
+                              static_argnums=(4,))
+            with jax.named_scope("layer_remat"):
+                return layer(self, x_bsh, cos_bsd, sin_bsd, False)
+        return _decoder_layer(self, x_bsh, cos_bsd, sin_bsd, True)
+
+
+def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, block_remat: bool):
+    with jax.named_scope("attention_block"):
+        block = _attention_block
+        if block_remat and layer.remat_option != "save_all":
+            block = nnx.remat(_attention_block, policy=remat_policy(layer.remat_option))
+        x_bsh = x_bsh + block(layer.input_layernorm, layer.self_attn, x_bsh, cos_bsd, sin_bsd)
+    with jax.named_scope("mlp_block"):
+        block = _mlp_block
+        if block_remat and layer.moe_remat:
+            block = nnx.remat(_mlp_block, policy=jax.checkpoint_policies.nothing_saveable)
+        y_bsh, stats = block(layer.post_attention_layernorm, layer.mlp, x_bsh)
+    return x_bsh + y_bsh, stats
 
 
 def _layer_stats(st, b, s, rules, return_router_logits):
