@@ -27,7 +27,8 @@ Dispatchers: the ring (routing "auto"), the dropless all-to-all (static receive 
 the worst case) and the all-to-all with capacity factor 1.0 (buffers of T*k rows, the size a
 balanced dynamic-shape dropless all-to-all such as Megatron's would allocate; it drops the pairs
 that overflow). As in the paper, every attention block and every MoE block is recomputed in the
-backward (`attention_remat=full`, `moe_remat=true`) for the capacity experiment.
+backward (`attention_remat=full`, `moe_remat=true`: each decoder layer is one checkpoint that keeps
+only its input) for the capacity experiment.
 
 1. Capacity (Figure 15): the largest sequence length, a multiple of --seq-step, whose step fits
    --memory at micro-batch --batch (doubling then bisection, one compile per probe).

@@ -75,6 +75,7 @@ class StepCost:
     peak: int             # bytes per device (report.footprint)
     flops: float | None   # cost_analysis()["flops"] of the whole step, per device; None when the
                           # compiler gives none (XLA:GPU without a device)
+    state: int | None = None   # bytes of the step's arguments per device: the train state
 
 
 def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
@@ -82,8 +83,8 @@ def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
     under `mesh` as the context mesh (an abstract GPU mesh needs it for the Pallas kernel)."""
     with jax.set_mesh(mesh):
         compiled = loop.compile_abstract(cfg, tc, mesh, memo)
-    cost = compiled.cost_analysis()
-    return StepCost(footprint(compiled.memory_analysis()), cost["flops"] if cost else None)
+    cost, m = compiled.cost_analysis(), compiled.memory_analysis()
+    return StepCost(footprint(m), cost["flops"] if cost else None, m.argument_size_in_bytes)
 
 
 def largest_size(cfg, tc: loop.TrainConfig, mesh, capacity: int, *, field: str, step: int,
@@ -135,13 +136,15 @@ def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
 
 def table(reports: list[RematReport]) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"
-    rows = ["| dispatcher | full-recompute peak MiB | budget MiB | plan | planned peak MiB | "
-            "fits | recompute GFLOP saved (cost_analysis) | (formula) |",
-            "|---|---:|---:|---|---:|---|---:|---:|"]
+    rows = ["| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
+            "planned peak MiB | fits | recompute GFLOP saved (cost_analysis) | (formula) |",
+            "|---|---:|---:|---:|---|---:|---|---:|---:|"]
     for r in reports:
         plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
         measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
-        rows.append(f"| {r.dispatcher} | {mib(r.full.peak)} | {mib(r.plan.budget)} | {plan} | "
+        state = "" if r.full.state is None else mib(r.full.state)
+        rows.append(f"| {r.dispatcher} | {mib(r.full.peak)} | {state} | {mib(r.plan.budget)} | "
+                    f"{plan} | "
                     f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
                     f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |")
     return "\n".join(rows)
