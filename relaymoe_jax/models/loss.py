@@ -18,14 +18,14 @@ the `pcast` that makes it vary over them.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .sharding import AxisRules, constrain
+from ..dispatch.plan import vary_like
+from .sharding import AxisRules, _token_layout, constrain
 
 DEFAULT_CHUNK = 1024
 
@@ -52,14 +52,13 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
             raise ValueError(f"lm_loss: {name} shape {a.shape}: expected {(b, s)}")
     mesh = rules.mesh
     act = rules.fit((b, s), "batch", "seq")
-    axes = tuple(a for e in act if e is not None for a in ((e,) if isinstance(e, str) else e))
+    batch_axes, seq_axes, nb, ns = _token_layout(rules, b, s)
+    axes = batch_axes + seq_axes
     x_bsh = constrain(x_bsh, mesh, P(*act, None))
     w_hv = constrain(w_hv, mesh, P())
     targets_bs = constrain(jnp.asarray(targets_bs, jnp.int32), mesh, act)
     weights_bs = constrain(jnp.asarray(weights_bs, jnp.float32), mesh, act)
-    local = math.prod(d // math.prod(mesh.shape[a] for a in _axes(e))
-                      for d, e in zip((b, s), act))
-    c = min(chunk, local)
+    c = min(chunk, (b // nb) * (s // ns))   # at most the tokens one device holds
 
     def body(x, w, t, wt):
         if axes:
@@ -69,10 +68,6 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(*act, None), P(), act, act),
                          out_specs=P())(x_bsh, w_hv, targets_bs, weights_bs)
-
-
-def _axes(entry):
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _pad_chunks(a, c):
@@ -107,11 +102,7 @@ def _nll_fwd(x_nh, w_hv, t_n, wt_n, c):
         nll_c = lse_c - _target_logit(logits_cv, t_c)
         return total + jnp.sum(nll_c * wt_c), lse_c
 
-    total0 = jnp.zeros((), jnp.float32)
-    if jax.typeof(wt_n).manual_axis_type.varying:
-        total0 = lax.pcast(total0, tuple(sorted(jax.typeof(wt_n).manual_axis_type.varying)),
-                           to="varying")
-    total, lse = lax.scan(hop, total0, (xs, ts, wts))
+    total, lse = lax.scan(hop, vary_like(jnp.zeros((), jnp.float32), wt_n), (xs, ts, wts))
     return total, (x_nh, w_hv, t_n, wt_n, lse)
 
 
@@ -129,11 +120,8 @@ def _nll_bwd(c, res, g):
         dw_hv = dw_hv + jnp.dot(x_ch.T, dlogits_cv, preferred_element_type=jnp.float32)
         return dw_hv, dx_ch.astype(x_ch.dtype)
 
-    dw0 = jnp.zeros(w_hv.shape, jnp.float32)
-    if jax.typeof(w_hv).manual_axis_type.varying:
-        dw0 = lax.pcast(dw0, tuple(sorted(jax.typeof(w_hv).manual_axis_type.varying)),
-                        to="varying")
-    dw_hv, dxs = lax.scan(hop, dw0, (xs, ts, wts, lse))
+    dw_hv, dxs = lax.scan(hop, vary_like(jnp.zeros(w_hv.shape, jnp.float32), w_hv),
+                          (xs, ts, wts, lse))
     dx_nh = dxs.reshape(-1, x_nh.shape[1])[:n]
     return dx_nh, dw_hv.astype(w_hv.dtype), None, None
 
