@@ -12,8 +12,9 @@ experiment's settings: chunked attention, every attention and MoE block recomput
 `--hosts` hosts of 8 abstract GPUs (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra, no GPU),
 and `--memory` defaults to 0.9 x the target's. `--seqs` finds the longest of the listed sequence
 lengths that fits (the paper's 40K-150K; `train.search.largest_listed`: the smallest, the largest,
-then where the measured peaks' line crosses the memory), `--max-seq` also searches the largest that fits (doubling and bisection from
-`--seq-step`); every probe is one compile of the whole train step by XLA:GPU.
+then where the measured peaks' line crosses the memory), `--max-seq` also searches the largest
+that fits (doubling and bisection from `--seq-step`); every probe is one compile of the whole
+train step by XLA:GPU.
 
 Model: configs/qwen3-30b-a3b.yaml with the paper's routing (E=128 experts, top-8) and the
 sizes of SCALED below (hidden 256, expert FFN 96, 4 layers, 4 query heads and 1 kv head of 64,
@@ -47,11 +48,14 @@ import shlex
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and "--target" in " ".join(sys.argv):   # before jax (gpu_mesh)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's train/
+    if "--target" in " ".join(sys.argv):   # before jax (gpu_mesh)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.models.configs import load_config, parse_overrides
-from train import loop, planner  # train first: 8 emulated CPU devices before jax is imported
+from train import loop, planner
 from train import mesh as train_mesh
 
 CONFIG = "configs/qwen3-30b-a3b.yaml"
@@ -209,6 +213,7 @@ def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
+    use_cpu_devices(8)      # the emulated mesh, unless XLA_FLAGS sets a device count
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--memory", default=None,
                    help="usable memory per device (default 1GiB; 0.9 x the device's with "

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--layers {args.layers}: expected positive layer counts")
     if args.one:   # a child process: one row, as JSON
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        import train  # noqa: F401  (8 emulated CPU devices before jax is imported)
+        from relaymoe_jax.devices import use_cpu_devices
+        use_cpu_devices(8)      # before jax starts, unless XLA_FLAGS sets a device count
         print(json.dumps(measure(args.config, int(args.one[0]), args.one[1] == "1", args.mesh)))
         return 0
     print("# reproduce: python benchmarks/compile_time.py " + shlex.join(

@@ -128,8 +128,6 @@ def fits_host(shape, measured, ep):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.ep}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import logging
     import warnings
@@ -137,6 +135,9 @@ def main(argv=None):
     import jax
 
     from relaymoe_jax import gpu_mesh, memory
+    from relaymoe_jax.devices import use_cpu_devices
+
+    use_cpu_devices(args.ep)     # --ep emulated devices, unless XLA_FLAGS sets a device count
 
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: we know
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")

@@ -17,7 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from train import cli, plot  # train first: 8 emulated CPU devices before jax is imported
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's train/
+
+from relaymoe_jax.devices import use_cpu_devices
+from train import cli, plot
 
 DISPATCHERS = {"ring": ["dispatcher=ring"], "alltoall": ["dispatcher=alltoall"]}
 
@@ -46,6 +50,7 @@ def differences(runs: dict[str, Path]) -> dict[str, float]:
 
 
 def main(argv=None) -> dict:
+    use_cpu_devices(8)      # the emulated mesh, unless XLA_FLAGS sets a device count
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("runs/parity"))

@@ -1,11 +1,12 @@
-"""Test setup: 8 emulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 emulated CPU devices (jax's jax_num_cpu_devices, not XLA_FLAGS), set before jax
+runs anything; the CPU platform unless JAX_PLATFORMS says otherwise; x64 off."""
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
+from relaymoe_jax.devices import use_cpu_devices
+
+use_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)

@@ -1,14 +1,13 @@
-"""Shared inputs and comparison helpers for the dispatcher tests (no test functions here)."""
+"""Shared meshes, inputs and parity runs for the dispatcher tests (no test functions here); the
+inputs, comparisons and routings come from relaymoe_jax.testing."""
 
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import relaymoe_jax
+from relaymoe_jax import testing
 from relaymoe_jax.op import moe_ffn
 
 MESHES = {
@@ -18,6 +17,7 @@ MESHES = {
     "ep4_etp2": ((4, 2), ("expert", "expert_tensor")),
     "dp2_cp4": ((2, 4), ("data", "context")),      # attention's layout; MoE folds it into EP=8
 }
+KEYS = ("x", "ids", "wts", "wg", "wu", "wd", "r")  # make_inputs' keys, moe_ffn's argument order
 
 
 @functools.cache
@@ -28,61 +28,46 @@ def mesh(name, explicit=True):
 
 
 def uniform_ids(rng, t, e, k):
-    return np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    """[t, k] ids, k distinct experts per token: testing's "uniform" case (rng: seed or rng)."""
+    return testing.routing_case("uniform", t, k, e, 1, seed=rng)
 
 
-def make_inputs(ids, e, h=16, f=24, dtype=np.float32, seed=0):
-    """x, ids, weights (random, not normalised: misweighting shows), w_gate, w_up, w_down, r."""
-    rng = np.random.default_rng(seed)
-    t, k = ids.shape
-    x = rng.standard_normal((t, h))
-    wts = rng.uniform(0.1, 1.0, (t, k))
-    wg, wu = (rng.standard_normal((e, h, f)) / np.sqrt(h) for _ in range(2))
-    wd = rng.standard_normal((e, f, h)) / np.sqrt(f)
-    r = rng.standard_normal((t, h))          # the loss is sum(y * r): every dy entry differs
-    cast = lambda a: jnp.asarray(a, dtype)
-    return dict(x=cast(x), ids=jnp.asarray(ids, jnp.int32), wts=cast(wts), wg=cast(wg),
-                wu=cast(wu), wd=cast(wd), r=jnp.asarray(r, jnp.float32))
+def make_inputs(ids, e, h=16, f=24, dtype="float32", seed=0, equal_weights=False):
+    """testing.moe_inputs as a dict: x, ids, wts (not normalised), wg, wu, wd, r (y's cotangent)."""
+    return dict(zip(KEYS, testing.moe_inputs(ids, e, h, f, dtype, seed, equal_weights)))
+
+
+def args(inp):
+    """moe_ffn's six positional arguments from a make_inputs dict."""
+    return [inp[n] for n in KEYS[:6]]
+
+
+def moe_fn(dispatcher, mesh_, **kw):
+    """moe_ffn(x, ids, wts, wg, wu, wd) -> (y, stats) for one dispatcher, mesh and options; the
+    same object for the same arguments, so testing's jit cache is shared across tests."""
+    return _moe_fn(dispatcher, mesh_, tuple(sorted(kw.items())))
 
 
 @functools.cache
-def _value_and_grads(dispatcher, mesh_, kw, poison):
-    """A jitted function per (dispatcher, mesh, kwargs, poison): poisoning is read at trace time."""
-    kw = dict(kw)
-
-    def loss(x, wts, wg, wu, wd, ids, r):
-        y, stats = moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh_, dispatcher=dispatcher,
-                           return_stats=True, **kw)
-        return jnp.sum(y.astype(jnp.float32) * r), (y, stats)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+def _moe_fn(dispatcher, mesh_, kw):
+    return functools.partial(moe_ffn, mesh=mesh_, dispatcher=dispatcher, return_stats=True,
+                             **dict(kw))
 
 
 def run(dispatcher, inp, mesh_, poison=True, **kw):
     """(y, stats, grads {x, wts, wg, wu, wd}) of one dispatcher, NaN-poisoned padding by default."""
-    fn = _value_and_grads(dispatcher, mesh_, tuple(sorted(kw.items())), poison)
-    args = [inp[n] for n in ("x", "wts", "wg", "wu", "wd", "ids", "r")]
-    if poison:
-        with relaymoe_jax.poison_unwritten():
-            (_, (y, stats)), g = fn(*args)
-    else:
-        (_, (y, stats)), g = fn(*args)
-    return y, stats, dict(zip(("x", "wts", "wg", "wu", "wd"), g))
+    out = testing.moe_value_and_grads(moe_fn(dispatcher, mesh_, **kw), *args(inp),
+                                      cotangent=inp["r"], has_aux=True, poison=poison)
+    return out.y, out.aux, dict(zip(("x", "wts", "wg", "wu", "wd"), out.grads.values()))
 
 
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-
-
-def assert_matches(got, want, tol, what=""):
-    """got (y, grads) vs want (y, grads): all finite, max error <= tol * max |want| per array."""
-    (y, g), (y_ref, g_ref) = got, want
-    for name, a, b in [("y", y, y_ref), *((n, g[n], g_ref[n]) for n in g_ref)]:
-        a = np.asarray(a, np.float64)
-        assert np.all(np.isfinite(a)), f"{what} {name}: non-finite values (a padding row leaked?)"
-        err = rel_err(a, b)
-        assert err <= tol, f"{what} {name}: max error {err:.2e} > {tol:.0e} (relative to max |ref|)"
+def check_parity(dispatcher, inp, mesh_, rtol=1e-5, ref_kw=None, ref=None, **kw):
+    """testing.assert_moe_parity of one dispatcher against the reference dispatcher (or `ref`):
+    y and the five gradients, the cotangent inp["r"], padding NaN-poisoned. ref_kw: the reference's
+    moe_ffn options (the mesh plumbing). Returns (got, want) `MoeRun`s; aux holds the stats."""
+    ref = ref or moe_fn("reference", mesh_, **(ref_kw or {}))
+    return testing.assert_moe_parity(moe_fn(dispatcher, mesh_, **kw), ref, *args(inp),
+                                     cotangent=inp["r"], has_aux=True, rtol=rtol)
 
 
 def place(inp, mesh_, token_axes, expert_axis="expert", etp=None):

@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from relaymoe_jax.models import ModelConfig, QwenMoe, router, rules_for
-from relaymoe_jax.models.qwen import DenseMLP, MoEBlock
+from relaymoe_jax.models.moe import MoELayer
+from relaymoe_jax.models.qwen import DenseMLP
 from relaymoe_jax.models.sharding import from_tokens, to_tokens
 
 B, S = 2, 8     # 16 tokens: 2 per device on 8 devices
@@ -280,7 +281,7 @@ def test_dense_and_moe_layer_placement():
                dispatcher="reference")
     model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))
     kinds = [type(layer.mlp) for layer in model.layers]
-    assert kinds == [DenseMLP, MoEBlock, DenseMLP, DenseMLP, DenseMLP]
+    assert kinds == [DenseMLP, MoELayer, DenseMLP, DenseMLP, DenseMLP]
     assert model.moe_layers == (1,)
     assert model.layers[0].mlp.gate_proj.shape == (32, 48)
     assert model.layers[1].mlp.w_gate.shape == (8, 32, 16)

@@ -1,5 +1,5 @@
-"""`python -m train ...`: see `train.cli`."""
-from train.cli import entry
+"""`python -m train ...` (installed: `python -m relaymoe_train`, `relaymoe-train`): see `cli`."""
+from .cli import entry
 
 if __name__ == "__main__":
     entry()

@@ -12,6 +12,7 @@ latest checkpoint, first dropping metrics lines past it, and appends only the ne
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -21,11 +22,34 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding
 
+from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.models.configs import load_config, parse_overrides
-from train import checkpoint as ckpt
-from train import data as data_mod
-from train import distributed, loop, plot, progress, report
-from train import mesh as train_mesh
+
+TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib")    # pyproject's `train` extra
+try:        # without the extra, main() and entry() say what is missing (MissingExtraError)
+    from . import checkpoint as ckpt
+    from . import data as data_mod
+    from . import distributed, loop, plot, progress, report
+    from . import mesh as train_mesh
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in {m.split(".")[0] for m in TRAIN_EXTRA}:
+        raise
+    _MISSING: str | None = e.name
+else:
+    _MISSING = None
+
+CPU_DEVICES = 8     # the emulated CPU devices of `entry` (XLA_FLAGS's device count wins)
+
+
+class MissingExtraError(ImportError):
+    """A package of the `train` extra is not installed."""
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:         # its parent package is missing
+        return False
 
 
 class NonFiniteLossError(RuntimeError):
@@ -33,7 +57,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="configs/<name>.yaml, a path or a name")
     p.add_argument("--steps", type=int, required=True, help="train until this step (total)")
     p.add_argument("--out", required=True, type=Path, help="run directory (metrics, checkpoints)")
@@ -93,7 +118,16 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
+def require_train_extra() -> None:
+    """MissingExtraError naming `pip install "relaymoe-jax[train]"` if the extra is missing."""
+    missing = _MISSING or next((m for m in TRAIN_EXTRA if not _installed(m)), None)
+    if missing is not None:
+        raise MissingExtraError(f"the trainer needs the train extra ({missing} is not "
+                                f'installed): pip install "relaymoe-jax[train]"')
+
+
 def main(argv=None) -> int:
+    require_train_extra()
     argv = sys.argv[1:] if argv is None else argv
     distributed.initialize(build_parser().parse_intermixed_args(argv))    # before any jax call
     args, tc, cfg = parse(argv)
@@ -195,10 +229,14 @@ def _finish(args, tc, cfg, mesh, compiled, metrics_path):
 
 
 def entry() -> None:
-    """Console entry point (`relaymoe-train`, `python -m train`): clear one-line errors for bad
-    input and a diverged loss, exit status 1."""
+    """Console entry point (`relaymoe-train`, `python -m train`): `CPU_DEVICES` emulated CPU
+    devices (`relaymoe_jax.devices.use_cpu_devices`: unless XLA_FLAGS sets a count; a GPU is still
+    used if jax has one), then `main`; clear one-line errors for bad input, a missing `train`
+    extra and a diverged loss, exit status 1."""
     try:
+        require_train_extra()
+        use_cpu_devices(CPU_DEVICES)
         sys.exit(main())
-    except (NonFiniteLossError, ValueError, FileNotFoundError) as e:
+    except (NonFiniteLossError, MissingExtraError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -45,10 +45,12 @@ if __name__ == "__main__" and "--target" in sys.argv:   # before jax: see relaym
 import jax
 
 from relaymoe_jax import gpu_mesh, remat
+from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.models.configs import load_config, parse_overrides
-from train import loop, search
-from train import mesh as train_mesh
-from train.report import footprint
+
+from . import loop, search
+from . import mesh as train_mesh
+from .report import footprint
 
 # device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
 DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
@@ -165,7 +167,7 @@ def size_table(title: str, field: str, found: list) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.planner",
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.planner",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--memory", default=None,
@@ -250,6 +252,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    use_cpu_devices(8)              # the emulated mesh, unless XLA_FLAGS sets a device count
     try:
         sys.exit(main())
     except (ValueError, FileNotFoundError, gpu_mesh.PluginMissing) as e:

@@ -99,7 +99,8 @@ def parse_run(spec: str) -> tuple[str, Path]:
 
 def main(argv=None) -> int:
     """Command line (see the module docstring); errors are one line on stderr, exit status 1."""
-    p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}.plot",
+                                description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="the PNG to write")
     p.add_argument("runs", nargs="+", help="run directory, metrics .jsonl, or LABEL=PATH")
     p.add_argument("--key", default="loss", help="metric to plot (default: loss)")

@@ -9,7 +9,7 @@ nothing runs.
 
 import dataclasses
 
-from train import loop
+from . import loop
 
 # (label, ModelConfig overrides) in table order
 DISPATCHERS = (("ring", {"dispatcher": "ring"}),

@@ -2,6 +2,7 @@
 
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
+from relaymoe_jax.models.moe import MoEConfig, MoELayer
 from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.router import (
     expert_bias_update,
@@ -12,7 +13,7 @@ from relaymoe_jax.models.router import (
 )
 from relaymoe_jax.models.sharding import AxisRules, rules_for
 
-__all__ = ["AxisRules", "ModelConfig", "QwenMoe", "config_from_hf", "config_to_hf",
-           "expert_bias_update", "from_pretrained", "load_balancing_loss",
+__all__ = ["AxisRules", "MoEConfig", "MoELayer", "ModelConfig", "QwenMoe", "config_from_hf",
+           "config_to_hf", "expert_bias_update", "from_pretrained", "load_balancing_loss",
            "load_balancing_loss_per_layer", "route", "rules_for", "save_pretrained",
            "z_loss"]

@@ -19,6 +19,7 @@ column of the paper's Table 3 where the config is one of its rows.
 
 import argparse
 import dataclasses
+import importlib.resources
 import re
 import sys
 import types
@@ -29,7 +30,16 @@ import yaml
 
 from relaymoe_jax.models.config import ModelConfig, check_mesh, from_dict
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+def _config_dir() -> Path:
+    """The shipped configs: `relaymoe_jax/configs/` in an installed wheel (the package data that
+    pyproject maps from the checkout's `configs/`), else the checkout's (editable install, or
+    run from the checkout)."""
+    shipped = Path(str(importlib.resources.files("relaymoe_jax") / "configs"))
+    return shipped if shipped.is_dir() else Path(__file__).resolve().parents[2] / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 # The paper's Table 3 "Params" column (RelayMoE paper, Table 3: "Model configurations used in
 # evaluation"), keyed by our config name: (the paper's row name, its Params value). For the three

@@ -14,9 +14,10 @@ Architecture (Hugging Face `modeling_qwen3_moe.py` / `modeling_qwen2_moe.py`):
   shared_expert(x) (paper §3.1).
 - Layer i holds the MoE block iff `config.is_moe_layer(i)` (`decoder_sparse_step`,
   `mlp_only_layers`), else a dense SwiGLU of `intermediate_size`.
-- MoE block: router (see `router.py`) -> `moe_ffn` over the tokens flattened to [B*S, H] and
-  sharded over the token axes, with the dispatcher, routing, capacity, chunk and gmm_impl of the
-  config. Experts are stored stacked: w_gate, w_up [E, H, F], w_down [E, F, H].
+- MoE block: `moe.MoELayer` (router, see `router.py`, -> `moe_ffn` on the [B, S, H] activations
+  as they are sharded, with the dispatcher, routing, capacity, chunk and gmm_impl of the config;
+  the shared expert of qwen2_moe). Experts are stored stacked: w_gate, w_up [E, H, F],
+  w_down [E, F, H].
 
 Attribute names follow Hugging Face's modules (`self_attn.q_proj`, `mlp.experts`...) so the
 checkpoint mapping in `hf.py` reads as a table. Weights are stored [in, out]: q_proj [H, N, D],
@@ -79,7 +80,6 @@ from relaymoe_jax.models import router as rt
 from relaymoe_jax.models.config import ModelConfig, check_mesh
 from relaymoe_jax.models.layers import (
     MLP,
-    ExpertBias,
     RMSNorm,
     apply_rope,
     causal_attention,
@@ -88,15 +88,8 @@ from relaymoe_jax.models.layers import (
     rope_cos_sin,
     stack_modules,
 )
-from relaymoe_jax.models.sharding import (
-    LAYERS,
-    AxisRules,
-    constrain,
-    from_tokens,
-    rules_for,
-    to_tokens,
-)
-from relaymoe_jax.op import moe_ffn
+from relaymoe_jax.models.moe import MoEConfig, MoELayer
+from relaymoe_jax.models.sharding import LAYERS, AxisRules, constrain, rules_for
 from relaymoe_jax.remat.options import policy as remat_policy
 
 
@@ -162,56 +155,6 @@ class Attention(nnx.Module):
         return checkpoint_name(y_bsh, "o_proj")
 
 
-class MoEBlock(nnx.Module):
-    """Router -> moe_ffn (-> + gated shared expert, qwen2_moe)."""
-
-    def __init__(self, cfg: ModelConfig, *, rules, rngs, dtype):
-        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        std = cfg.initializer_range
-        self.cfg, self.rules = cfg, rules
-        self.gate = param(rules, rngs, (h, e), ("embed", "router"), dtype, std=std)
-        if cfg.expert_bias:
-            self.expert_bias = param(rules, None, (e,), ("router",), jnp.float32, init="zeros",
-                                     kind=ExpertBias)
-        w_in, w_out = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
-        self.w_gate = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
-        self.w_up = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
-        self.w_down = param(rules, rngs, (e, f, h), w_out, dtype, std=std)
-        self.has_shared = cfg.shared_expert_intermediate_size > 0
-        if self.has_shared:
-            self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, rules=rules,
-                                     rngs=rngs, dtype=dtype, std=std)
-            self.shared_expert_gate = param(rules, rngs, (h, 1), ("embed", None), dtype, std=std)
-
-    def __call__(self, x_bsh):
-        cfg, rules = self.cfg, self.rules
-        b, s, _ = x_bsh.shape
-        x_th = to_tokens(x_bsh, rules)
-        with jax.named_scope("router"):
-            bias_e = self.expert_bias[...] if cfg.expert_bias else None
-            logits_te, probs_te, ids_tk, weights_tk = rt.route(
-                x_th, self.gate[...], top_k=cfg.num_experts_per_tok,
-                norm_topk_prob=cfg.norm_topk_prob, bias_e=bias_e, out_dtype=x_th.dtype)
-        with jax.named_scope("experts"):
-            y_th, ffn_stats = moe_ffn(
-                x_th, ids_tk, weights_tk, self.w_gate[...], self.w_up[...], self.w_down[...],
-                mesh=rules.mesh, expert_axis=rules.expert_axis,
-                expert_tensor_axis=rules.expert_tensor_axis, dispatcher=cfg.dispatcher,
-                routing=cfg.routing if cfg.dispatcher == "ring" else "auto",
-                capacity_factor=cfg.capacity_factor if cfg.dispatcher == "alltoall" else None,
-                chunk_size=cfg.chunk_size if cfg.dispatcher == "ring" else None,
-                token_axes=rules.token_axes, gmm_impl=cfg.gmm_impl, return_stats=True)
-        if self.has_shared:
-            with jax.named_scope("shared_expert"):
-                gate_t1 = jax.nn.sigmoid(jnp.dot(x_th, self.shared_expert_gate[...]))
-                y_th = y_th + gate_t1 * self.shared_expert(x_th)
-        f_e, p_e = rt.balance_stats(probs_te, ids_tk)
-        stats = {"f": f_e, "p": p_e, "z": rt.z_loss(logits_te),
-                 "load": rt.expert_load(ids_tk, cfg.num_experts),
-                 "dropped": ffn_stats["dropped_pairs"], "logits": logits_te}
-        return from_tokens(y_th, b, s, rules), stats
-
-
 class DenseMLP(MLP):
     def __call__(self, x_bsh):
         return super().__call__(x_bsh), None
@@ -235,7 +178,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules,
                                                 dtype=dtype)
         if cfg.is_moe_layer(i):
-            self.mlp = MoEBlock(cfg, rules=rules, rngs=rngs, dtype=dtype)
+            self.mlp = MoELayer(MoEConfig.from_model(cfg), rules=rules, rngs=rngs, dtype=dtype)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, rngs=rngs,
                                 dtype=dtype, std=cfg.initializer_range)
@@ -267,13 +210,13 @@ def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, block_remat: bool):
     return x_bsh + y_bsh, stats
 
 
-def _layer_stats(st, b, s, rules, return_router_logits):
-    """What the model keeps of one MoE layer's stats (router logits only when asked for, on
-    [B, S, E])."""
+def _layer_stats(st, return_router_logits):
+    """What the model keeps of one MoE layer's aux (`MoELayer`): the router logits [B, S, E]
+    only when asked for."""
     st = dict(st)
-    logits = st.pop("logits")
+    logits = st.pop("router_logits")
     if return_router_logits:
-        st["logits"] = from_tokens(logits, b, s, rules)
+        st["router_logits"] = logits
     return st
 
 
@@ -334,8 +277,7 @@ class QwenMoe(nnx.Module):
         with jax.named_scope("embed"):
             x_bsh = embed_lookup(self.embed_tokens[...], ids_bs, mesh, P(*act, None))
         cos_bsd, sin_bsd = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, self.dtype)
-        keep = lambda st: None if st is None else _layer_stats(st, b, s, rules,
-                                                               return_router_logits)
+        keep = lambda st: None if st is None else _layer_stats(st, return_router_logits)
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
@@ -371,16 +313,16 @@ class QwenMoe(nnx.Module):
             if return_router_logits:
                 aux["router_logits"] = jnp.zeros((0, b, s, e))
             return aux
-        f_le, p_le, z_l = stats["f"], stats["p"], stats["z"]
+        f_le, p_le, z_l = stats["expert_fraction"], stats["mean_prob"], stats["z_loss"]
         aux = {"aux_loss": rt.load_balancing_loss(f_le, p_le),
                "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
                "z_loss": jnp.mean(z_l), "z_loss_per_layer": z_l,
-               "expert_load": stats["load"],
-               "dropped_pairs": jnp.sum(stats["dropped"], dtype=jnp.int32)}
+               "expert_load": stats["expert_load"],
+               "dropped_pairs": jnp.sum(stats["dropped_pairs"], dtype=jnp.int32)}
         aux["router_loss"] = (cfg.router_aux_loss_coef * aux["aux_loss"]
                               + cfg.router_z_loss_coef * aux["z_loss"])
         if return_router_logits:
-            aux["router_logits"] = stats["logits"]
+            aux["router_logits"] = stats["router_logits"]
         return aux
 
     def update_expert_bias(self, expert_load_le, rate: float | None = None):
@@ -389,16 +331,9 @@ class QwenMoe(nnx.Module):
         `expert_load_le` is aux["expert_load"] summed over the step's micro-batches."""
         if not self.config.expert_bias:
             raise ValueError("update_expert_bias: the config has expert_bias=False")
-        rate = self.config.expert_bias_rate if rate is None else rate
+        load_le = jnp.asarray(expert_load_le)
         if self.config.scan_layers:   # every layer is MoE: one [L, E] bias, updated row-wise
-            pairs = [(self.layers.mlp.expert_bias, jnp.asarray(expert_load_le))]
+            self.layers.mlp.update_expert_bias(load_le, rate)
         else:
-            pairs = [(self.layers[i].mlp.expert_bias, jnp.asarray(expert_load_le)[n])
-                     for n, i in enumerate(self.moe_layers)]
-        for var, load in pairs:
-            old = var.get_value()
-            new = rt.expert_bias_update(old, load, rate)
-            if not isinstance(old, jax.core.Tracer):   # eager: keep the placement (jit keeps it)
-                new = jax.device_put(new, old.sharding)
-            var.set_value(new)
-
+            for n, i in enumerate(self.moe_layers):
+                self.layers[i].mlp.update_expert_bias(load_le[n], rate)

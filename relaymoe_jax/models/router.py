@@ -31,6 +31,8 @@ Notation for one MoE layer: `T` tokens, `E` experts, top-`k`, `x_th` the normali
   so over-loaded experts become less likely to be selected and under-loaded ones more.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -50,37 +52,43 @@ def route(x_th, w_he, *, top_k: int, norm_topk_prob: bool, bias_e=None, out_dtyp
 
 
 def _top_k_ids(scores_te, top_k: int):
-    """`lax.top_k` indices [T, k], computed where the tokens live.
+    """`lax.top_k` indices [..., k], computed where the tokens live.
 
-    XLA's SPMD partitioner does not partition the TopK custom call along its batch dimension: on
+    XLA's SPMD partitioner does not partition the TopK custom call along its batch dimensions: on
     an Explicit mesh with the tokens sharded it all-gathers the whole [T_global, E] scores onto
     every device and selects for all tokens there (measured: 8 MiB of temporaries per MoE layer
     for 16K tokens and 128 experts on 8 devices, growing with the global batch). Selection is
-    per token, so a `shard_map` over the token sharding gives the same ids with no gather.
+    per token, so a `shard_map` over the token dimensions' sharding gives the same ids with no
+    gather.
     """
     sharding = getattr(jax.typeof(scores_te), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    spec = tuple(sharding.spec) + (None,) * 2 if mesh is not None else ()
-    if mesh is None or not mesh.axis_names or not mesh.explicit_axes or spec[0] is None \
-            or spec[1] is not None:
+    nd = scores_te.ndim
+    spec = tuple(sharding.spec) + (None,) * nd if mesh is not None else ()
+    if mesh is None or not mesh.axis_names or not mesh.explicit_axes or spec[nd - 1] is not None \
+            or all(e is None for e in spec[:nd - 1]):
         return jax.lax.top_k(scores_te, top_k)[1]
-    tokens = P(spec[0], None)
+    tokens = P(*spec[:nd - 1], None)
     return jax.shard_map(lambda s_te: jax.lax.top_k(s_te, top_k)[1], mesh=mesh,
                          in_specs=tokens, out_specs=tokens)(scores_te)
 
 
 def expert_load(ids_tk, num_experts: int):
-    """[E] int32: the number of (token, slot) pairs routed to each expert."""
+    """[E] int32: the number of (token, slot) pairs routed to each expert (ids [..., k])."""
     ids_tk = jax.lax.stop_gradient(ids_tk)
-    return sum(jnp.sum(ids_tk[:, j, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
-               for j in range(ids_tk.shape[1]))
+    lead = tuple(range(ids_tk.ndim - 1))
+    return sum(jnp.sum(ids_tk[..., j, None] == jnp.arange(num_experts), axis=lead,
+                       dtype=jnp.int32) for j in range(ids_tk.shape[-1]))
 
 
 def balance_stats(probs_te, ids_tk):
-    """(f_e, P_e): the fraction of pairs per expert over T (sums to k) and the mean probability."""
-    num_tokens, num_experts = probs_te.shape
+    """(f_e, P_e): the fraction of pairs per expert over the tokens (sums to k) and the mean
+    probability (probs [..., E], ids [..., k])."""
+    num_experts = probs_te.shape[-1]
+    num_tokens = math.prod(probs_te.shape[:-1])
     f_e = expert_load(ids_tk, num_experts).astype(jnp.float32) / num_tokens
-    return f_e, jnp.mean(probs_te.astype(jnp.float32), axis=0)
+    lead = tuple(range(probs_te.ndim - 1))
+    return f_e, jnp.mean(probs_te.astype(jnp.float32), axis=lead)
 
 
 def load_balancing_loss(f_le, p_le):
