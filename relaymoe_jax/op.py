@@ -374,8 +374,8 @@ def _warn_gathered(mesh, ea, etp, **weights):
         if s is None:
             continue
         spec = tuple(s.spec) + (None,) * 3
-        extra = sorted({a for entry, ok in zip(spec[:3], want[name])
-                        for a in lay._axes(entry) if a not in ok})
+        extra = tuple(sorted({a for entry, ok in zip(spec[:3], want[name])
+                              for a in lay._axes(entry) if a not in ok}))
         if extra:
             found.append((name, tuple(w.shape), tuple(s.spec), extra))
             kept = math.prod(w.shape) // math.prod(mesh.shape[a] for a in ea) // (
@@ -385,7 +385,7 @@ def _warn_gathered(mesh, ea, etp, **weights):
     if not found or key in _warned:
         return
     _warned.add(key)
-    what = ", ".join(f"{n} {shape} over {axes}" for n, shape, _, axes in found)
+    what = ", ".join(f"{n} {shape} over {list(axes)}" for n, shape, _, axes in found)
     log.warning("moe_ffn: weights sharded over axes the op does not use there (%s; "
                 "expert_axis=%r, expert_tensor_axis=%r) are all-gathered: %s bytes per device at "
                 "each call. If an ffn split is meant, pass its axis as expert_tensor_axis.",
