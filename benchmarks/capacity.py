@@ -220,14 +220,16 @@ def main(argv=None) -> int:
                         "--target)")
     p.add_argument("--target", choices=list(planner.gpu_mesh.TARGETS), default=None,
                    help="compile for abstract GPUs with XLA:GPU, --config at full size")
-    p.add_argument("--hosts", type=int, default=1, help="with --target: hosts of 8 GPUs")
+    p.add_argument("--hosts", type=planner.positive_int, default=1,
+                   help="with --target: hosts of 8 GPUs")
     p.add_argument("--config", default=CONFIG, help=f"model config (default {CONFIG})")
     p.add_argument("--seqs", default="", metavar="SEQ,...",
                    help="probe these sequence lengths (each one compile per dispatcher)")
-    p.add_argument("--batch", type=int, default=8, help="micro-batch of the capacity search")
-    p.add_argument("--max-seq", type=int, default=None,
+    p.add_argument("--batch", type=planner.positive_int, default=8,
+                   help="micro-batch of the capacity search")
+    p.add_argument("--max-seq", type=planner.positive_int, default=None,
                    help="search the largest sequence up to this (default 32768 without --seqs)")
-    p.add_argument("--seq-step", type=int, default=256)
+    p.add_argument("--seq-step", type=planner.positive_int, default=256)
     p.add_argument("--throughput", default="1280:24,2048:16,3072:8", metavar="SEQ:BATCH,...")
     p.add_argument("--parts", default="capacity,recompute",
                    help="capacity (Figure 15), recompute (Figure 13), or both (default)")
@@ -310,4 +312,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ValueError, FileNotFoundError, planner.gpu_mesh.PluginMissing) as e:
+        sys.exit(f"capacity.py: error: {e}")

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from relaymoe_jax.argtypes import positive_int
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -55,14 +57,16 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny")
-    p.add_argument("--layers", type=int, nargs="+", default=[4, 48])
+    p.add_argument("--layers", type=positive_int, nargs="+", default=[4, 48])
     p.add_argument("--mesh", default="expert=8")
     p.add_argument("--one", nargs=2, metavar=("LAYERS", "SCAN"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if any(n < 1 for n in args.layers):
         raise SystemExit(f"--layers {args.layers}: expected positive layer counts")
     if args.one:   # a child process: one row, as JSON
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jax
+        if "JAX_PLATFORMS" not in os.environ:     # jax is imported already: set its option
+            jax.config.update("jax_platforms", "cpu")
         from relaymoe_jax.devices import use_cpu_devices
         use_cpu_devices(8)      # before jax starts, unless XLA_FLAGS sets a device count
         print(json.dumps(measure(args.config, int(args.one[0]), args.one[1] == "1", args.mesh)))

@@ -50,6 +50,8 @@ import shlex
 import sys
 import time
 
+from relaymoe_jax.argtypes import non_negative_int, positive_float, positive_int
+
 SCRIPT = "benchmarks/gpu.py"
 TOL = 2e-2   # bf16 tolerance of err (relative to max|reference|), as in tests/test_gmm_pallas.py
 # (name, M, K, N, G) per device
@@ -83,21 +85,23 @@ def parse_args(argv=None):
                    help="kernels in their CPU interpreters (needs --tiny); runs=1 by default")
     p.add_argument("--sections", nargs="+", choices=("layer", "kernels"),
                    default=["layer", "kernels"])
-    p.add_argument("--runs", type=int, default=None, help="timed runs (default 10; 1 interpret)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 2; 1 interp.)")
-    p.add_argument("--inner", type=int, default=None,
+    p.add_argument("--runs", type=positive_int, default=None,
+                   help="timed runs (default 10; 1 interpret)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="warm-up calls (default 2; 1 interp.)")
+    p.add_argument("--inner", type=positive_int, default=None,
                    help="back-to-back calls per timed run (default 5; 1 interpret)")
     p.add_argument("--pallas-configs", nargs="+", default=None,
                    help="Pallas block configs: 'default' or 'bm,bn,bk[,warps[,stages]]' (default: "
                         + " ".join(PALLAS_CONFIGS) + ")")
-    p.add_argument("--check-rows", type=int, default=2048,
+    p.add_argument("--check-rows", type=positive_int, default=2048,
                    help="rows sampled for the error check (all rows when M is no larger)")
-    p.add_argument("--layer-tokens", type=int, default=None,
+    p.add_argument("--layer-tokens", type=positive_int, default=None,
                    help=f"tokens of the layer section (default {LAYER['tokens']}; tiny "
                         f"{TINY_LAYER['tokens']})")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="dense bf16 peak for '%% peak' (default: from the device kind)")
-    p.add_argument("--budget-min", type=float, default=4.5,
+    p.add_argument("--budget-min", type=positive_float, default=4.5,
                    help="skip the remaining cases after this many minutes")
     a = p.parse_args(argv)
     if a.interpret and not a.tiny:

@@ -14,6 +14,8 @@ import os
 import shlex
 import sys
 
+from relaymoe_jax.argtypes import positive_int
+
 VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")   # = memory.VARIANTS
 # Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
 # experts at long sequence), with H, F and tokens scaled by 1/8 so they run on a CPU host: weights
@@ -28,20 +30,23 @@ GPU_PRESET = [(128, 8, 2048, 768, 61440), (128, 16, 2048, 768, 61440),
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", "-E", type=int, nargs="+", default=None, help="default 64")
-    p.add_argument("--top-k", "-k", type=int, nargs="+", default=None, help="default 8")
-    p.add_argument("--hidden", "-H", type=int, default=None, help="default 512")
-    p.add_argument("--ffn", "-F", type=int, default=None, help="default 256")
-    p.add_argument("--tokens-per-device", "-T", type=int, nargs="+", default=None,
+    p.add_argument("--experts", "-E", type=positive_int, nargs="+", default=None,
+                   help="default 64")
+    p.add_argument("--top-k", "-k", type=positive_int, nargs="+", default=None, help="default 8")
+    p.add_argument("--hidden", "-H", type=positive_int, default=None, help="default 512")
+    p.add_argument("--ffn", "-F", type=positive_int, default=None, help="default 256")
+    p.add_argument("--tokens-per-device", "-T", type=positive_int, nargs="+", default=None,
                    help="default 2048")
-    p.add_argument("--ep", type=int, default=8, help="expert-parallel size = devices")
+    p.add_argument("--ep", type=positive_int, default=8,
+                   help="expert-parallel size = devices (default 8)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=None,
                    help="default float32 (bfloat16 with --target)")
     p.add_argument("--target", choices=["h100", "h200"], default=None,
                    help="compile for abstract GPUs (XLA:GPU, no GPU needed; implies "
                         "--compile-only). Without shape flags: the full-size shapes "
                         + ", ".join(str(c) for c in GPU_PRESET) + " (E, k, H, F, T/dev)")
-    p.add_argument("--chunk", type=int, default=None, help="ring chunk (default: balanced share)")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help="ring chunk (default: balanced share)")
     p.add_argument("--paper", action="store_true",
                    help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
                         "(implies --compile-only)")
@@ -53,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--time", action="store_true",
                    help="also time fwd+bwd: median of --runs runs after warm-up, as ratios; a "
                         "variant whose memory would not fit this host is skipped")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=positive_int, default=5, help="timed runs (default 5)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     a = p.parse_args(argv)
     shape_flags = (a.experts, a.top_k, a.hidden, a.ffn, a.tokens_per_device)
@@ -75,6 +80,12 @@ def parse_args(argv=None):
         a.tokens_per_device, a.dtype, a.compile_only = [61440], ["float32", "bfloat16"], True
     if a.time and a.compile_only:
         p.error("--time needs real arrays; drop --compile-only/--paper")
+    for s in shapes(a):
+        if s.top_k > s.experts:
+            p.error(f"--top-k {s.top_k} is more than --experts {s.experts}")
+        if s.experts % s.ep:
+            p.error(f"--experts {s.experts} does not split over --ep {s.ep} devices (expected a "
+                    f"multiple of {s.ep})")
     return a
 
 
@@ -156,6 +167,9 @@ def main(argv=None):
               "MiB = 2^20 bytes")
         wire = "as the GPU program sends them: bf16 stays bf16"
     else:
+        if jax.device_count() < args.ep:
+            sys.exit(f"moe_layer.py: error: --ep {args.ep} needs {args.ep} devices, jax has "
+                     f"{jax.device_count()} (XLA_FLAGS sets another device count?)")
         mesh = jax.make_mesh((args.ep,), ("expert",))
         print(f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
               "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
@@ -205,4 +219,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:        # a shape the op refuses: its message, not a traceback
+        sys.exit(f"moe_layer.py: error: {e}")

@@ -20,6 +20,7 @@ import numpy as np
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's train/
 
+from relaymoe_jax.argtypes import positive_int
 from relaymoe_jax.devices import use_cpu_devices
 from train import cli, plot
 
@@ -52,7 +53,7 @@ def differences(runs: dict[str, Path]) -> dict[str, float]:
 def main(argv=None) -> dict:
     use_cpu_devices(8)      # the emulated mesh, unless XLA_FLAGS sets a device count
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--out", type=Path, default=Path("runs/parity"))
     p.add_argument("extra", nargs="*", help="trainer key=value overrides (seq_len=32 ...)")
     args = p.parse_args(argv)
@@ -71,4 +72,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, OSError, cli.NonFiniteLossError, cli.guards.WriteError) as e:
+        sys.exit(f"train_parity.py: error: {e}")

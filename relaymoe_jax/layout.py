@@ -52,6 +52,10 @@ class TokenLayout:
         return P(*(_entry(d) for d in self.lead), *tail)
 
 
+def is_explicit(mesh) -> bool:
+    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
 def _entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -90,9 +94,10 @@ def fit(shape, axes, mesh) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def resolve(x, mesh, expert_axes, etp, token_axes) -> TokenLayout:
+def resolve(x, mesh, expert_axes, etp, token_axes, known=None) -> TokenLayout:
+    """x's token layout; `known`: x's sharding when the caller knows it (else read from x)."""
     lead_shape = tuple(x.shape[:-1])
-    known = known_sharding(x, mesh)
+    known = known or known_sharding(x, mesh)
     if token_axes is not None:
         lead = fit(lead_shape, tuple(token_axes), mesh)
     elif known is not None:

@@ -96,19 +96,67 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
         for a in token_axes:
             if a not in names:
                 raise ValueError(f"token_axes: {a!r} is not an axis of the mesh {names}")
-    _, _, h, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    _, _, _, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
     etp_size = mesh.shape[etp] if etp is not None else 1
     ep = math.prod(mesh.shape[a] for a in ea)
     vd.check_sizes(num_experts=e, top_k=k, ep=ep, expert_axis=expert_axis, ffn=f, etp=etp,
                    etp_size=etp_size)
     out_sharding = _out_sharding(out_sharding, mesh, x)
+    _warn_gathered(mesh, ea, etp, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    known = lay.known_sharding(x, mesh)
+    # One jitted program per static configuration: eager calls reuse their compile, and under
+    # an outer jit (or jax.grad outside one) it is an ordinary nested call.
+    program = _program(mesh=mesh, expert_axes=ea, etp=etp, dispatcher=dispatcher,
+                       routing=routing, capacity_factor=capacity_factor, chunk_size=chunk_size,
+                       token_axes=token_axes, gmm_impl=gmm_impl, out_sharding=out_sharding,
+                       x_spec=None if known is None else known.spec, poison=plan.poisoning(),
+                       return_stats=bool(return_stats))
+    args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    if jax.sharding.get_abstract_mesh().axis_names or not lay.is_explicit(mesh):
+        y, stats = program(*args)
+    elif _eager():   # concrete arrays: the program runs on the mesh's devices
+        with jax.set_mesh(mesh):
+            y, stats = program(*args)
+    elif not _under_jit():
+        raise ValueError("moe_ffn is transformed eagerly (jax.grad or jax.vmap outside jax.jit) "
+                         "on an Explicit mesh with no mesh context, where jax cannot place the "
+                         "cotangents: wrap the computation in jax.jit, or run it under "
+                         "`with jax.set_mesh(mesh):`")
+    else:
+        y, stats = program(*args)
+    return (y, stats) if return_stats else y
+
+
+def _eager() -> bool:
+    """No transformation is tracing (a plain call on concrete arrays)."""
+    return jax._src.core.trace_state_clean()
+
+
+def _under_jit() -> bool:
+    """Some jit (or other staging transformation) is tracing."""
+    return jax._src.core.unsafe_am_i_under_a_jit()
+
+
+@functools.lru_cache(maxsize=256)
+def _program(**static):
+    return jax.jit(functools.partial(_moe_ffn, **static))
+
+
+def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert_axes, etp,
+             dispatcher, routing, capacity_factor, chunk_size, token_axes, gmm_impl,
+             out_sharding, x_spec, poison, return_stats):
+    """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
+    ea = expert_axes
+    _, _, h, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    etp_size = mesh.shape[etp] if etp is not None else 1
+    ep = math.prod(mesh.shape[a] for a in ea)
     stats = {"dropped_pairs": jnp.int32(0), "ignored_pairs": _ignored(expert_ids, e)}
-    layout = lay.resolve(x, mesh, ea, etp, token_axes)
+    known = None if x_spec is None else NamedSharding(mesh, x_spec)
+    layout = lay.resolve(x, mesh, ea, etp, token_axes, known=known)
     tok = layout.spec(None)
     if dispatcher == "reference":   # every device computes everything, then keeps its tokens
         y = _reference(mesh, x, expert_ids, expert_weights, w_gate, w_up, w_down)
-        y = _place(y, out_sharding or layout.known or NamedSharding(mesh, tok))
-        return (y, stats) if return_stats else y
+        return _place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     chunk, vol, mode = vd.ring_plan(
         routing=routing, chunk_size=chunk_size, ring_tokens=layout.ring_tokens, num_experts=e,
@@ -116,13 +164,12 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
         w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype)
     if dispatcher == "ring" and routing == "auto":
         log.info("moe_ffn(routing='auto'): %s", vol.explain())
-    _warn_gathered(mesh, ea, etp, w_gate=w_gate, w_up=w_up, w_down=w_down)
     reduce_axes = tuple(a for a in layout.token_axes if a not in (*ea, etp))
     cfg = _Plan(dispatcher=dispatcher, expert_axes=ea, etp=etp, gather_etp=layout.gather_etp,
                 etp_size=etp_size, reduce_axes=reduce_axes, num_experts=e, chunk=chunk,
                 routing=mode, capacity_factor=capacity_factor,
                 gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
-                poison=plan.poisoning(), return_stats=return_stats,
+                poison=poison, return_stats=return_stats,
                 check_vma=gmm_impl != "pallas-interpret")
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
     specs = (tok, tok, tok, w_in, w_in, w_out)
@@ -136,7 +183,7 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
     if target is not None and _spec(target.spec, y.ndim) != _spec(tok, y.ndim):
         y = _place(y, target)
     stats["dropped_pairs"] = dropped
-    return (y, stats) if return_stats else y
+    return y, stats
 
 
 def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert_axis,
@@ -344,12 +391,17 @@ def _ignored(ids, num_experts):
 
 
 def _reference(mesh, x, ids, wts, w_gate, w_up, w_down):
-    rep = NamedSharding(mesh, P())
-    x, ids, wts, w_gate, w_up, w_down = (_place(a, rep) for a in (x, ids, wts, w_gate, w_up,
-                                                                  w_down))
+    """The dense reference on every device (replicated in and out, in a shard_map, so that a
+    jit over inputs not yet on the mesh has the mesh's devices)."""
+    args = tuple(_place(a, NamedSharding(mesh, P())) for a in (x, ids, wts, w_gate, w_up, w_down))
     t, h, k = math.prod(x.shape[:-1]), x.shape[-1], ids.shape[-1]
-    y = reference_moe(x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), w_gate, w_up, w_down)
-    return y.reshape(x.shape)
+
+    def body(x, ids, wts, w_gate, w_up, w_down):
+        y = reference_moe(x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), w_gate, w_up,
+                          w_down)
+        return y.reshape(x.shape)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 6, out_specs=P())(*args)
 
 
 def _out_sharding(out_sharding, mesh, x):

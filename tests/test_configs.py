@@ -288,8 +288,21 @@ def test_experts_not_divisible_by_expert_axis(tmp_path):
     assert load_config("moe-e384", expert_size=8).num_experts == 384
 
 
-def test_empty_file_gives_defaults(tmp_path):
-    assert load_config(_write(tmp_path, "# only a comment\n")) == ModelConfig()
+def test_empty_file_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"cfg\.yaml: the config file is empty.*`\{\}`"):
+        load_config(_write(tmp_path, "# only a comment\n"))
+    assert load_config(_write(tmp_path, "{}  # all the defaults\n")) == ModelConfig()
+
+
+def test_unknown_key_suggests_and_lists_other_keys(tmp_path):
+    p = _write(tmp_path, "hidden_size: 64\nnum_expert: 8\n")
+    with pytest.raises(ValueError,
+                       match=r"did you mean 'num_experts'( or \S+)* for 'num_expert'\?"):
+        load_config(p)
+    p = _write(tmp_path, "hidden_size: 64\nbatch_size: 8\n")
+    with pytest.raises(ValueError, match=r"cfg\.yaml:2: batch_size is a trainer setting, not a "
+                                         r"model config key;.*trainer keys: \['batch_size'"):
+        load_config(p, other_keys={"trainer": ["batch_size", "seq_len"]})
 
 
 def test_yaml_values(tmp_path):

@@ -4,11 +4,13 @@ process with 8 devices, with the same losses (up to float32 reduction order: rel
 Only process 0 writes metrics.jsonl and prints; both take part in the orbax checkpoint.
 
 The three processes run at the same time, each as a subprocess with its own device count.
-Inconsistent distributed flags are checked in-process: a ValueError before jax is touched.
+Inconsistent distributed flags are checked in-process: a ValueError before jax is touched. A
+SIGTERM to one process stops both after the same step, checkpointed.
 """
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,6 +87,37 @@ def test_two_processes_match_one(tmp_path):
         assert (out / "checkpoints" / "5").is_dir(), sorted((out / "checkpoints").iterdir())
     assert "done: step 5" in (tmp_path / "p0.out").read_text()
     assert "done:" not in (tmp_path / "p1.out").read_text()          # only process 0 prints
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
+    """SIGTERM to process 1 only (jax.distributed's preemption notifier would swallow it: the
+    trainer's handler is installed after it): both processes stop after the same step, save it
+    together and exit 143."""
+    out = tmp_path / "run"
+    dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+            "--steps", "60", "--save-every", "50", "--out", str(out)]
+    procs = [_start(f"p{i}", tmp_path, 4, [*dist, "--process-id", str(i)]) for i in range(2)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                (tmp_path / f"p{i}.err").read_text()[-2000:] for i in range(2)]
+            time.sleep(0.01)
+        procs[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = [(tmp_path / f"p{i}.err").read_text() for i in range(2)]
+    assert codes == [143, 143], errs
+    lines = [e.strip().splitlines()[-1] for e in errs]
+    assert lines[0] == lines[1] and lines[0].startswith("interrupted by SIGTERM after step "), lines
+    step = int(lines[0].split("after step ")[1].split(":")[0])
+    assert step < 60 and [p.name for p in (out / "checkpoints").iterdir()] == [str(step)]
+    assert len(_losses(out)) == step
 
 
 @pytest.mark.parametrize("flags, match", [

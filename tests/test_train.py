@@ -140,3 +140,14 @@ def test_memory_table_compares_dispatchers(tmp_path, capsys):
     abstract = loop.compile_abstract(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
     assert f"{report.footprint(abstract.memory_analysis()) / 2**20:,.2f}" == rows["ring"][3].strip()
     assert out.rstrip().splitlines()[-1] == f"loss curve: {tmp_path / 'loss.png'}"
+
+
+def test_the_trainer_runs_under_x64(tmp_path):
+    """jax_enable_x64=True (int64 indices everywhere by default): the same losses as without."""
+    import jax
+    args = [*SMALL, "--steps", "2", "--synthetic"]
+    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    with jax.enable_x64(True):
+        assert cli.main([*args, "--out", str(tmp_path / "b")]) == 0
+    want, got = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)

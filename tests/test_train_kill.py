@@ -8,6 +8,11 @@ one uninterrupted run, shared by the tests (and by pytest-xdist workers, under a
   `train.checkpoint`): the temporary directory of step 9 is left behind and never restored;
 * the newest finalized checkpoint damaged on disk: the restart falls back to the previous step.
 
+SIGINT and SIGTERM stop a run after its current step with that step checkpointed (exit status
+130 / 143, one line; a second SIGTERM during that save lets it finish), and the restart again
+logs the uninterrupted run's metrics. A file that cannot grow (RLIMIT_FSIZE: EFBIG, as a full
+disk gives ENOSPC) during a checkpoint save or a metrics write is one line and exit status 1.
+
 The in-process tests check `train.checkpoint.restore` on a toy state: silent bit flips are
 caught by the checksums, a wrong structure is refused, and all-corrupt runs fail clearly.
 """
@@ -197,6 +202,114 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, reference):
     assert _values(out) == reference[1]
     assert (out / "corrupt_checkpoints" / "10").is_dir()
     _assert_checkpoints_intact(out, [9, 10])
+
+
+# --- SIGINT / SIGTERM: checkpoint the last completed step, exit 130 / 143 -------------------
+
+def _tmp_dirs(out: Path, min_step: int = 0) -> list[Path]:
+    """The temporary directories of saves in progress (of steps >= min_step)."""
+    d = out / "checkpoints"
+    names = [p for p in d.iterdir() if ckpt.TMP_MARK in p.name] if d.is_dir() else []
+    return [p for p in names if int(p.name.split(".")[0]) >= min_step]
+
+
+def _interrupt(tmp_path: Path, signum: int, again_while_saving: bool = False):
+    """Run the trainer, send `signum` once 4 steps are logged (and, with `again_while_saving`,
+    again as soon as the temporary directory of a checkpoint of step 4 or later appears: the
+    stop's save, not step 3's periodic one that may still be running); (out, returncode, stdout,
+    stderr, whether the second signal was sent while the process ran)."""
+    out = tmp_path / "run"
+    with open(tmp_path / "out.log", "w") as so, open(tmp_path / "err.log", "w") as se:
+        proc = subprocess.Popen(_cmd(out), cwd=ROOT, env=_env(), stdout=so, stderr=se)
+        try:
+            _wait_until(lambda: _lines(out / "metrics.jsonl") >= 4, proc, TIMEOUT_S)
+            proc.send_signal(signum)
+            sent_again = False
+            if again_while_saving:
+                end = time.monotonic() + 60
+                while proc.poll() is None and time.monotonic() < end:
+                    if _tmp_dirs(out, min_step=4):
+                        proc.send_signal(signum)
+                        sent_again = proc.poll() is None
+                        break
+                    time.sleep(0.002)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return (out, code, (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text(),
+            sent_again)
+
+
+def _check_stopped(out: Path, err: str, name: str) -> int:
+    """The stop line names the step it saved, which is the last logged one, finalized."""
+    lines = [ln for ln in err.splitlines() if not ln.startswith(f"{name} again: ")]
+    assert len(lines) == 1, err
+    m = re.fullmatch(rf"interrupted by {name} after step (\d+): checkpoint step (\d+) saved in "
+                     rf"(\S+); rerun the same command to resume", lines[0])
+    assert m and m[1] == m[2] and Path(m[3]) == (out / "checkpoints").resolve(), lines[0]
+    step = int(m[1])
+    assert 4 <= step < STEPS
+    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
+    assert step in [int(n) for n in _listing(out)] and not _tmp_dirs(out), _listing(out)
+    return step
+
+
+def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, reference):
+    out, code, stdout, err, _ = _interrupt(tmp_path, signal.SIGINT)
+    assert code == 130, (stdout[-2000:], err)
+    assert "Traceback" not in stdout + err
+    head = stdout.splitlines()
+    assert head[0].startswith("building configs/tiny.yaml: ") and head[1].startswith(
+        "compiling the train step (") and head[2].startswith("train step ready in "), head[:3]
+    step = _check_stopped(out, err, "SIGINT")
+    assert _resumed_step(_run_ok(out)) == step
+    assert _values(out) == reference[1]
+
+
+def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(tmp_path, reference):
+    """The second SIGTERM lands while the checkpoint of the stop is being written: a note, the
+    save completes, the run exits 143 and resumes from that step."""
+    out, code, stdout, err, sent_again = _interrupt(tmp_path, signal.SIGTERM,
+                                                    again_while_saving=True)
+    assert code == 143, (stdout[-2000:], err)
+    assert "Traceback" not in stdout + err
+    step = _check_stopped(out, err, "SIGTERM")
+    assert sent_again, "the save ended before the second signal could be sent"
+    assert "SIGTERM again: still finishing the step in progress and its checkpoint" in err
+    assert _resumed_step(_run_ok(out)) == step
+    assert _values(out) == reference[1]
+
+
+# --- disk full (RLIMIT_FSIZE: writes past the size fail with EFBIG) -----------------------
+
+# a fresh interpreter sets the limit and execs the trainer (a preexec_fn would run Python in a
+# fork of this multithreaded process); SIGXFSZ ignored, kept across exec: EFBIG, not a kill
+_LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+            "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+
+
+def _with_file_size_limit(nbytes: int, cmd: list[str]) -> list[str]:
+    assert cmd[0] == sys.executable
+    return [sys.executable, "-c", _LIMITED, str(nbytes), *cmd[1:]]
+
+
+@pytest.mark.parametrize("limit, extra, said", [
+    (100_000, [], r"error: saving a checkpoint in (\S+) failed: File too large \(EFBIG\): "
+                  r"\S+/3\.orbax-checkpoint-tmp\S* \(the newest complete checkpoint: none\)"),
+    (1_500, ["--save-every", "100"], r"error: writing (\S+) failed: File too large \(EFBIG\)"),
+], ids=["checkpoint", "metrics"])
+def test_disk_full_is_one_line(tmp_path, reference, limit, extra, said):
+    """A checkpoint file or the metrics log cannot grow: one line naming the path and the
+    operating system's message (no orbax or asyncio tracebacks), exit status 1."""
+    out = tmp_path / "run"
+    proc = subprocess.run(_with_file_size_limit(limit, [*_cmd(out), *extra]), cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert re.fullmatch(said, proc.stderr.strip()), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout
 
 
 # --- in-process: restore() on a toy state ---------------------------------------------------

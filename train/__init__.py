@@ -7,7 +7,10 @@ needs the `train` extra (optax, orbax-checkpoint, matplotlib).
 Modules, one job each: `cli` (arguments and the run), `mesh` (the `mesh=` option), `distributed`
 (jax.distributed flags), `data` (tokenizers, packing, deterministic batches), `loop` (model,
 optimizer, the jitted train step), `checkpoint` (orbax save/restore, checksums, the metrics log),
-`progress` (the per-step line), `plot` (loss-curve PNGs), `report` (memory per dispatcher).
+`identity` (what a checkpoint was trained with, which resumes it refuses, the lr's horizon),
+`progress` (the per-step line), `plot` (loss-curve PNGs), `report` (memory per dispatcher),
+`guards` (checks before a run: `--out`, does the state fit this machine; one-line write errors),
+`interrupt` (SIGINT / SIGTERM: checkpoint the last completed step, exit 130 / 143).
 
 Importing the package changes nothing in the environment. The command (`cli.entry`) and
 `python -m train.planner` ask jax for 8 emulated CPU devices before it starts

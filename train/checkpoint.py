@@ -20,6 +20,9 @@ Crash safety:
   to `<run>/corrupt_checkpoints/` (kept for inspection, out of orbax's way so the run can save
   those step numbers again). If no step restores, `CorruptCheckpointError` names them all; a
   checkpoint of a different model or optimizer raises `StateMismatchError` at once.
+* `restore(..., check_meta=f)` calls `f(meta)` on each step's metadata before its arrays are
+  read (the trainer's run-identity check, `train.identity`); a `StateMismatchError` it raises
+  (the run refuses to resume) is passed on at once.
 
 Test-only fault hook: with the environment variable `RELAYMOE_TRAIN_FAULT=kill-during-save:<N>`
 the process SIGKILLs itself while saving step N, after orbax has written the whole temporary
@@ -150,9 +153,12 @@ def _check_structure(mngr, step: int, meta: dict, like_state) -> None:
                                  "model and optimizer (different state structure); use a new --out")
 
 
-def _restore_step(mngr: ocp.CheckpointManager, step: int, like_state):
-    """(state, meta) of one step, verified against its checksums (raises if it cannot be)."""
+def _restore_step(mngr: ocp.CheckpointManager, step: int, like_state, check_meta=None):
+    """(state, meta) of one step, verified against its checksums (raises if it cannot be);
+    `check_meta(meta)` first, if given."""
     meta = dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    if check_meta is not None:
+        check_meta(meta)
     _check_structure(mngr, step, meta, like_state)
     leaves, treedef = jax.tree.flatten(like_state)
     abstract = {f"{i:06d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -193,15 +199,16 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def restore(mngr: ocp.CheckpointManager, like_state):
+def restore(mngr: ocp.CheckpointManager, like_state, check_meta=None):
     """(step, state, meta) of the newest checkpoint that restores and verifies, with
     `like_state`'s shardings, or None if there is none. Newer steps that fail are moved aside
     with a warning; `CorruptCheckpointError` if every step fails, `StateMismatchError` (a
-    ValueError) if the checkpoints are of a different state structure."""
+    ValueError) if the checkpoints are of a different state structure or `check_meta(meta)`
+    (called on each step's metadata before its arrays are read) raises one."""
     failed = []
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
-            state, meta = _restore_step(mngr, step, like_state)
+            state, meta = _restore_step(mngr, step, like_state, check_meta)
         except StateMismatchError:
             raise
         except Exception as e:          # tensorstore raises plain Exception

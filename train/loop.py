@@ -12,6 +12,7 @@ so repeated in-process runs (tests) compile once.
 """
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1          # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
-    schedule_steps: int = 300          # cosine horizon; NOT --steps, so resuming never changes it
+    schedule_steps: int | None = None  # cosine horizon; None: the run's --steps (train.identity)
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     b1: float = 0.9
@@ -49,6 +50,33 @@ class TrainConfig:
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
+# The cosine horizon of `make_optimizer` when `schedule_steps` is None and no run length is
+# given (compile-only uses: the planner, the benchmarks); the trainer always passes --steps.
+DEFAULT_SCHEDULE_STEPS = 300
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The value type of a TrainConfig field: `int` for `int | None` (None then means "unset")."""
+    t = {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if len(args) == 1 else t
+
+
+def schedule_horizon(tc: TrainConfig, steps: int | None = None) -> int:
+    """The cosine horizon: `schedule_steps` if set, else the run's `steps`, else
+    `DEFAULT_SCHEDULE_STEPS`; never shorter than the warmup (warmup_steps + 1)."""
+    h = tc.schedule_steps if tc.schedule_steps is not None else steps
+    h = DEFAULT_SCHEDULE_STEPS if h is None else h
+    return max(h, tc.warmup_steps + 1)
+
+
+def make_schedule(tc: TrainConfig, steps: int | None = None):
+    """optax schedule: lr at optimizer count c (step s uses c = s - 1): linear warmup from 0 over
+    `warmup_steps`, then cosine to `lr * min_lr_ratio` at c = `schedule_horizon`, flat after."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, tc.lr, max(tc.warmup_steps, 0), schedule_horizon(tc, steps),
+        end_value=tc.lr * tc.min_lr_ratio)
+
 
 def _weight_ndim(x) -> int:
     """A parameter's own number of dimensions: a `scan_layers` model's stacked layer axis
@@ -60,12 +88,11 @@ def _weight_ndim(x) -> int:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup + cosine decay, global-norm clipping, and weight decay only on
-    parameters with at least 2 dimensions (never on norms or biases; a stacked layer axis does
-    not count, so a scanned model's [L, H] norms are not decayed either)."""
-    sched = optax.warmup_cosine_decay_schedule(
-        0.0, tc.lr, max(tc.warmup_steps, 0), max(tc.schedule_steps, tc.warmup_steps + 1),
-        end_value=tc.lr * tc.min_lr_ratio)
+    """AdamW with linear warmup + cosine decay (`make_schedule`), global-norm clipping, and
+    weight decay only on parameters with at least 2 dimensions (never on norms or biases; a
+    stacked layer axis does not count, so a scanned model's [L, H] norms are not decayed
+    either)."""
+    sched = make_schedule(tc)
     mask = lambda params: jax.tree.map(lambda p: _weight_ndim(p) >= 2, params,
                                        is_leaf=lambda x: isinstance(x, nnx.Variable))
     return optax.chain(optax.clip_by_global_norm(tc.clip_norm),

@@ -19,6 +19,9 @@ dispatcher:
    `--batch` whose fully recomputed step fits (`train.search`: doubling then bisection, one
    compile per probe) and plan the remat at that size.
 
+Exit status 0 when something fits, 1 when nothing does (no dispatcher at --batch x --seq and no
+searched size; said on stderr after the tables) or on an error, 2 for bad arguments.
+
 Without `--target` the budget is measured on XLA:CPU with the emulated mesh. GPU buffer
 assignment differs (other fusions, cuDNN attention without [S, S] scores, allocator
 fragmentation, the CUDA context and XLA's preallocation: jax takes 75% of the GPU unless
@@ -45,6 +48,7 @@ if __name__ == "__main__" and "--target" in sys.argv:   # before jax: see relaym
 import jax
 
 from relaymoe_jax import gpu_mesh, remat
+from relaymoe_jax.argtypes import positive_int
 from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.models.configs import load_config, parse_overrides
 
@@ -167,6 +171,8 @@ def size_table(title: str, field: str, found: list) -> str:
 
 
 def main(argv=None) -> int:
+    """Print the plans; 0 if something fits, 1 (with a line on stderr) if nothing does: no
+    dispatcher's step fits at --batch x --seq and no searched size fits either."""
     p = argparse.ArgumentParser(prog=f"python -m {__package__}.planner",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -175,17 +181,18 @@ def main(argv=None) -> int:
     p.add_argument("--target", choices=[t for t in gpu_mesh.TARGETS], default=None,
                    help="compile for abstract GPUs of this kind with XLA:GPU (no GPU needed; "
                         "the gpu-compile extra) instead of the emulated CPU devices")
-    p.add_argument("--hosts", type=int, default=1,
+    p.add_argument("--hosts", type=positive_int, default=1,
                    help=f"with --target: hosts of {gpu_mesh.GPUS_PER_HOST} GPUs (default 1)")
     p.add_argument("--usable", type=float, default=0.9,
                    help="fraction of --memory the step may use (default 0.9)")
-    p.add_argument("--batch", type=int, required=True, help="global micro-batch (sequences)")
-    p.add_argument("--seq", type=int, required=True, help="sequence length")
-    p.add_argument("--max-batch", type=int, default=None, metavar="LIMIT",
+    p.add_argument("--batch", type=positive_int, required=True,
+                   help="global micro-batch (sequences)")
+    p.add_argument("--seq", type=positive_int, required=True, help="sequence length")
+    p.add_argument("--max-batch", type=positive_int, default=None, metavar="LIMIT",
                    help="also find the largest micro-batch <= LIMIT at --seq")
-    p.add_argument("--max-seq", type=int, default=None, metavar="LIMIT",
+    p.add_argument("--max-seq", type=positive_int, default=None, metavar="LIMIT",
                    help="also find the largest sequence length <= LIMIT at --batch")
-    p.add_argument("--seq-step", type=int, default=128, help="sequence lengths searched: "
+    p.add_argument("--seq-step", type=positive_int, default=128, help="sequence lengths searched: "
                    "multiples of this (default 128)")
     p.add_argument("--dispatchers", default="ring,alltoall")
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
@@ -217,7 +224,7 @@ def main(argv=None) -> int:
     reports, by_batch, by_seq, notes = [], [], [], []
     for d in args.dispatchers.split(","):
         cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
-                          **over)
+                          other_keys={"trainer": loop.TRAIN_FIELDS}, **over)
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
         if cfg.attention_impl == "chunked" and not any("while loop" in n for n in notes):
             notes.append("chunked attention: XLA's cost_analysis counts a while loop's body "
@@ -248,6 +255,12 @@ def main(argv=None) -> int:
     if by_seq:
         print("\n" + size_table(f"largest sequence at micro-batch {tc.batch_size}:", "seq",
                                  by_seq))
+    if not any(r.fits for r in reports) and all(size is None for _, size, _, _ in
+                                                 by_batch + by_seq):
+        print(f"error: nothing fits in {capacity / 2**20:,.1f} MiB per device ({args.usable:g} x "
+              f"{args.memory}) at batch {tc.batch_size} x seq {tc.seq_len}"
+              + (" nor at any size searched" if by_batch or by_seq else ""), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,8 +3,10 @@
 Each RUN is a run directory (its `metrics.jsonl`), a metrics .jsonl file, or `LABEL=PATH`; without
 a label a run is named after its directory (or after the file's stem if it is not called
 metrics.jsonl). One line per run: x = "step", y = the key (default "loss"). Lines of a metrics
-file that are not valid JSON, or lack "step" or the key, are skipped. Drawn with matplotlib's Agg
-canvas (no pyplot, no display, the global backend is left alone).
+file that are not valid JSON, or lack "step" or the key, are skipped. Where a run resumed with
+changed settings (a record with "resume_changes", `train.identity`), a dashed vertical line just
+before that step is labelled with the changes. Drawn with matplotlib's Agg canvas (no pyplot, no
+display, the global backend is left alone).
 """
 
 import argparse
@@ -56,9 +58,38 @@ def curves(runs: dict, key: str = "loss") -> dict[str, tuple[np.ndarray, np.ndar
     return out
 
 
+def changes(src) -> list[tuple[int, list[dict]]]:
+    """(step, changes) of each resume with changed settings in a run, by step: the records'
+    "resume_changes" lists of {"key", "old", "new", "same_math"}."""
+    out = [(r["step"], r["resume_changes"]) for r in read_records(src)
+           if "step" in r and isinstance(r.get("resume_changes"), list)]
+    return sorted(out, key=lambda t: t[0])
+
+
+def _short(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def change_text(step: int, chs: list[dict]) -> str:
+    """`step 4: dispatcher ring -> alltoall, ...` (the label of a resume's vertical line)."""
+    return f"step {step}: " + ", ".join(
+        f"{c.get('key')} {_short(c.get('old'))} -> {_short(c.get('new'))}" for c in chs)
+
+
+def dispatcher_label(src, current: str) -> str:
+    """The curve's label: the dispatcher, or its history if a resume changed it, e.g.
+    `ring -> alltoall (from step 4)`. `current` is used when the run records no change."""
+    hist = [(s, c) for s, chs in changes(src) for c in chs if c.get("key") == "dispatcher"]
+    if not hist:
+        return current
+    return " -> ".join([str(hist[0][1].get("old"))] + [f"{c.get('new')} (from step {s})"
+                                                        for s, c in hist])
+
+
 def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
     """A matplotlib Figure (on an Agg canvas) with one line per run of `curves(runs, key)`,
-    labelled by the run's name."""
+    labelled by the run's name, and a labelled vertical line where a run resumed with changed
+    settings (`changes`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -66,7 +97,13 @@ def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     for label, (steps, vals) in curves(runs, key).items():
-        ax.plot(steps, vals, label=label)
+        (line,) = ax.plot(steps, vals, label=label)
+        for step, chs in changes(runs[label]):
+            ax.axvline(step - 0.5, color=line.get_color(), ls="--", lw=0.8)
+            ax.text(step - 0.5, 0.98, change_text(step, chs), rotation=90, ha="right",
+                    va="top", fontsize=7, color=line.get_color(),
+                    bbox=dict(facecolor="white", alpha=0.8, lw=0, pad=1),
+                    transform=ax.get_xaxis_transform())
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.grid(alpha=0.3)

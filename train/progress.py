@@ -1,5 +1,6 @@
-"""Per-step feedback: one line per step with a progress bar, the losses, tokens/s, step time and
-the time left. Plain lines (no carriage returns), so a log file reads the same as a terminal."""
+"""Per-step feedback: one line per step with a progress bar, the losses, grad norm, learning
+rate, tokens/s, step time and the time left. Plain lines (no carriage returns), so a log file
+reads the same as a terminal."""
 
 import time
 
@@ -33,6 +34,8 @@ class Progress:
         left = (self.total - step) * sum(recent) / len(recent)
         return (f"{self.bar(step)} step {step}/{self.total} loss {rec['loss']:.4f} "
                 f"(lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} z {rec['z_loss']:.4f}) "
-                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s "
+                f"gnorm {rec['grad_norm']:.3f} "
+                + (f"lr {rec['lr']:.3g} " if "lr" in rec else "")
+                + f"{rec['tokens_per_s']:,.0f} tok/s "
                 f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "
                 f"{_duration(time.perf_counter() - self.t0)}, left ~{_duration(left)}")

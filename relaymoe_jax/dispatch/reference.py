@@ -3,8 +3,11 @@
     y[t] = sum_j expert_weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])
     SwiGLU_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]
 
-Every token goes through every expert (an [T, E, F] intermediate), so this is for tests and small
-shapes only. Ids outside [0, E) match no expert and contribute nothing, as in every dispatcher.
+Computed pair by pair: for each slot j, every token's own expert weights are gathered ([T, H, F]
+per slot), so a token meets only the experts it is routed to. A NaN in one expert's weights (or
+in one token) stays in the tokens routed to that expert (or in that token), values and gradients,
+as in the ring and the all-to-all. Ids outside [0, E) gather zero weights and contribute nothing
+(no gradient either), as in every dispatcher. For tests and small shapes only.
 """
 
 import jax
@@ -15,13 +18,19 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
     num_experts = w_gate_ehf.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
-    # combine[t, e] = total router weight token t gives expert e (one_hot of a bad id is all 0).
-    combine_te = jnp.einsum(
-        "tk,tke->te", wts_tk.astype(f32), jax.nn.one_hot(ids_tk, num_experts, dtype=f32),
-        precision=hi)
     x = x_th.astype(f32)
-    gate_tef = jnp.einsum("th,ehf->tef", x, w_gate_ehf.astype(f32), precision=hi)
-    up_tef = jnp.einsum("th,ehf->tef", x, w_up_ehf.astype(f32), precision=hi)
-    act_tef = jax.nn.silu(gate_tef) * up_tef
-    y_th = jnp.einsum("tef,efh,te->th", act_tef, w_down_efh.astype(f32), combine_te, precision=hi)
+    valid_tk = (ids_tk >= 0) & (ids_tk < num_experts)
+    rows_tk = jnp.where(valid_tk, ids_tk, num_experts)          # out of range: zero weights
+
+    def expert(w, rows_t):
+        return w.astype(f32).at[rows_t].get(mode="fill", fill_value=0)
+
+    y_th = jnp.zeros(x.shape, f32)
+    for j in range(ids_tk.shape[1]):
+        rows_t = rows_tk[:, j]
+        gate_tf = jnp.einsum("th,thf->tf", x, expert(w_gate_ehf, rows_t), precision=hi)
+        up_tf = jnp.einsum("th,thf->tf", x, expert(w_up_ehf, rows_t), precision=hi)
+        out_th = jnp.einsum("tf,tfh->th", jax.nn.silu(gate_tf) * up_tf,
+                            expert(w_down_efh, rows_t), precision=hi)
+        y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
     return y_th.astype(x_th.dtype)

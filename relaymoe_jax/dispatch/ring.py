@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch.hop import Hop, RingConfig, make_tokens, shift, zeros_f32
+from relaymoe_jax.first_order import first_order
 
 __all__ = ["RingConfig", "ring_moe"]
 
@@ -158,7 +159,7 @@ def _ring_op(cfg: RingConfig):
         return forward(cfg, tk, w).astype(x_th.dtype), (tk, w)
 
     def bwd(res, dy_th):
-        tk, w = res
+        (tk, w), dy_th = first_order((res, dy_th))
         dw, dx_th, dwts_p = backward(cfg, tk, w, dy_th)
         if cfg.reduce_axes:
             dw = lax.psum(dw, cfg.reduce_axes)

@@ -3,9 +3,10 @@
 `load_config("qwen3-30b-a3b")` (a name in the repository's `configs/` directory) or
 `load_config("path/to/file.yaml")` gives a checked `ModelConfig`. The YAML keys are exactly the
 `ModelConfig` field names; an omitted key takes the field's default. Every problem is a ValueError
-that names the file, the line where it can, and the key: YAML syntax, a duplicate key, an unknown
-key, a wrong type, inconsistent sizes (`config.check`), and, when `expert_size` is given, experts
-that do not split over the expert axis (`config.check_mesh`).
+that names the file, the line where it can, and the key: YAML syntax, an empty file (`{}` means
+all the defaults), a duplicate key, an unknown key (with the close matches), a wrong type,
+inconsistent sizes (`config.check`), and, when `expert_size` is given, experts that do not split
+over the expert axis (`config.check_mesh`).
 
 `parse_overrides(["num_experts=16", "routing=token"])` turns command-line `key=value` items into
 keyword overrides; the values are parsed as YAML (so `16` is an int, `1e-5` a float, `null` None,
@@ -19,6 +20,7 @@ column of the paper's Table 3 where the config is one of its rows.
 
 import argparse
 import dataclasses
+import difflib
 import importlib.resources
 import re
 import sys
@@ -146,7 +148,8 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: YAML error: {_yaml_error(e)}") from None
     if data is None:
-        return {}, {}
+        raise ValueError(f"{path}: the config file is empty (no ModelConfig fields); write the "
+                         "fields (see configs/tiny.yaml), or `{}` for all the defaults")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of ModelConfig fields at the top level, "
                          f"got {type(data).__name__}")
@@ -160,14 +163,34 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     return data, lines
 
 
+def unknown_keys(unknown, known: dict[str, typing.Iterable[str]], what: str = "key") -> str:
+    """`unknown {what}(s) [...]` with a did-you-mean for each (difflib, over every group of
+    `known`) and every group's keys: `known` maps a label ("model config", "trainer") to its
+    keys. A key that belongs to a group is said to be one (e.g. a trainer key in a YAML file)."""
+    unknown = sorted(unknown)
+    groups = {label: sorted(keys) for label, keys in known.items()}
+    everything = sorted({k for keys in groups.values() for k in keys})
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, everything, n=3, cutoff=0.6)
+        if close:
+            hints.append(f"did you mean {' or '.join(repr(c) for c in close)} for {key!r}?")
+    listing = "; ".join(f"{label} keys: {keys}" for label, keys in groups.items())
+    return f"unknown {what}(s) {unknown}; " + " ".join(hints) + (" " if hints else "") + listing
+
+
 def load_config(path_or_name: str | Path, *, expert_size: int | None = None,
+                other_keys: dict[str, typing.Iterable[str]] | None = None,
                 **overrides) -> ModelConfig:
     """A checked ModelConfig from a YAML file (a path, or a name in `configs/`), with overrides.
 
     `overrides` are field values that replace the file's (use `parse_overrides` for `key=value`
     strings). `expert_size`, if given, also checks that the experts split evenly over an expert
     axis of that size. Integers given for float fields become floats. Raises FileNotFoundError if
-    there is no such file and ValueError, naming the file and the key, for anything wrong in it.
+    there is no such file and ValueError, naming the file and the key, for anything wrong in it
+    (an empty file too: write `{}` for all the defaults). An unknown key's error suggests close
+    matches; `other_keys` ({"trainer": names, ...}) are keys the caller takes elsewhere, listed
+    and matched in that error (a trainer key in the YAML file is said to be one).
     """
     path = resolve_config_path(path_or_name)
     data, lines = _read_yaml(path)
@@ -187,8 +210,12 @@ def load_config(path_or_name: str | Path, *, expert_size: int | None = None,
 
     unknown = sorted(set(merged) - _FIELDS)
     if unknown:
-        raise ValueError(f"{where(unknown[0])}: unknown config key(s) {unknown}; known keys: "
-                         f"{sorted(_FIELDS)}")
+        other = dict(other_keys or {})
+        elsewhere = [f"{k} is a {label} setting, not a model config key"
+                     for k in unknown for label, keys in other.items() if k in keys]
+        known = {"model config": _FIELDS, **other}
+        raise ValueError(f"{where(unknown[0])}: "
+                         + "; ".join([*elsewhere, unknown_keys(unknown, known, "config key")]))
     try:
         cfg = from_dict(merged)
         if expert_size is not None:

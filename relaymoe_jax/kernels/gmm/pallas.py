@@ -95,6 +95,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from relaymoe_jax.first_order import first_order
 from relaymoe_jax.kernels.gmm.xla import clamp_group_bounds, match_vma, work_items
 
 DEFAULT_BLOCK_M = 64
@@ -257,7 +258,7 @@ def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
             x_tk.astype(compute), w.astype(compute), (contract, ((), ())),
             precision=_precision(compute), preferred_element_type=jnp.float32)
 
-    acc_tn = lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
+    acc_tn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bm, bn), jnp.float32))
     store_ok = own_t[:, None] if cols_ok is None else own_t[:, None] & cols_ok[None, :]
     plt.store(o_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc_tn.astype(o_ref.dtype),
               mask=jnp.broadcast_to(store_ok, (bm, bn)))
@@ -329,8 +330,8 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: 
             x_tk.astype(compute), y_tn.astype(compute), (((0,), (0,)), ((), ())),
             precision=_precision(compute), preferred_element_type=jnp.float32)
 
-    trips = pl.cdiv(end - start, bm)
-    acc_kn = lax.fori_loop(0, trips, body, jnp.zeros((bk, bn), jnp.float32))
+    trips = pl.cdiv(end - start, jnp.int32(bm))   # int32 under x64 too
+    acc_kn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bk, bn), jnp.float32))
     out = o_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
     store_ok = _and(k_ok, n_ok)
     if store_ok is None:
@@ -402,6 +403,7 @@ def _gmm_fwd(x, w_gkn, group_sizes_g, rows_m, transpose_rhs, out_dtype, cfg):
 
 
 def _gmm_bwd(transpose_rhs, out_dtype, cfg, res, dout_mn):
+    res, dout_mn = first_order((res, dout_mn))
     x, w_gkn, group_sizes_g, rows_m = res
     # out = x_g @ W_g    -> dx = dout @ W_g.T, dW_g = x_g.T @ dout_g
     # out = x_g @ W_g.T  -> dx = dout @ W_g,   dW_g = dout_g.T @ x_g
@@ -430,6 +432,7 @@ def _tgmm_fwd(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg):
 
 
 def _tgmm_bwd(out_dtype, cfg, res, dout_gkn):
+    res, dout_gkn = first_order((res, dout_gkn))
     x, y, group_sizes_g, x_rows_m, y_rows_m = res
     # out_g = x_g.T @ y_g  -> dx_g = y_g @ dout_g.T, dy_g = x_g @ dout_g
     dx_mk = _gmm_vjp(y, dout_gkn, group_sizes_g, y_rows_m, True, _grad_dtype(x_rows_m, x), cfg)

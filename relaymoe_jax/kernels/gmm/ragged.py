@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from relaymoe_jax.first_order import first_order
 from relaymoe_jax.kernels.gmm.xla import clamp_group_sizes, match_vma
 
 
@@ -61,6 +62,7 @@ def _tgmm_fwd(x_mk, y_mn, group_sizes_g, out_dtype):
 
 
 def _tgmm_bwd(out_dtype, res, dout_gkn):
+    res, dout_gkn = first_order((res, dout_gkn))
     x_mk, y_mn, group_sizes_g = res
     # out_g = x_g.T @ y_g  -> dx_g = y_g @ dout_g.T, dy_g = x_g @ dout_g
     dx_mk = gmm_ragged(y_mn, dout_gkn, group_sizes_g, True, np.dtype(x_mk.dtype))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from relaymoe_jax.first_order import first_order
 from relaymoe_jax.late import late_zero
 
 DEFAULT_TILE_M = 128
@@ -76,6 +77,9 @@ def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
     first_item_i = items_end_g[group_i] - tiles_g[group_i]
     tile_i = first_tile_g[group_i] + item_i - first_item_i
     return WorkItems(start_g, end_g, group_i, tile_i, items_end_g[-1])
+
+
+_I0 = np.int32(0)   # a start index of int32 like the traced ones (x64 would make 0 an int64)
 
 
 def _tile_rows(items: WorkItems, i: jax.Array, m: int, tm: int):
@@ -138,15 +142,15 @@ def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
     def body(carry):
         i, out_mn = carry
         g, row0, own_t = _tile_rows(items, i, m, tm)
-        x_tk = lax.dynamic_slice(x_mk, (row0, 0), (tm, k)).astype(compute)
+        x_tk = lax.dynamic_slice(x_mk, (row0, _I0), (tm, k)).astype(compute)
         w_kn = lax.dynamic_index_in_dim(w_gkn, g, keepdims=False).astype(compute)
         y_tn = lax.dot_general(
             x_tk, w_kn, (contract, ((), ())),
             precision=precision, preferred_element_type=jnp.float32,
         ).astype(out_dtype)
-        cur_tn = lax.dynamic_slice(out_mn, (row0, 0), (tm, n))
+        cur_tn = lax.dynamic_slice(out_mn, (row0, _I0), (tm, n))
         new_tn = jnp.where(own_t[:, None], y_tn, cur_tn)
-        return i + 1, lax.dynamic_update_slice(out_mn, new_tn, (row0, 0))
+        return i + 1, lax.dynamic_update_slice(out_mn, new_tn, (row0, _I0))
 
     out_mn = _zeros_like_vma((m, n), out_dtype, x_mk, w_gkn, group_sizes_g)
     _, out_mn = lax.while_loop(lambda c: c[0] < items.count, body, (jnp.int32(0), out_mn))
@@ -169,16 +173,16 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype):
         i, acc_gkn = carry
         g, row0, own_t = _tile_rows(items, i, m, tm)
         # Mask both operands with where (0 * NaN would be NaN).
-        x_tk = lax.dynamic_slice(x_mk, (row0, 0), (tm, k)).astype(compute)
-        y_tn = lax.dynamic_slice(y_mn, (row0, 0), (tm, n)).astype(compute)
+        x_tk = lax.dynamic_slice(x_mk, (row0, _I0), (tm, k)).astype(compute)
+        y_tn = lax.dynamic_slice(y_mn, (row0, _I0), (tm, n)).astype(compute)
         x_tk = jnp.where(own_t[:, None], x_tk, jnp.zeros((), compute))
         y_tn = jnp.where(own_t[:, None], y_tn, jnp.zeros((), compute))
         d_kn = lax.dot_general(
             x_tk, y_tn, (((0,), (0,)), ((), ())),
             precision=precision, preferred_element_type=jnp.float32,
         )
-        cur_1kn = lax.dynamic_slice(acc_gkn, (g, 0, 0), (1, k, n))
-        return i + 1, lax.dynamic_update_slice(acc_gkn, cur_1kn + d_kn[None], (g, 0, 0))
+        cur_1kn = lax.dynamic_slice(acc_gkn, (g, _I0, _I0), (1, k, n))
+        return i + 1, lax.dynamic_update_slice(acc_gkn, cur_1kn + d_kn[None], (g, _I0, _I0))
 
     acc_gkn = _zeros_like_vma((num_groups, k, n), jnp.float32, x_mk, y_mn, group_sizes_g)
     _, acc_gkn = lax.while_loop(lambda c: c[0] < items.count, body, (jnp.int32(0), acc_gkn))
@@ -200,6 +204,7 @@ def _gmm_fwd(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
 
 
 def _gmm_bwd(transpose_rhs, tm, out_dtype, res, dout_mn):
+    res, dout_mn = first_order((res, dout_mn))
     x_mk, w_gkn, group_sizes_g = res
     # out = x_g @ W_g        -> dx = dout @ W_g.T, dW_g = x_g.T @ dout_g
     # out = x_g @ W_g.T      -> dx = dout @ W_g,   dW_g = dout_g.T @ x_g
@@ -226,6 +231,7 @@ def _tgmm_fwd(x_mk, y_mn, group_sizes_g, tm, out_dtype):
 
 
 def _tgmm_bwd(tm, out_dtype, res, dout_gkn):
+    res, dout_gkn = first_order((res, dout_gkn))
     x_mk, y_mn, group_sizes_g = res
     # out_g = x_g.T @ y_g  -> dx_g = y_g @ dout_g.T, dy_g = x_g @ dout_g
     dx_mk = _gmm_vjp(y_mn, dout_gkn, group_sizes_g, True, tm, np.dtype(x_mk.dtype))

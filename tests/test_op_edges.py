@@ -1,0 +1,133 @@
+"""The op's edges: eager calls, eager autodiff, the reference's placement and NaNs, grad-of-grad,
+x64, and the chunk-size cap. Each against the dense reference or XLA's buffer assignment."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_cases import mesh
+from relaymoe_jax import moe_ffn, op, testing
+
+E = 16
+
+
+def args_on(m, seed=0, t=64, k=4):
+    inp = testing.moe_inputs(testing.routing_case("uniform", t, k, E, 8, seed=seed), E)
+    tok = NamedSharding(m, P("expert"))
+    return [jax.device_put(a, tok) for a in inp.args[:3]] + list(inp.args[3:])
+
+
+def reference(m):
+    return functools.partial(moe_ffn, mesh=m, dispatcher="reference")
+
+
+def test_an_eager_call_reuses_its_compiled_program():
+    m = mesh("ep8")
+    args = args_on(m)
+    op._program.cache_clear()
+    y1 = moe_ffn(*args, mesh=m)
+    y2 = moe_ffn(*args, mesh=m)
+    assert op._program.cache_info().currsize == 1 and op._program.cache_info().hits == 1
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+    want = jax.jit(reference(m))(*args)
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(want), rtol=0, atol=1e-5)
+
+
+def test_eager_autodiff_says_what_to_do_and_works_under_set_mesh():
+    m = mesh("ep8")
+    args = args_on(m)
+    loss = lambda x, wg: jnp.sum(moe_ffn(x, args[1], args[2], wg, *args[4:], mesh=m))
+    with pytest.raises(ValueError, match=r"moe_ffn is transformed eagerly \(jax.grad or jax.vmap "
+                                         r"outside jax.jit\) .* wrap the computation in jax.jit, "
+                                         r"or run it under `with jax.set_mesh\(mesh\):`"):
+        jax.grad(loss)(args[0], args[3])
+    ref_loss = lambda x, wg: jnp.sum(moe_ffn(x, args[1], args[2], wg, *args[4:], mesh=m,
+                                             dispatcher="reference"))
+    with jax.set_mesh(m):
+        got = jax.grad(loss, argnums=(0, 1))(args[0], args[3])
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(args[0], args[3])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                                   atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("dispatcher", ["reference", "ring"])
+def test_inputs_not_on_the_mesh_are_placed_by_the_op(dispatcher):
+    """Plain (single-device) arrays under jit on an Explicit mesh."""
+    m = mesh("ep8")
+    inp = testing.moe_inputs(testing.routing_case("ragged", 64, 4, E, 8), E)
+    y = jax.jit(lambda *a: moe_ffn(*a, mesh=m, dispatcher=dispatcher))(*inp.args)
+    placed = [jax.device_put(a, NamedSharding(m, P("expert"))) for a in inp.args[:3]]
+    want = jax.jit(reference(m))(*placed, *inp.args[3:])
+    assert y.shape == inp.x.shape
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dispatcher", ["reference", "ring", "alltoall"])
+def test_a_nan_expert_stays_in_its_tokens(dispatcher):
+    """NaN in one expert's weights: y and dx are NaN exactly in the tokens routed to it."""
+    m = mesh("ep8")
+    args = args_on(m, seed=3)
+    args[3] = args[3].at[5].set(jnp.nan)
+    routed = np.any(np.asarray(args[1]) == 5, axis=1)
+    assert 0 < routed.sum() < len(routed)
+    f = lambda x: moe_ffn(x, *args[1:], mesh=m, dispatcher=dispatcher)
+    y, vjp = jax.jit(lambda x: jax.vjp(f, x))(args[0])
+    dx = jax.jit(vjp)(jnp.ones_like(y))[0]
+    np.testing.assert_array_equal(np.isnan(np.asarray(y)).any(1), routed)
+    np.testing.assert_array_equal(np.isnan(np.asarray(dx)).any(1), routed)
+
+
+@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("ring", "token"),
+                                                ("alltoall", "auto")])
+def test_grad_of_grad_raises_not_implemented(dispatcher, routing):
+    m = mesh("ep8")
+    args = args_on(m)
+    inner = jax.grad(lambda x: jnp.sum(moe_ffn(x, *args[1:], mesh=m, dispatcher=dispatcher,
+                                                routing=routing) ** 2))
+    with pytest.raises(NotImplementedError, match=r"differentiable once, in reverse mode"):
+        jax.jit(jax.grad(lambda x: jnp.sum(inner(x))))(args[0])
+
+
+X64 = [("ring", "expert", "xla", jnp.int64), ("ring", "token", "xla", jnp.int32),
+       ("ring", "expert", "pallas-interpret", jnp.int64), ("ring", "token", "ragged_dot",
+                                                          jnp.int64),
+       ("alltoall", "auto", "xla", jnp.int64), ("alltoall", "auto", "pallas-interpret",
+                                                jnp.int32),
+       ("reference", "auto", "auto", jnp.int64)]
+
+
+@pytest.mark.parametrize("dispatcher,routing,gmm_impl,ids_dtype", X64)
+def test_x64(dispatcher, routing, gmm_impl, ids_dtype):
+    """jax_enable_x64=True, int32 and int64 ids: values and gradients against the reference."""
+    m = mesh("ep8")
+    with jax.enable_x64(True):
+        args = args_on(m)
+        args[1] = args[1].astype(ids_dtype)
+        assert args[1].dtype == ids_dtype
+        ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing,
+                                 gmm_impl=gmm_impl)
+        testing.assert_moe_parity(ours, reference(m), *args)
+
+
+def test_chunk_size_is_capped_at_the_pairs_there_are():
+    """chunk_size=10**9 for 8 tokens x 4 slots per device compiles to the same buffers as 32
+    (XLA:CPU buffer assignment, forward and backward), and computes the same."""
+    m = mesh("ep8")
+    args = args_on(m)
+
+    def temp(chunk):
+        f = jax.jit(jax.grad(lambda *a: jnp.sum(moe_ffn(*a, mesh=m, routing="expert",
+                                                        chunk_size=chunk) ** 2),
+                             argnums=(0, 3)))
+        return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(10**9) == temp(32)
+    assert temp(10**9) < 2 * 1024 * 1024
+    ours = functools.partial(moe_ffn, mesh=m, chunk_size=2**31 - 1)
+    testing.assert_moe_parity(ours, reference(m), *args)

@@ -1,0 +1,203 @@
+"""Resume identity and the learning-rate schedule of the trainer (`train/identity.py`).
+
+One 2-step run (module fixture, copied per test) is resumed with changed settings: a math change
+is refused naming each key old -> new; `--allow-changes` resumes anyway; a same-math change
+(ring -> dropless all-to-all) is allowed, logged, recorded in metrics.jsonl and marked on the
+plot; a data change is refused; a checkpoint without the identity warns. The schedule follows
+--steps, is kept on resume, and its lr is logged per step.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train import cli, identity, loop, plot, progress
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8"]
+BASE = [*SMALL, "schedule_steps=20"]     # a fixed horizon: resuming to more steps keeps it
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "run"
+    assert cli.main([*BASE, "--quiet", "--steps", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    """A copy of the 2-step base run."""
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    return out
+
+
+def test_checkpoint_records_the_identity(base):
+    meta = json.loads((base / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["model_config"]["num_experts_per_tok"] == 2
+    assert meta["model_config"]["rope_theta"] == 10000.0
+    assert meta["train_config"]["schedule_steps"] == 20 and meta["train_config"]["seq_len"] == 32
+    (f,) = meta["data"]["files"]
+    assert Path(f["path"]).name == "declaration.txt" and len(f["sha256"]) == 64
+    assert meta["data"]["tokenizer"] is None
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["num_experts_per_tok=4", "lr=0.001"],
+     r"num_experts_per_tok 2 -> 4, lr 0\.003 -> 0\.001 would change the math.*"
+     r"--allow-changes num_experts_per_tok,lr"),
+    (["dispatcher=alltoall", "capacity_factor=1.0"],
+     r"dispatcher ring -> alltoall, capacity_factor null -> 1\.0 would change"),
+    (["rope_theta=500.0", "compute_dtype=bfloat16"],
+     r"rope_theta 10000\.0 -> 500\.0, compute_dtype float32 -> bfloat16 would"),
+    (["--data", "OTHER"], r"data declaration\.txt \(sha256 \w+\) -> other\.txt \(sha256 \w+\)"),
+    (["scan_layers=true", "--allow-changes", "scan_layers"],
+     r"scan_layers false -> true changes the parameter layout"),
+])
+def test_math_change_is_refused(run, tmp_path, extra, match):
+    other = tmp_path / "other.txt"
+    other.write_text("another text, long enough to fill a few sequences of 32 bytes. " * 20)
+    extra = [str(other) if a == "OTHER" else a for a in extra]
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(identity.ResumeRefusedError, match=match):
+        cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run), *extra])
+    assert (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+
+
+def test_refusal_is_one_line_on_the_command_line(run):
+    p = subprocess.run([sys.executable, "-m", "train", *BASE, "--steps", "3", "--out", str(run),
+                        "num_experts_per_tok=4"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    err = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert err == [f"error: cannot resume {run} at step 2: num_experts_per_tok 2 -> 4 would "
+                   "change the math; rerun with --allow-changes num_experts_per_tok to resume "
+                   "anyway, or use a new --out"], p.stderr[-2000:]
+
+
+def test_allow_changes_resumes_and_records(run, capsys):
+    argv = [*BASE, "--quiet", "--out", str(run), "num_experts_per_tok=4", "lr=0.001"]
+    assert cli.main([*argv, "--steps", "3", "--allow-changes", "num_experts_per_tok",
+                     "--allow-changes", "lr"]) == 0
+    out = capsys.readouterr().out
+    assert ("resuming from step 2 with changed settings: num_experts_per_tok 2 -> 4 (allowed by "
+            "--allow-changes); lr 0.003 -> 0.001 (allowed by --allow-changes)") in out
+    recs = _metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert "resume_changes" not in recs[1]
+    assert recs[2]["resume_changes"] == [
+        {"key": "num_experts_per_tok", "old": 2, "new": 4, "same_math": False},
+        {"key": "lr", "old": 0.003, "new": 0.001, "same_math": False}]
+    # the new checkpoint holds the new identity: continuing needs no flag
+    assert cli.main([*argv, "--steps", "4"]) == 0
+    assert "changed settings" not in capsys.readouterr().out
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"--allow-changes: unknown key\(s\) \['nope'\]"):
+        cli.main([*argv, "--steps", "5", "--allow-changes", "lr,nope"])
+
+
+def test_same_math_change_is_allowed_logged_recorded_and_plotted(run, tmp_path, capsys):
+    assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run),
+                     "dispatcher=alltoall", "moe_remat=true"]) == 0
+    out = capsys.readouterr().out
+    assert ("resuming from step 2 with changed settings: dispatcher ring -> alltoall (same "
+            "math); moe_remat false -> true (same math)") in out
+    recs = _metrics(run)
+    assert recs[2]["resume_changes"] == [
+        {"key": "dispatcher", "old": "ring", "new": "alltoall", "same_math": True},
+        {"key": "moe_remat", "old": False, "new": True, "same_math": True}]
+    # the same math: step 3 as an uninterrupted ring run's, to float rounding
+    straight = tmp_path / "straight"
+    assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(straight)]) == 0
+    ref = _metrics(straight)
+    assert [r["loss"] for r in recs[:2]] == [r["loss"] for r in ref[:2]]
+    assert abs(recs[2]["loss"] - ref[2]["loss"]) / ref[2]["loss"] < 1e-5
+    # the plot: labelled by the dispatcher's history, a labelled line before step 3
+    label = plot.dispatcher_label(run, "alltoall")
+    assert label == "ring -> alltoall (from step 3)"
+    assert plot.dispatcher_label(straight, "ring") == "ring"
+    assert f"loss curve: {run / 'loss.png'}" in out
+    ax = plot.make_figure({label: run}).axes[0]
+    curve, vline = ax.get_lines()
+    assert curve.get_label() == label and ax.get_legend().get_texts()[0].get_text() == label
+    assert list(vline.get_xdata()) == [2.5, 2.5]
+    assert [t.get_text() for t in ax.texts] == [
+        "step 3: dispatcher ring -> alltoall, moe_remat false -> true"]
+    assert plot.curves({"x": run})["x"][0].tolist() == [1, 2, 3]       # readers still work
+
+
+def test_old_checkpoint_without_identity_warns(run, capsys):
+    meta_file = run / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    for k in ("model_config", "data"):
+        meta.pop(k)
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(identity.ResumeRefusedError, match=r"lr 0\.003 -> 0\.001"):
+        cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run), "lr=0.001"])
+    capsys.readouterr()
+    assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run)]) == 0
+    warn = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warn == ["warning: checkpoint step 2 was written by an older trainer that did not "
+                    "record its model config and data: those cannot be checked (its trainer "
+                    "settings are)"]
+
+
+def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [*SMALL, "--quiet", "--out", str(out), "warmup_steps=1"]
+    assert cli.main([*argv, "--steps", "3"]) == 0
+    lr = [r["lr"] for r in _metrics(out)]
+    # warmup 1 step from 0, then cosine over the 2 steps left (horizon = --steps = 3)
+    np.testing.assert_allclose(lr, [0.0, 3e-3, 3e-3 * (0.1 + 0.9 * 0.5)], rtol=1e-6)
+    sched = loop.make_schedule(loop.TrainConfig(warmup_steps=1, schedule_steps=3))
+    assert lr == [float(np.float32(sched(s))) for s in range(3)]
+    meta = json.loads((out / "checkpoints" / "3" / "meta" / "metadata").read_text())
+    assert meta["train_config"]["schedule_steps"] == 3
+
+    with pytest.raises(identity.ResumeRefusedError,
+                       match=r"schedule_steps 3 -> 5 would change the math \(the cosine horizon "
+                             r"follows --steps unless schedule_steps is set: add "
+                             r"schedule_steps=3 to keep the checkpoint's schedule\)"):
+        cli.main([*argv, "--steps", "5"])
+    capsys.readouterr()
+    assert cli.main([*argv, "--steps", "5", "schedule_steps=3"]) == 0      # kept: at the floor
+    assert ("warning: schedule_steps=3 < --steps 5: the lr reaches its floor 0.0003 (lr * "
+            "min_lr_ratio) at step 4 and stays there for the last 2 steps"
+            ) in capsys.readouterr().out
+    recs = _metrics(out)
+    assert [r["lr"] for r in recs[:3]] == lr
+    np.testing.assert_allclose([r["lr"] for r in recs[3:]], [3e-4, 3e-4], rtol=1e-6)
+    assert not any("resume_changes" in r for r in recs)
+
+
+def test_schedule_steps_is_checked_and_unset_by_default(tmp_path):
+    assert loop.TrainConfig().schedule_steps is None
+    assert loop.schedule_horizon(loop.TrainConfig(), 3000) == 3000
+    assert loop.schedule_horizon(loop.TrainConfig(schedule_steps=500), 3000) == 500
+    assert loop.schedule_horizon(loop.TrainConfig(warmup_steps=10), 3) == 11
+    _, tc, _ = cli.parse([*SMALL, "--steps", "1", "--out", "x", "--schedule-steps", "7"])
+    assert tc.schedule_steps == 7
+    for bad in (["schedule_steps=fast"], ["schedule_steps=true"]):
+        with pytest.raises(ValueError, match="schedule_steps"):
+            cli.parse([*SMALL, "--steps", "1", "--out", "x", *bad])
+    with pytest.raises(ValueError, match=r"schedule_steps=0: expected an int >= 1"):
+        cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "schedule_steps=0"])
+
+
+def test_progress_line_shows_lr():
+    rec = {"step": 2, "loss": 1.0, "lm_loss": 1.0, "aux_loss": 0.0, "z_loss": 0.0,
+           "grad_norm": 0.5, "lr": 0.00125, "tokens_per_s": 100.0, "step_time": 0.1}
+    assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.Progress(0, 4).line(rec)
+    del rec["lr"]                                       # a record of an older run
+    assert " gnorm 0.500 100 tok/s " in progress.Progress(0, 4).line(rec)

@@ -1,0 +1,273 @@
+"""Run identity: what a run's checkpoints were trained with, checked when the run resumes.
+
+Every checkpoint's JSON metadata records
+
+* `model_config`: every `ModelConfig` field as resolved (the YAML file plus the key=value
+  overrides);
+* `train_config`: the trainer settings (`TrainConfig`), `schedule_steps` resolved to the cosine
+  horizon the run uses (see "Schedule");
+* `data`: each text file's path and sha256 (in order: the order changes the packing) and the
+  tokenizer (the tokenizer.json's path and sha256, or null for the byte-level one), or
+  `{"synthetic": true}`.
+
+A rerun on the same --out compares them, key by key, with its own (the checkpoint it restores;
+nothing is checked when it has nothing left to train):
+
+* **math changes are refused**, in one line naming each key old -> new and the flag that
+  overrides it (`--allow-changes key1,key2`): any other model field (sizes, top-k, router losses,
+  rope_theta, initializer_range ...), any other trainer field (batch, sequence, optimizer,
+  schedule, seed, synthetic, compute_dtype), the data (by content: a moved file with the same
+  bytes is the same data) and the tokenizer;
+* **same-math changes are allowed**: logged in one line, recorded on the first metrics line
+  after the resume (`"resume_changes"`), marked on loss.png. They change how the step is
+  computed, not what it computes (the same math up to float rounding: summation order):
+  `routing`, `chunk_size`, `gmm_impl`, `attention_impl` and `attention_block_k` (the chunked
+  attention is the same softmax, online), `attention_remat`, `moe_remat` (recomputation is
+  exact), `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the
+  `dispatcher` and `capacity_factor` as long as nothing is dropped on either side (ring,
+  reference and the all-to-all with capacity_factor null are all dropless; the all-to-all with a
+  capacity factor drops (token, expert) pairs, so a change into, out of or between capacities is
+  a math change), and the `mesh` likewise (an all-to-all capacity is per device);
+* **`scan_layers` is refused, override or not**: it changes the parameter layout (the layers
+  stacked on one axis), so the checkpoint cannot be restored across it.
+
+Changes allowed with --allow-changes are logged, recorded and marked like the same-math ones.
+A checkpoint written before identities were recorded (no `model_config`) resumes with a one-line
+warning; its trainer settings (always saved) are still checked.
+
+Schedule: the cosine horizon is `schedule_steps` if set, else the run's --steps (never shorter
+than warmup_steps + 1). It is recorded, so a resume with another --steps and no schedule_steps
+is a math change (`schedule_steps` old -> new): add `schedule_steps=<old>` to keep the
+checkpoint's schedule, or `--allow-changes schedule_steps` to switch (the lr moves onto the new
+cosine from the next step on). A horizon shorter than --steps is allowed with a warning naming
+the step from which the lr stays at its floor `lr * min_lr_ratio`.
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from relaymoe_jax.models.config import ModelConfig
+
+from . import checkpoint as ckpt
+from . import data as data_mod
+from . import loop
+
+ALLOW_FLAG = "--allow-changes"
+DATA_KEYS = ("data", "tokenizer")
+# same math up to float rounding (see the module docstring)
+SAME_MATH = frozenset({"routing", "chunk_size", "gmm_impl", "attention_impl", "attention_block_k",
+                       "attention_remat", "moe_remat", "max_position_embeddings", "loss_chunk",
+                       "save_every"})
+DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})   # same math while dropless
+LAYOUT_KEYS = frozenset({"scan_layers"})
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(loop.TrainConfig))
+
+
+class ResumeRefusedError(ckpt.StateMismatchError):
+    """Resuming would change what the run computes, or cannot restore the checkpoint's layout."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(ALLOW_FLAG, action="append", default=[], metavar="KEY[,KEY...]",
+                   help="resume even though these settings differ from the checkpoint's "
+                        "(model config or trainer keys, 'data', 'tokenizer'). Without it a "
+                        "resume that changes the math (top-k, lr, data, the schedule's horizon, "
+                        "...) is refused; same-math changes (ring <-> dropless alltoall, "
+                        "routing, remat, chunk sizes) are always allowed and logged. The cosine "
+                        "horizon is schedule_steps if set, else --steps, and is recorded: a "
+                        "resume with another --steps needs schedule_steps=<old> (keep) or "
+                        f"{ALLOW_FLAG} schedule_steps (switch)")
+
+
+def allowed_keys(items) -> frozenset:
+    """The keys of the repeatable, comma-separated `--allow-changes` values (checked)."""
+    keys = {k.strip() for item in items or () for k in item.split(",") if k.strip()}
+    unknown = sorted(keys - set(MODEL_FIELDS) - set(TRAIN_FIELDS) - set(DATA_KEYS))
+    if unknown:
+        raise ValueError(f"{ALLOW_FLAG}: unknown key(s) {unknown}; expected model config or "
+                         f"trainer keys, 'data' or 'tokenizer'")
+    return frozenset(keys)
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_identity(paths, tokenizer, synthetic: bool) -> dict:
+    """What the run trains on (the JSON `data` entry of the checkpoint metadata)."""
+    if synthetic:
+        return {"synthetic": True}
+    files = [Path(p) for p in (paths or [data_mod.DEFAULT_TEXT])]
+    return {"files": [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in files],
+            "tokenizer": None if tokenizer is None else
+            {"path": str(Path(tokenizer).resolve()), "sha256": sha256_file(tokenizer)}}
+
+
+def _json(x):
+    return json.loads(json.dumps(x))
+
+
+def _fmt(v) -> str:
+    """A value as written on the command line (key=value, YAML)."""
+    if isinstance(v, str):
+        return v
+    return json.dumps(v, separators=(",", ":"))
+
+
+def _drops(model: dict) -> float | None:
+    """The all-to-all's capacity factor (pairs are dropped), None when dropless."""
+    return model.get("capacity_factor") if model.get("dispatcher") == "alltoall" else None
+
+
+def _files(d: dict) -> str:
+    return " + ".join(f"{Path(f['path']).name} (sha256 {f['sha256'][:12]})" for f in d["files"])
+
+
+def _tokenizer(d: dict) -> str:
+    t = d.get("tokenizer")
+    return "byte-level" if t is None else f"{Path(t['path']).name} (sha256 {t['sha256'][:12]})"
+
+
+@dataclasses.dataclass
+class Change:
+    key: str
+    old: object
+    new: object
+    same_math: bool
+    layout: bool = False
+
+    def text(self) -> str:
+        return f"{self.key} {_fmt(self.old)} -> {_fmt(self.new)}"
+
+    def record(self) -> dict:
+        return {"key": self.key, "old": self.old, "new": self.new, "same_math": self.same_math}
+
+
+def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
+    """The changes from the checkpoint metadata `meta` to this run's identity, classified (see
+    the module docstring). Keys the checkpoint did not record are not compared."""
+    changes = []
+    old_m = meta.get("model_config")
+    defaults = _json(dataclasses.asdict(ModelConfig()))
+    old_drops = _drops(old_m) if old_m is not None else _drops(model)
+    dropless = old_drops is None and _drops(model) is None
+    if old_m is not None:
+        for k in MODEL_FIELDS:
+            o, n = old_m.get(k, defaults[k]), model[k]
+            if o != n:
+                same = k in SAME_MATH or (k in DROP_KEYS and old_drops == _drops(model))
+                changes.append(Change(k, o, n, same, layout=k in LAYOUT_KEYS))
+    old_t = meta.get("train_config") or {}
+    for k in TRAIN_FIELDS:
+        if k in old_t and old_t[k] != train[k]:
+            same = k in SAME_MATH or (k in DROP_KEYS and dropless)
+            changes.append(Change(k, old_t[k], train[k], same))
+    old_d = meta.get("data")
+    if old_d is not None and "files" in old_d and "files" in data:
+        if [f["sha256"] for f in old_d["files"]] != [f["sha256"] for f in data["files"]]:
+            changes.append(Change("data", _files(old_d), _files(data), False))
+        if (old_d.get("tokenizer") or {}).get("sha256") != (data.get("tokenizer") or {}).get(
+                "sha256"):
+            changes.append(Change("tokenizer", _tokenizer(old_d), _tokenizer(data), False))
+    return changes
+
+
+class RunIdentity:
+    """This run's identity (`meta`, saved with every checkpoint) and the resume check
+    (`check`, the `check_meta` hook of `train.checkpoint.restore`)."""
+
+    def __init__(self, cfg, tc: loop.TrainConfig, *, steps: int, data_paths, tokenizer,
+                 allow=frozenset(), explicit_schedule: bool = True, out=None):
+        self.model = _json(dataclasses.asdict(cfg))
+        self.train = _json(dataclasses.asdict(tc))
+        self.data = data_identity(data_paths, tokenizer, tc.synthetic)
+        self.meta = {"model_config": self.model, "train_config": self.train, "data": self.data}
+        self.steps, self.allow, self.explicit_schedule = steps, frozenset(allow), explicit_schedule
+        self.out = out
+        self._lr = np.asarray(loop.make_schedule(tc)(np.arange(steps)), np.float64)
+        self.resumed_at: int | None = None
+        self.changes: list[Change] = []
+        self.notes: list[str] = []
+
+    def check(self, meta: dict) -> None:
+        """Refuses (`ResumeRefusedError`, one line) to resume from the checkpoint of `meta` if
+        the math would change; else keeps the accepted changes and notes for `report`."""
+        step = meta.get("step")
+        self.resumed_at, self.changes, self.notes = step, [], []
+        if step is not None and step >= self.steps:
+            return                          # nothing left to train
+        where = f"{self.out} at step {step}" if self.out is not None else f"step {step}"
+        changes = compare(meta, self.model, self.train, self.data)
+        layout = [c for c in changes if c.layout]
+        if layout:
+            raise ResumeRefusedError(
+                f"cannot resume {where}: {', '.join(c.text() for c in layout)} changes the "
+                f"parameter layout (the layers stacked on one axis), so the checkpoint cannot be "
+                f"restored with it; keep {layout[0].key}={_fmt(layout[0].old)} or use a new --out")
+        refused = [c for c in changes if not c.same_math and c.key not in self.allow]
+        if refused:
+            keys = ",".join(c.key for c in refused)
+            hint = ""
+            sched = next((c for c in refused if c.key == "schedule_steps"), None)
+            if sched is not None and not self.explicit_schedule:
+                hint = (f" (the cosine horizon follows --steps unless schedule_steps is set: add "
+                        f"schedule_steps={_fmt(sched.old)} to keep the checkpoint's schedule)")
+            raise ResumeRefusedError(
+                f"cannot resume {where}: {', '.join(c.text() for c in refused)} would change "
+                f"the math{hint}; rerun with {ALLOW_FLAG} {keys} to resume anyway, or use a new "
+                f"--out")
+        self.changes = changes
+        if "model_config" not in meta:
+            what = "its trainer settings are" if meta.get("train_config") else "nothing is"
+            self.notes.append(f"warning: checkpoint step {step} was written by an older trainer "
+                              f"that did not record its model config and data: those cannot be "
+                              f"checked ({what})")
+        if changes:
+            self.notes.append(f"resuming from step {step} with changed settings: " + "; ".join(
+                c.text() + (" (same math)" if c.same_math else f" (allowed by {ALLOW_FLAG})")
+                for c in changes))
+
+    def report(self, log) -> None:
+        """Logs the notes of the last `check` (a warning and/or the accepted changes)."""
+        for line in self.notes:
+            log(line)
+
+    def extra(self, step: int) -> dict:
+        """The metrics fields this module adds to step `step`'s line: "lr" (the learning rate
+        that step's update used) and, on the first step after a resume with changes,
+        "resume_changes" (a list of {"key", "old", "new", "same_math"})."""
+        rec = {"lr": float(self._lr[step - 1])}
+        if self.changes and step == (self.resumed_at or 0) + 1:
+            rec["resume_changes"] = [c.record() for c in self.changes]
+        return rec
+
+
+def prepare(args, tc: loop.TrainConfig, cfg, log=print):
+    """(tc, RunIdentity) for a run of `args.steps` steps: `tc.schedule_steps` resolved to the
+    horizon (`loop.schedule_horizon`), with a warning if the lr will sit at its floor before
+    the end; `args.data`, `args.tokenizer` and `args.allow_changes` read."""
+    explicit = tc.schedule_steps is not None
+    if explicit and tc.schedule_steps < 1:
+        raise ValueError(f"schedule_steps={tc.schedule_steps}: expected an int >= 1 (or unset: "
+                         f"follow --steps)")
+    allow = allowed_keys(getattr(args, "allow_changes", None))
+    tc = dataclasses.replace(tc, schedule_steps=loop.schedule_horizon(tc, args.steps))
+    if tc.schedule_steps < args.steps:
+        log(f"warning: schedule_steps={tc.schedule_steps} < --steps {args.steps}: the lr "
+            f"reaches its floor {tc.lr * tc.min_lr_ratio:.3g} (lr * min_lr_ratio) at step "
+            f"{tc.schedule_steps + 1} and stays there for the last "
+            f"{args.steps - tc.schedule_steps} steps")
+    run = RunIdentity(cfg, tc, steps=args.steps, data_paths=getattr(args, "data", None),
+                      tokenizer=getattr(args, "tokenizer", None), allow=allow,
+                      explicit_schedule=explicit, out=getattr(args, "out", None))
+    return tc, run
