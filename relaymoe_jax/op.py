@@ -86,21 +86,11 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
                          "relaymoe_jax.moe_ffn_local with each device's shards")
     vd.check_options(dispatcher=dispatcher, routing=routing, capacity_factor=capacity_factor,
                      chunk_size=chunk_size, gmm_impl=gmm_impl)
-    vd.check_mesh(mesh)
-    names = tuple(mesh.axis_names)
-    ea = vd.check_axes(names, expert_axis, expert_tensor_axis, dispatcher=dispatcher,
-                       gmm_impl=gmm_impl)
+    ea, token_axes, _, _, _ = vd.check_global(
+        x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
+        expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher=dispatcher,
+        gmm_impl=gmm_impl)
     etp = expert_tensor_axis
-    if token_axes is not None:
-        token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
-        for a in token_axes:
-            if a not in names:
-                raise ValueError(f"token_axes: {a!r} is not an axis of the mesh {names}")
-    _, _, _, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
-    etp_size = mesh.shape[etp] if etp is not None else 1
-    ep = math.prod(mesh.shape[a] for a in ea)
-    vd.check_sizes(num_experts=e, top_k=k, ep=ep, expert_axis=expert_axis, ffn=f, etp=etp,
-                   etp_size=etp_size)
     out_sharding = _out_sharding(out_sharding, mesh, x)
     _warn_gathered(mesh, ea, etp, w_gate=w_gate, w_up=w_up, w_down=w_down)
     known = lay.known_sharding(x, mesh)
@@ -445,7 +435,7 @@ def _warn_gathered(mesh, ea, etp, **weights):
 
 
 def _place(a, sharding):
-    if all(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types):
+    if lay.is_explicit(sharding.mesh):
         return jax.sharding.reshard(a, sharding)
     return jax.lax.with_sharding_constraint(a, sharding)
 
@@ -460,15 +450,11 @@ def routing_plan(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh,
     (they are gathered there). Only shapes, dtypes and known shardings are read: arrays,
     `jax.ShapeDtypeStruct`s or tracers all work.
     """
-    vd.check_mesh(mesh)
-    ea = vd.check_axes(tuple(mesh.axis_names), expert_axis, expert_tensor_axis,
-                       dispatcher="ring", gmm_impl="auto")
-    _, _, h, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    ea, token_axes, ep, etp_size, (h, k, e, f) = vd.check_global(
+        x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
+        expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher="ring",
+        gmm_impl="auto")
     etp = expert_tensor_axis
-    etp_size = mesh.shape[etp] if etp is not None else 1
-    ep = math.prod(mesh.shape[a] for a in ea)
-    vd.check_sizes(num_experts=e, top_k=k, ep=ep, expert_axis=expert_axis, ffn=f, etp=etp,
-                   etp_size=etp_size)
     layout = lay.resolve(x, mesh, ea, etp, token_axes)
     return vd.ring_plan(routing="auto", chunk_size=None, ring_tokens=layout.ring_tokens,
                         num_experts=e, top_k=k, hidden=h, ffn=f, ep=ep, etp_size=etp_size,

@@ -131,6 +131,28 @@ def check_sizes(*, num_experts, top_k, ep, expert_axis, ffn, etp, etp_size, loca
                          f"expert_tensor_axis {etp!r}")
 
 
+def check_global(x, ids, wts, w_gate, w_up, w_down, *, mesh, expert_axis, expert_tensor_axis,
+                 token_axes, dispatcher, gmm_impl):
+    """Everything static about `moe_ffn`'s global arrays and mesh (the options aside). Returns
+    (expert axes, token axes or None, expert-axis size, ETP size, (H, k, E, F))."""
+    check_mesh(mesh)
+    names = tuple(mesh.axis_names)
+    ea = check_axes(names, expert_axis, expert_tensor_axis, dispatcher=dispatcher,
+                    gmm_impl=gmm_impl)
+    if token_axes is not None:
+        token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
+        for a in token_axes:
+            if a not in names:
+                raise ValueError(f"token_axes: {a!r} is not an axis of the mesh {names}")
+    _, _, h, k, e, f = check_arrays(x, ids, wts, w_gate, w_up, w_down)
+    etp = expert_tensor_axis
+    etp_size = mesh.shape[etp] if etp is not None else 1
+    ep = math.prod(mesh.shape[a] for a in ea)
+    check_sizes(num_experts=e, top_k=k, ep=ep, expert_axis=expert_axis, ffn=f, etp=etp,
+                etp_size=etp_size)
+    return ea, token_axes, ep, etp_size, (h, k, e, f)
+
+
 def ring_plan(*, routing, chunk_size, ring_tokens, num_experts, top_k, hidden, ffn, ep,
               etp_size, x_dtype, w_dtype, wts_dtype):
     """(chunk, RoutingVolumes, routing mode) for `ring_tokens` tokens per ring member.

@@ -85,3 +85,11 @@ def test_gmm_impl_is_checked_and_interpret_mode_excludes_etp(inp):
                                          "gmm_impl='pallas-interpret'"):
         call(inp, mesh=mesh("ep4_etp2"), expert_tensor_axis="expert_tensor",
              gmm_impl="pallas-interpret")
+
+
+def test_routing_plan_checks_like_moe_ffn(inp):
+    """routing_plan runs moe_ffn's static checks (one shared function): a bad token axis."""
+    from relaymoe_jax import routing_plan
+    args = [inp[n] for n in ("x", "ids", "wts", "wg", "wu", "wd")]
+    with pytest.raises(ValueError, match=r"token_axes: 'data' is not an axis"):
+        routing_plan(*args, mesh=mesh("ep8"), token_axes=("data",))

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax.layout import _entry, is_explicit
+
 LOGICAL = ("batch", "seq", "tokens", "experts", "expert_ffn", "embed", "heads", "kv_heads",
            "head_dim", "ffn", "vocab", "router", "layers")
 LAYERS = "layers"   # the leading axis of the stacked (scanned) decoder-layer parameters
@@ -101,10 +103,6 @@ class AxisRules:
         return self.axes("tokens")
 
 
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None) -> AxisRules:
     """The default rules for `mesh` (see the module docstring), with `overrides` by name."""
     names = tuple(mesh.axis_names)
@@ -132,10 +130,6 @@ def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None
         raise ValueError(f"tokens={table['tokens']} must include every expert axis "
                          f"{table['experts']} (moe_ffn's token_axes rule)")
     return AxisRules(mesh, tuple(table.items()))
-
-
-def is_explicit(mesh) -> bool:
-    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def constrain(x, mesh, spec: P):
