@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -249,6 +250,9 @@ def quiet_background_errors(keep: bool = False):
     loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
     for lg in loggers:
         lg.addFilter(_FILTER)
+    # the abandoned write tasks' coroutines, garbage collected unawaited (up to the exit)
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
+                            category=RuntimeWarning)
     hook, sys.unraisablehook = sys.unraisablehook, functools.partial(
         _unraisablehook, _previous=sys.unraisablehook)
     try:
