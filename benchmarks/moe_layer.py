@@ -144,6 +144,8 @@ def main(argv=None):
     import warnings
 
     import jax
+    if jax.config.jax_platforms in (None, ""):   # jax is imported already (relaymoe_jax):
+        jax.config.update("jax_platforms", "cpu")   # the env var above came too late
 
     from relaymoe_jax import gpu_mesh, memory
     from relaymoe_jax.devices import use_cpu_devices

@@ -104,11 +104,13 @@ def abstract_args(s: LayerShape, mesh, axis="expert"):
                  for a in abstract_args_unsharded(s))
 
 
-def layer_fns(s: LayerShape, mesh, variant: str, axis="expert"):
-    """(forward, forward+backward) callables over (x, ids, wts, w_gate, w_up, w_down)."""
-    kw = dict(VARIANTS[variant], mesh=mesh, expert_axis=axis)
+def layer_fns(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
+    """(forward, forward+backward) callables over (x, ids, wts, w_gate, w_up, w_down).
+
+    `extra`: more `moe_ffn` keyword arguments on top of the variant's (e.g. gmm_impl)."""
+    kw = dict(VARIANTS[variant], mesh=mesh, expert_axis=axis, **(extra or {}))
     if variant.startswith("ring"):
-        kw["chunk_size"] = s.chunk
+        kw.setdefault("chunk_size", s.chunk)
 
     def fwd(x, ids, wts, wg, wu, wd):
         return moe_ffn(x, ids, wts, wg, wu, wd, **kw)
@@ -125,17 +127,22 @@ def compiled_memory(fn, args):
     return jax.jit(fn).lower(*args).compile().memory_analysis()
 
 
-def measure_layer(s: LayerShape, mesh, variant: str, axis="expert"):
+def measure_layer(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
     """One variant, compile-only for `mesh`'s devices (emulated CPUs, or abstract GPUs from
     `relaymoe_jax.gpu_mesh`: then XLA:GPU's buffer assignment, with gmm_impl "auto" the Pallas
     kernel): {"fwd", "fwdbwd"} temp bytes per device, and the bytes one
     ring hop sends, read from the compiled HLO's collective permutes: "hop_fwd" (the forward
     loop body) and "hop_bwd" (the fwd+bwd program's loop bodies minus the forward's). 0 for the
-    all-to-all, which has no ring."""
-    fwd, fwdbwd = layer_fns(s, mesh, variant, axis)
+    all-to-all, which has no ring. `extra`: as `layer_fns`."""
+    fwd, fwdbwd = layer_fns(s, mesh, variant, axis, extra)
     args = abstract_args(s, mesh, axis)
     with jax.set_mesh(mesh):   # an abstract GPU mesh (`gpu_mesh`): Pallas needs the context
         c_fwd, c_all = (jax.jit(f).trace(*args).lower().compile() for f in (fwd, fwdbwd))
+    return read_compiled(c_fwd, c_all)
+
+
+def read_compiled(c_fwd, c_all):
+    """`measure_layer`'s figures from the compiled forward and forward+backward."""
     hop_fwd = sum(hlo.loop_permute_bytes(c_fwd.as_text()))
     return {"fwd": c_fwd.memory_analysis().temp_size_in_bytes,
             "fwdbwd": c_all.memory_analysis().temp_size_in_bytes,

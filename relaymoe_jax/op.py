@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import layout as lay
+from relaymoe_jax import topology
 from relaymoe_jax import validate as vd
 from relaymoe_jax.dispatch import plan
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
@@ -30,9 +31,9 @@ MANUAL = jax.sharding.AxisType.Manual
 
 
 def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert_axis="expert",
-            expert_tensor_axis=None, dispatcher="ring", routing="auto", capacity_factor=None,
-            chunk_size=None, token_axes=None, gmm_impl="auto", out_sharding=None,
-            return_stats=False):
+            expert_tensor_axis=None, dispatcher="ring", routing="auto", ring="auto",
+            capacity_factor=None, chunk_size=None, token_axes=None, gmm_impl="auto",
+            out_sharding=None, return_stats=False):
     """Routed SwiGLU experts: y[t] = sum_j expert_weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]).
 
     Takes global arrays (call it under `jax.jit`, or eagerly); inside a `jax.shard_map` use
@@ -61,6 +62,11 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
       routing: ring only. "expert" (weights travel), "token" (tokens travel) or "auto": the mode
         that sends fewer bytes per hop (paper Table 2 plus the accumulators that travel; see
         `routing_plan`), logged at INFO on the "relaymoe_jax" logger.
+      ring: ring only. "flat" (one ring over all expert axes), "hierarchical" (expert_axis a
+        tuple (outer..., inner): an inner ring over the last axis, e.g. a host's GPUs, once per
+        round, and one transfer per round over the outer axes, overlapped with the round), or
+        "auto": hierarchical when the last expert axis stays on one host and the others reach
+        other hosts (the devices' process_index; `relaymoe_jax.topology`), else flat.
       capacity_factor: alltoall only. None = dropless; c > 0 = at most ceil(c*T*k/E) pairs per
         expert from each device; the rest are dropped and counted in stats["dropped_pairs"].
       chunk_size: ring only: pairs per chunk (default: the balanced share ceil(T_local*k / EP);
@@ -90,6 +96,7 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
         x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
         expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher=dispatcher,
         gmm_impl=gmm_impl)
+    topology.check_ring(ring, dispatcher, ea)
     etp = expert_tensor_axis
     out_sharding = _out_sharding(out_sharding, mesh, x)
     _warn_gathered(mesh, ea, etp, w_gate=w_gate, w_up=w_up, w_down=w_down)
@@ -97,7 +104,8 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
     # One jitted program per static configuration: eager calls reuse their compile, and under
     # an outer jit (or jax.grad outside one) it is an ordinary nested call.
     program = _program(mesh=mesh, expert_axes=ea, etp=etp, dispatcher=dispatcher,
-                       routing=routing, capacity_factor=capacity_factor, chunk_size=chunk_size,
+                       routing=routing, ring=ring, capacity_factor=capacity_factor,
+                       chunk_size=chunk_size,
                        token_axes=token_axes, gmm_impl=gmm_impl, out_sharding=out_sharding,
                        x_spec=None if known is None else known.spec, poison=plan.poisoning(),
                        return_stats=bool(return_stats))
@@ -133,7 +141,7 @@ def _program(**static):
 
 
 def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert_axes, etp,
-             dispatcher, routing, capacity_factor, chunk_size, token_axes, gmm_impl,
+             dispatcher, routing, ring, capacity_factor, chunk_size, token_axes, gmm_impl,
              out_sharding, x_spec, poison, return_stats):
     """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
     ea = expert_axes
@@ -148,10 +156,12 @@ def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, exper
         y = _reference(mesh, x, expert_ids, expert_weights, w_gate, w_up, w_down)
         return _place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
+    hierarchical = _hierarchical(dispatcher, ring, mesh, ea, "moe_ffn")
     chunk, vol, mode = vd.ring_plan(
         routing=routing, chunk_size=chunk_size, ring_tokens=layout.ring_tokens, num_experts=e,
         top_k=k, hidden=h, ffn=f, ep=ep, etp_size=etp_size, x_dtype=x.dtype,
-        w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype)
+        w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype,
+        hosts=topology.ring_hosts(mesh, ea), hierarchical=hierarchical)
     if dispatcher == "ring" and routing == "auto":
         log.info("moe_ffn(routing='auto'): %s", vol.explain())
     reduce_axes = tuple(a for a in layout.token_axes if a not in (*ea, etp))
@@ -159,7 +169,7 @@ def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, exper
                 etp_size=etp_size, reduce_axes=reduce_axes, num_experts=e, chunk=chunk,
                 routing=mode, capacity_factor=capacity_factor,
                 gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
-                poison=poison, return_stats=return_stats,
+                poison=poison, return_stats=return_stats, hierarchical=hierarchical,
                 check_vma=gmm_impl != "pallas-interpret")
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
     specs = (tok, tok, tok, w_in, w_in, w_out)
@@ -178,8 +188,8 @@ def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, exper
 
 def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert_axis,
                   expert_tensor_axis=None, tokens_sharded_over_etp=None, dispatcher="ring",
-                  routing="auto", capacity_factor=None, chunk_size=None, gmm_impl="auto",
-                  return_stats=False):
+                  routing="auto", ring="auto", capacity_factor=None, chunk_size=None,
+                  gmm_impl="auto", return_stats=False):
     """`moe_ffn` for one device, inside the caller's `jax.shard_map`: the drop-in for a
     codebase that already shards its expert step by hand.
 
@@ -195,8 +205,9 @@ def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert
       tokens_sharded_over_etp: whether each expert-tensor rank holds other tokens (gathered, then
         reduce-scattered) or the same ones (psum). Default: read from x's varying axes; must be
         given under `shard_map(check_vma=False)`.
-      dispatcher, routing, capacity_factor, chunk_size, gmm_impl, return_stats: as `moe_ffn`
-        ("reference" is not available per device). The stats are summed over the axes the
+      dispatcher, routing, ring, capacity_factor, chunk_size, gmm_impl, return_stats: as
+        `moe_ffn` ("reference" is not available per device; ring="auto" reads the devices of
+        the `jax.set_mesh` mesh, and is flat without one). The stats are summed over the axes the
         tokens vary over (under check_vma=False: the expert axes, and the ETP axis when gathered).
 
     The weight gradients are summed over the axes whose devices hold other tokens for the same
@@ -222,6 +233,7 @@ def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert
                          "relaymoe_jax.moe_ffn")
     ea = vd.check_axes(names, expert_axis, expert_tensor_axis, dispatcher=dispatcher,
                        gmm_impl=gmm_impl)
+    topology.check_ring(ring, dispatcher, ea)
     _, t, h, k, e_local, f_local = vd.check_arrays(x, expert_ids, expert_weights, w_gate,
                                                        w_up, w_down)
     ep = math.prod(mesh.shape[a] for a in ea)
@@ -231,17 +243,25 @@ def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert
                    etp_size=etp_size, local=True)
     gather, reduce_axes, typed = _infer_axes(x, w_gate, ea, etp, manual,
                                              tokens_sharded_over_etp)
+    concrete = topology.concrete_mesh()
+    if concrete is not None and not set(ea) <= set(concrete.axis_names):
+        concrete = None
+    hierarchical = (_hierarchical(dispatcher, ring, concrete, ea, "moe_ffn_local")
+                    if concrete is not None else ring == "hierarchical")
     chunk, vol, mode = vd.ring_plan(
         routing=routing, chunk_size=chunk_size, ring_tokens=t * (etp_size if gather else 1),
         num_experts=e, top_k=k, hidden=h, ffn=f_local * etp_size, ep=ep, etp_size=etp_size,
-        x_dtype=x.dtype, w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype)
+        x_dtype=x.dtype, w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype,
+        hosts=topology.ring_hosts(concrete, ea) if concrete is not None else 1,
+        hierarchical=hierarchical)
     if dispatcher == "ring" and routing == "auto":
         log.info("moe_ffn_local(routing='auto'): %s", vol.explain())
     cfg = _Plan(dispatcher=dispatcher, expert_axes=ea, etp=etp, gather_etp=gather,
                 etp_size=etp_size, reduce_axes=reduce_axes, num_experts=e, chunk=chunk,
                 routing=mode, capacity_factor=capacity_factor,
                 gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
-                poison=plan.poisoning(), return_stats=return_stats, check_vma=typed)
+                poison=plan.poisoning(), return_stats=return_stats, check_vma=typed,
+                hierarchical=hierarchical)
     y_th, dropped = _local(cfg, x.reshape(t, h), expert_ids.reshape(t, k),
                            expert_weights.reshape(t, k), w_gate, w_up, w_down)
     y = y_th.reshape(x.shape)
@@ -268,6 +288,18 @@ class _Plan:
     poison: bool
     return_stats: bool
     check_vma: bool = True   # False: shard_map's transpose sums the weight gradients itself
+    hierarchical: bool = False   # the ring: rounds of an inner ring over expert_axes[-1]
+
+
+def _hierarchical(dispatcher, ring, mesh, ea, who):
+    """Whether the ring is hierarchical (`relaymoe_jax.topology`); auto's choice logged."""
+    if dispatcher != "ring":
+        return False
+    hier = topology.choose_ring(ring, mesh, ea)
+    if ring == "auto" and hier:
+        log.info("%s(ring='auto'): hierarchical ring, inner %r within each host, outer %r across "
+                 "hosts", who, ea[-1], ea[:-1] if len(ea) > 2 else ea[0])
+    return hier
 
 
 def _stat_axes(cfg):
@@ -296,8 +328,8 @@ def _local(cfg: _Plan, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
     if cfg.dispatcher == "ring":
         ring = RingConfig(axis=ea, num_experts=cfg.num_experts, chunk=cfg.chunk,
                           reduce_axes=cfg.reduce_axes if cfg.check_vma else (),
-                          routing=cfg.routing,
-                          gmm_impl=cfg.gmm_impl, poison=cfg.poison)
+                          routing=cfg.routing, gmm_impl=cfg.gmm_impl, poison=cfg.poison,
+                          hierarchical=cfg.hierarchical)
         y_th, dropped = ring_moe(ring, x_th, ids_tk, wts_tk, w_gate, w_up, w_down), jnp.int32(0)
     else:
         if cfg.capacity_factor is not None and not cfg.return_stats:
@@ -441,22 +473,25 @@ def _place(a, sharding):
 
 
 def routing_plan(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh,
-                 expert_axis="expert", expert_tensor_axis=None, token_axes=None):
+                 expert_axis="expert", expert_tensor_axis=None, token_axes=None, ring="auto"):
     """The per-hop volumes of both routing modes for this exact `moe_ffn` call, and the mode
     `routing="auto"` picks (a `RoutingVolumes`; see `relaymoe_jax.routing_volumes`).
 
     Tokens per device are those one ring member works on: its share of x's tokens (see
     `relaymoe_jax.layout`), times the expert-tensor axis size when tokens are sharded over it
     (they are gathered there). Only shapes, dtypes and known shardings are read: arrays,
-    `jax.ShapeDtypeStruct`s or tracers all work.
+    `jax.ShapeDtypeStruct`s or tracers all work. With `mesh`'s devices on several hosts it also
+    gives the bytes per link class (`RoutingVolumes.link_bytes`) of the ring `ring` resolves to.
     """
     ea, token_axes, ep, etp_size, (h, k, e, f) = vd.check_global(
         x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
         expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher="ring",
         gmm_impl="auto")
     etp = expert_tensor_axis
+    topology.check_ring(ring, "ring", ea)
     layout = lay.resolve(x, mesh, ea, etp, token_axes)
     return vd.ring_plan(routing="auto", chunk_size=None, ring_tokens=layout.ring_tokens,
                         num_experts=e, top_k=k, hidden=h, ffn=f, ep=ep, etp_size=etp_size,
                         x_dtype=x.dtype, w_dtype=w_gate.dtype,
-                        wts_dtype=expert_weights.dtype)[1]
+                        wts_dtype=expert_weights.dtype, hosts=topology.ring_hosts(mesh, ea),
+                        hierarchical=topology.choose_ring(ring, mesh, ea))[1]

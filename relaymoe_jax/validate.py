@@ -154,7 +154,7 @@ def check_global(x, ids, wts, w_gate, w_up, w_down, *, mesh, expert_axis, expert
 
 
 def ring_plan(*, routing, chunk_size, ring_tokens, num_experts, top_k, hidden, ffn, ep,
-              etp_size, x_dtype, w_dtype, wts_dtype):
+              etp_size, x_dtype, w_dtype, wts_dtype, hosts=1, hierarchical=False):
     """(chunk, RoutingVolumes, routing mode) for `ring_tokens` tokens per ring member.
 
     The default chunk is the balanced share ceil(T * k / EP); a given one is capped at the pairs a
@@ -163,5 +163,6 @@ def ring_plan(*, routing, chunk_size, ring_tokens, num_experts, top_k, hidden, f
     chunk = max(1, -(-pairs // ep)) if chunk_size is None else min(int(chunk_size), pairs)
     vol = routing_volumes(experts=num_experts, top_k=top_k, hidden=hidden, ffn=ffn, ep=ep,
                           etp=etp_size, tokens_per_device=ring_tokens, act_dtype=x_dtype,
-                          weight_dtype=w_dtype, router_dtype=wts_dtype)
+                          weight_dtype=w_dtype, router_dtype=wts_dtype, hosts=hosts,
+                          hierarchical=hierarchical)
     return chunk, vol, vol.choice if routing == "auto" else routing

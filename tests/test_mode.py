@@ -141,3 +141,28 @@ def test_validation_errors(overrides, names):
         routing_volumes(**{**LONG, **overrides})
     for name in names:
         assert name in str(err.value)
+
+
+@pytest.mark.parametrize("tokens", [64, 4096, 61440])
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_link_classes(tokens, hierarchical):
+    """Bytes per link class (`link_bytes`): on 8 hosts of 8 the hierarchical ring sends
+    (hosts - 1) payloads per pass across hosts and hosts * 7 within, the flat ring's busiest GPU
+    63 of each; on one host nothing crosses. Both classes scale the same payloads, so the choice
+    is the one-host choice (what `routing="auto"` picked before hosts were counted)."""
+    kw = dict(experts=128, top_k=8, hidden=2048, ffn=768, ep=64, tokens_per_device=tokens,
+              act_dtype="bfloat16")
+    one = routing_volumes(**kw)
+    v = routing_volumes(**kw, hosts=8, hierarchical=hierarchical)
+    for mode in ("expert", "token"):
+        per = getattr(v, f"sent_{mode}_fwd") + getattr(v, f"sent_{mode}_bwd")
+        want = (8 * 7 * per, 7 * per) if hierarchical else (63 * per, 63 * per)
+        assert v.link_bytes(mode) == want
+        assert one.link_bytes(mode) == (63 * per, 0)
+    assert v.choice == one.choice
+    assert ("across hosts" in v.explain()) and ("across hosts" not in one.explain())
+
+
+def test_hosts_must_divide_ep():
+    with pytest.raises(ValueError, match="ep must be divisible by hosts, got ep=8, hosts=3"):
+        routing_volumes(experts=8, top_k=2, hidden=8, ffn=8, ep=8, tokens_per_device=8, hosts=3)

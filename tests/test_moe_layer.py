@@ -94,6 +94,8 @@ def test_expert_bias_update():
     (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds num_experts=8"),
     (dict(dispatcher="a2a"), r"MoEConfig.dispatcher='a2a': expected one of"),
     (dict(routing="experts"), r"MoEConfig.routing='experts': expected one of"),
+    (dict(ring="nested"), r"MoEConfig.ring='nested': expected one of \('auto', 'flat', "
+                          r"'hierarchical'\)"),
 ])
 def test_bad_config(kw, match):
     base = dict(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F)

@@ -1,7 +1,10 @@
 """`python -m train` on JAX's own multi-process runtime: two processes with 4 CPU devices each,
 joined by `jax.distributed` over localhost (gloo collectives), train the same 5 steps as one
 process with 8 devices, with the same losses (up to float32 reduction order: relative 1e-6).
-Only process 0 writes metrics.jsonl and prints; both take part in the orbax checkpoint.
+Only process 0 writes metrics.jsonl and prints; both take part in the orbax checkpoint. The mesh is
+`node=2,expert=4`: over the two processes `ring="auto"` picks the hierarchical ring (one process
+per `node` index; said in its INFO log line), in one process the flat ring, so the losses also
+compare the two rings across real processes.
 
 The three processes run at the same time, each as a subprocess with its own device count.
 Inconsistent distributed flags are checked in-process: a ValueError before jax is touched. A
@@ -33,13 +36,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(name: str, logs: Path, devices: int, argv: list[str]):
+# `python -m train` with the "relaymoe_jax" logger's INFO lines on stderr (the ring it picks)
+LOG_INFO = ("import logging, runpy, sys; logging.basicConfig(level=logging.INFO); "
+            "sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')")
+HIERARCHICAL = ("moe_ffn(ring='auto'): hierarchical ring, inner 'expert' within each host, "
+                "outer 'node' across hosts")
+
+
+def _start(name: str, logs: Path, devices: int, argv: list[str], log_info: bool = False):
     """`python -m train ARGS argv` on `devices` CPU devices, output to logs/name.{out,err}."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     out, err = (open(logs / f"{name}.{k}", "w") for k in ("out", "err"))
+    run = ["-c", LOG_INFO] if log_info else ["-m", "train"]
     with out, err:
-        proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, *argv], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, *run, *ARGS, *argv], cwd=ROOT,
                                 env=env, stdout=out, stderr=err)
     proc.name = name
     return proc
@@ -73,10 +84,14 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 def test_two_processes_match_one(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
-    procs = [_start(f"p{i}", tmp_path, 4, ["--out", str(multi), *dist, "--process-id", str(i)])
-             for i in range(2)]
-    procs.append(_start("single", tmp_path, 8, ["--out", str(single)]))
+    mesh = "mesh=node=2,expert=4"
+    procs = [_start(f"p{i}", tmp_path, 4, ["--out", str(multi), *dist, "--process-id", str(i),
+                                           mesh], log_info=True) for i in range(2)]
+    procs.append(_start("single", tmp_path, 8, ["--out", str(single), mesh], log_info=True))
     _wait_all(procs, tmp_path, TIMEOUT_S)
+    for name in ("p0", "p1"):
+        assert HIERARCHICAL in (tmp_path / f"{name}.err").read_text(), name
+    assert "hierarchical ring" not in (tmp_path / "single.err").read_text()
 
     assert sorted(p.name for p in multi.rglob("metrics*")) == ["metrics.jsonl"]
     got, want = _losses(multi), _losses(single)

@@ -135,3 +135,21 @@ def test_target_plans_on_the_gpu_compiler(capsys):
 def test_target_argument_errors(argv, match):
     with pytest.raises(ValueError, match=match):
         planner.main(["--config", "configs/tiny.yaml", *argv])
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
+def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(capsys):
+    """--hosts 2 mesh=node=2,expert=8: the step compiles for 2 abstract hosts of 8 H100s with the
+    experts over ("node", "expert"), and ring="auto" picks the hierarchical ring (node across
+    the hosts, expert within each), said in the header."""
+    assert planner.main(["--config", "configs/tiny.yaml", "--target", "h100", "--hosts", "2",
+                         "--batch", "16", "--seq", "32", "--dispatchers", "ring",
+                         "mesh=node=2,expert=8", "num_experts=16", "num_hidden_layers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh {'node': 2, 'expert': 8}" in out
+    assert "XLA:GPU buffer assignment for 16 abstract NVIDIA H100 80GB HBM3" in out
+    assert ("expert parallelism: ring: hierarchical (ring=auto): inner ring over 'expert' "
+            "(8 devices, within a host), outer over 'node' (2, across hosts)") in out
+    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
+    assert [c.strip() for c in row.strip("|").split("|")][6] == "yes"

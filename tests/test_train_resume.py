@@ -6,6 +6,7 @@ is refused naming each key old -> new; `--allow-changes` resumes anyway; a same-
 plot; a data change is refused; a checkpoint without the identity warns. The schedule follows
 --steps, is kept on resume, and its lr is logged per step.
 """
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from relaymoe_jax.models.config import ModelConfig
 from train import cli, identity, loop, plot, progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,3 +203,14 @@ def test_progress_line_shows_lr():
     assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.Progress(0, 4).line(rec)
     del rec["lr"]                                       # a record of an older run
     assert " gnorm 0.500 100 tok/s " in progress.Progress(0, 4).line(rec)
+
+
+def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():
+    """`ring` (flat / hierarchical / auto) computes the same pairs in another transfer order:
+    a same-math change, like `routing`. A checkpoint written before the key existed reads as
+    the default "auto", so resuming it with the default is no change."""
+    old = identity._json(dataclasses.asdict(ModelConfig()))
+    (c,) = identity.compare({"model_config": old}, dict(old, ring="hierarchical"), {}, {})
+    assert (c.key, c.old, c.new, c.same_math) == ("ring", "auto", "hierarchical", True)
+    before = {k: v for k, v in old.items() if k != "ring"}
+    assert identity.compare({"model_config": before}, old, {}, {}) == []

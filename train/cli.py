@@ -81,8 +81,8 @@ TRAIN_HELP = {
     "seed": "initialisation and data-order seed",
     "save_every": "checkpoint every N steps (and at the last step)",
     "synthetic": "train on a learnable synthetic stream instead of text files",
-    "mesh": "device mesh, e.g. data=2,expert=4 (axes data, fsdp, expert, context, "
-            "expert_tensor; one size may be -1)",
+    "mesh": "device mesh, e.g. data=2,expert=4 or node=2,expert=8 (axes data, fsdp, node, "
+            "expert, context, expert_tensor; one size may be -1)",
     "compute_dtype": "float32 or bfloat16 (float32 master weights and optimizer either way)",
     "loss_chunk": "tokens per device per LM-head / cross-entropy chunk",
 }

@@ -21,13 +21,14 @@ nothing is checked when it has nothing left to train):
 * **same-math changes are allowed**: logged in one line, recorded on the first metrics line
   after the resume (`"resume_changes"`), marked on loss.png. They change how the step is
   computed, not what it computes (the same math up to float rounding: summation order):
-  `routing`, `chunk_size`, `gmm_impl`, `attention_impl` and `attention_block_k` (the chunked
-  attention is the same softmax, online), `attention_remat`, `moe_remat` (recomputation is
-  exact), `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the
-  `dispatcher` and `capacity_factor` as long as nothing is dropped on either side (ring,
-  reference and the all-to-all with capacity_factor null are all dropless; the all-to-all with a
-  capacity factor drops (token, expert) pairs, so a change into, out of or between capacities is
-  a math change), and the `mesh` likewise (an all-to-all capacity is per device);
+  `routing`, `ring` (flat or hierarchical: the same pairs, another transfer order),
+  `chunk_size`, `gmm_impl`, `attention_impl` and `attention_block_k` (the chunked attention is
+  the same softmax, online), `attention_remat`, `moe_remat` (recomputation is exact),
+  `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the `dispatcher`
+  and `capacity_factor` as long as nothing is dropped on either side (ring, reference and the
+  all-to-all with capacity_factor null are all dropless; the all-to-all with a capacity factor
+  drops (token, expert) pairs, so a change into, out of or between capacities is a math
+  change), and the `mesh` likewise (an all-to-all capacity is per device);
 * **`scan_layers` is refused, override or not**: it changes the parameter layout (the layers
   stacked on one axis), so the checkpoint cannot be restored across it.
 
@@ -60,9 +61,9 @@ from . import loop
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer")
 # same math up to float rounding (see the module docstring)
-SAME_MATH = frozenset({"routing", "chunk_size", "gmm_impl", "attention_impl", "attention_block_k",
-                       "attention_remat", "moe_remat", "max_position_embeddings", "loss_chunk",
-                       "save_every"})
+SAME_MATH = frozenset({"routing", "ring", "chunk_size", "gmm_impl", "attention_impl",
+                       "attention_block_k", "attention_remat", "moe_remat",
+                       "max_position_embeddings", "loss_chunk", "save_every"})
 DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})   # same math while dropless
 LAYOUT_KEYS = frozenset({"scan_layers"})
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))

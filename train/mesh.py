@@ -1,18 +1,31 @@
 """The trainer's device mesh, from the `mesh` option: `"data=2,expert=4"`.
 
 Axes (any subset, in this order in the mesh): `data` (data parallel), `fsdp` (data parallel with
-parameters and optimizer state stored sharded, see `train.loop.fsdp_shardings`), `expert` (the
-ring), `context` (sequence sharding for attention), `expert_tensor` (each expert's ffn split, ETP).
-One size may be `-1`: all devices left. The default `"expert=-1"` is EP over every device.
-Without an `expert` axis the MoE ring runs over all the other axes taken together (parallel
-folding, `relaymoe_jax.models.sharding.rules_for`).
+parameters and optimizer state stored sharded, see `train.loop.fsdp_shardings`), `node` (the
+outer expert-parallel axis: across hosts), `expert` (the ring; with `node`, the inner,
+intra-host part of it), `context` (sequence sharding for attention), `expert_tensor` (each
+expert's ffn split, ETP). One size may be `-1`: all devices left. The default `"expert=-1"` is EP
+over every device. Without an `expert` axis the MoE ring runs over all the other axes taken
+together (parallel folding, `relaymoe_jax.models.sharding.rules_for`).
+
+`node` (docs/multinode.md, "Expert parallelism across nodes"): the experts are sharded over
+`("node", "expert")` (EP = node x expert) and the tokens over every axis but `expert_tensor` as
+before. It needs an `expert` axis (refused otherwise: `node` alone would only be another name
+for folding). `jax.make_mesh` lays GPUs out host-major (sorted by device id, process by process),
+so with H hosts of 8 GPUs `mesh=node=H,expert=8` puts one host on each `node` index and keeps
+each host's 8 GPUs on `expert`; with one process per host the model's `ring="auto"` then runs
+the hierarchical ring (an inner ring over `expert`, one inter-node transfer per round over
+`node`; auto reads the hosts from `process_index`). A `node` axis that does
+not follow the hosts (e.g. on one host, or `expert` wider than a host) is legal; `ring="auto"`
+then runs the flat ring over both axes together (`relaymoe_jax.topology` decides; the planner's
+header says which).
 """
 
 import math
 
 import jax
 
-AXES = ("data", "fsdp", "expert", "context", "expert_tensor")
+AXES = ("data", "fsdp", "node", "expert", "context", "expert_tensor")
 
 
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
@@ -34,6 +47,10 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
                              f"got {val!r}") from None
         if sizes[name] < 1 and sizes[name] != -1:
             raise ValueError(f"mesh={spec!r}: size of {name!r} must be >= 1 or -1, got {val}")
+    if "node" in sizes and "expert" not in sizes:
+        raise ValueError(f"mesh={spec!r}: axis 'node' is the outer expert axis and needs an "
+                         f"'expert' axis too (the intra-node ring): "
+                         f"mesh=node=<hosts>,expert=<GPUs per host>, e.g. node=2,expert=8")
     rest = [a for a, s in sizes.items() if s == -1]
     if len(rest) > 1:
         raise ValueError(f"mesh={spec!r}: at most one axis may be -1, got {rest}")
@@ -54,12 +71,18 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes))
 
 
-def expert_size(sizes: dict[str, int]) -> int:
-    """Devices the experts are split over: the `expert` axis, or (folding) every axis but
-    `expert_tensor`."""
+def expert_axes(sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes the experts are split over (`rules_for`'s "experts"): ("node", "expert"),
+    ("expert",), or (folding) every axis but `expert_tensor`."""
     if "expert" in sizes:
-        return sizes["expert"]
-    return math.prod(s for a, s in sizes.items() if a != "expert_tensor")
+        return ("node", "expert") if "node" in sizes else ("expert",)
+    return tuple(a for a in sizes if a != "expert_tensor")
+
+
+def expert_size(sizes: dict[str, int]) -> int:
+    """Devices the experts are split over: the `node` and `expert` axes, or (folding) every
+    axis but `expert_tensor`."""
+    return math.prod(sizes[a] for a in expert_axes(sizes))
 
 
 def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) -> None:
@@ -68,6 +91,10 @@ def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) 
     if cfg.moe_intermediate_size % etp:
         raise ValueError(f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
                          f"does not split over expert_tensor={etp}")
+    if cfg.dispatcher == "ring" and cfg.ring == "hierarchical" and len(expert_axes(sizes)) < 2:
+        raise ValueError(f"mesh={spec!r}: ring='hierarchical' needs the experts over two axes, "
+                         f"e.g. mesh=node=<hosts>,expert=<GPUs per host>; this mesh has "
+                         f"{expert_axes(sizes)}")
     ctx = sizes.get("context", 1)
     if seq_len % ctx:
         raise ValueError(f"mesh={spec!r}: seq_len={seq_len} does not split over context={ctx}")

@@ -19,6 +19,11 @@ dispatcher:
    `--batch` whose fully recomputed step fits (`train.search`: doubling then bisection, one
    compile per probe) and plan the remat at that size.
 
+The header says, per dispatcher, over which mesh axes the experts are spread and, for the ring,
+which ring runs (`ring=`: flat or hierarchical, with the reason when `ring=auto` picks flat;
+`relaymoe_jax.topology`). Without `--target` every emulated device is process 0, so `auto` is
+flat there.
+
 Exit status 0 when something fits, 1 when nothing does (no dispatcher at --batch x --seq and no
 searched size; said on stderr after the tables) or on an error, 2 for bad arguments.
 
@@ -30,9 +35,11 @@ figures as a model, not a promise.
 
 With `--target h100|h200` every step is compiled by the XLA:GPU compiler for abstract GPUs
 (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra; no GPU needed): `--hosts` hosts of 8 GPUs,
-`mesh=` over all of them, `--memory` defaulting to the target's, and the grouped matmul the Pallas
-kernel. That is the GPU compiler's own buffer assignment; still no timing, and the GPU compiler
-gives no `cost_analysis()`, so the FLOPs saved come from the solver's formula only.
+`mesh=` over all of them, laid out host-major (`--hosts 2 mesh=node=2,expert=8`: experts over
+both hosts, `node` across them and `expert` within each), `--memory` defaulting to the target's,
+and the grouped matmul the Pallas kernel. That is the GPU compiler's own buffer assignment;
+still no timing, and the GPU compiler gives no `cost_analysis()`, so the FLOPs saved come from
+the solver's formula only.
 """
 
 import argparse
@@ -47,10 +54,11 @@ if __name__ == "__main__" and "--target" in sys.argv:   # before jax: see relaym
 
 import jax
 
-from relaymoe_jax import gpu_mesh, remat
+from relaymoe_jax import gpu_mesh, remat, topology
 from relaymoe_jax.argtypes import positive_int
 from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.models.configs import load_config, parse_overrides
+from relaymoe_jax.models.sharding import rules_for
 
 from . import loop, search
 from . import mesh as train_mesh
@@ -140,6 +148,39 @@ def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
     return RematReport(cfg.dispatcher, capacity, full, plan, planned)
 
 
+def expert_parallelism(cfg, mesh) -> str:
+    """How `cfg.dispatcher` moves the experts' work over `mesh`: which ring (flat or
+    hierarchical, and why with ring="auto"; `relaymoe_jax.topology`) over which axes."""
+    axes = rules_for(mesh).axes("experts")
+    size = lambda names: math.prod(mesh.shape[a] for a in names)
+    over = f"{axes[0]!r}" if len(axes) == 1 else f"{axes}"
+    if cfg.dispatcher == "alltoall":
+        return f"alltoall: all-to-all over {over} ({size(axes)} devices)"
+    if cfg.dispatcher != "ring":
+        return f"{cfg.dispatcher}: experts over {over} ({size(axes)} devices), no ring"
+    inner, outer = axes[-1], axes[:-1]
+    outer_s = f"{outer[0]!r}" if len(outer) == 1 else f"{outer}"
+    found = topology.spans(mesh, axes)          # (inner within a host, outer across hosts)
+    if topology.choose_ring(cfg.ring, mesh, axes):
+        where = (("", "") if found is None else
+                 (", within a host" if found[0] else ", crossing hosts",
+                  ", across hosts" if found[1] else ", within a host"))
+        return (f"ring: hierarchical (ring={cfg.ring}): inner ring over {inner!r} "
+                f"({mesh.shape[inner]} devices{where[0]}), outer over {outer_s} "
+                f"({size(outer)}{where[1]})")
+    why = ""
+    if cfg.ring == "auto":
+        if len(axes) < 2:
+            why = ": one expert axis"
+        elif mesh.shape[inner] < 2 or size(outer) < 2:
+            why = ": an expert axis of size 1"
+        elif found is not None and not found[0]:
+            why = f": {inner!r} crosses hosts"
+        elif found is not None and not found[1]:
+            why = f": {outer_s} stays on one host"
+    return f"ring: flat (ring={cfg.ring}{why}) over {over} ({size(axes)} devices)"
+
+
 def table(reports: list[RematReport]) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"
     rows = ["| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
@@ -221,11 +262,12 @@ def main(argv=None) -> int:
                  "(other fusions, cuDNN attention without [S, S] scores, allocator "
                  "fragmentation, the CUDA context): treat the sizes as a model, not a promise")
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
-    reports, by_batch, by_seq, notes = [], [], [], []
+    reports, by_batch, by_seq, notes, rings = [], [], [], [], []
     for d in args.dispatchers.split(","):
         cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
                           other_keys={"trainer": loop.TRAIN_FIELDS}, **over)
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+        rings.append(expert_parallelism(cfg, mesh))
         if cfg.attention_impl == "chunked" and not any("while loop" in n for n in notes):
             notes.append("chunked attention: XLA's cost_analysis counts a while loop's body "
                          "once, so its column sees one key block of the attention; the formula "
@@ -248,7 +290,8 @@ def main(argv=None) -> int:
             out.append((d, size, rec, rep))
     head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
             f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}")
-    print(f"\n{head}\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
+    print(f"\n{head}\nexpert parallelism: " + "; ".join(rings)
+          + f"\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
           + "".join(f"\n- {n}" for n in notes))
     if by_batch:
         print("\n" + size_table(f"largest micro-batch at seq {tc.seq_len}:", "batch", by_batch))

@@ -36,6 +36,7 @@ class RingConfig:
     routing: str = "expert"  # "expert": weights travel; "token": tokens travel
     gmm_impl: str = "auto"
     poison: bool = False    # fill padding rows with NaN (tests)
+    hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
 
 
 class Tokens(NamedTuple):

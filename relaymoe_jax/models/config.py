@@ -10,6 +10,8 @@ import dataclasses
 import types
 import typing
 
+from relaymoe_jax.topology import RINGS  # moe_ffn's ring=: "auto", "flat", "hierarchical"
+
 ARCHS = ("qwen3_moe", "qwen2_moe")
 DISPATCHERS = ("ring", "alltoall", "reference")
 ROUTINGS = ("expert", "token", "auto")
@@ -51,6 +53,8 @@ class ModelConfig:
     # execution
     dispatcher: str = "ring"
     routing: str = "auto"
+    ring: str = "auto"                   # ring only (moe_ffn's ring=): "flat", "hierarchical"
+                                         # (experts over (node, expert) axes) or "auto"
     capacity_factor: float | None = None
     chunk_size: int | None = None
     gmm_impl: str = "auto"
@@ -127,6 +131,8 @@ def check(cfg: ModelConfig) -> None:
         _fail("dispatcher", cfg.dispatcher, f"one of {DISPATCHERS}")
     if cfg.routing not in ROUTINGS:
         _fail("routing", cfg.routing, f"one of {ROUTINGS}")
+    if cfg.ring not in RINGS:
+        _fail("ring", cfg.ring, f"one of {RINGS}")
     for name in ("num_experts", "shared_expert_intermediate_size"):
         if getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "an int >= 0")

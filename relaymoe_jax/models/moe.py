@@ -38,6 +38,7 @@ from relaymoe_jax.models import router as rt
 from relaymoe_jax.models.layers import MLP, ExpertBias, param
 from relaymoe_jax.models.sharding import AxisRules, is_explicit, rules_for
 from relaymoe_jax.op import moe_ffn
+from relaymoe_jax.topology import RINGS
 from relaymoe_jax.validate import DISPATCHERS, ROUTINGS
 
 
@@ -53,6 +54,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE's gated shared expert (0: none)
     dispatcher: str = "ring"
     routing: str = "auto"                  # ring only
+    ring: str = "auto"                     # ring only: "flat", "hierarchical" or "auto"
     capacity_factor: float | None = None   # alltoall only
     chunk_size: int | None = None          # ring only
     gmm_impl: str = "auto"
@@ -72,6 +74,8 @@ class MoEConfig:
                              f"{DISPATCHERS}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"MoEConfig.routing={self.routing!r}: expected one of {ROUTINGS}")
+        if self.ring not in RINGS:
+            raise ValueError(f"MoEConfig.ring={self.ring!r}: expected one of {RINGS}")
 
     @classmethod
     def from_model(cls, cfg) -> "MoEConfig":
@@ -115,15 +119,16 @@ class MoELayer(nnx.Module):
             logits, probs, ids, weights = rt.route(
                 x, self.gate[...], top_k=cfg.num_experts_per_tok,
                 norm_topk_prob=cfg.norm_topk_prob, bias_e=bias_e, out_dtype=x.dtype)
-        ring = cfg.dispatcher == "ring"
+        is_ring = cfg.dispatcher == "ring"
         with jax.named_scope("experts"):
             y, st = moe_ffn(
                 x, ids, weights, self.w_gate[...], self.w_up[...], self.w_down[...],
                 mesh=rules.mesh, expert_axis=rules.expert_axis,
                 expert_tensor_axis=rules.expert_tensor_axis, dispatcher=cfg.dispatcher,
-                routing=cfg.routing if ring else "auto",
+                routing=cfg.routing if is_ring else "auto",
+                ring=cfg.ring if is_ring else "auto",
                 capacity_factor=cfg.capacity_factor if cfg.dispatcher == "alltoall" else None,
-                chunk_size=cfg.chunk_size if ring else None,
+                chunk_size=cfg.chunk_size if is_ring else None,
                 token_axes=None if is_explicit(rules.mesh) else rules.token_axes,
                 gmm_impl=cfg.gmm_impl, return_stats=True)
         if self.has_shared:

@@ -3,23 +3,29 @@
 Every array in the model is described by logical axis names:
 
     name        dimension                                       default mesh axes
-    batch       sequences of a batch                            data/fsdp/expert (those present)
+    batch       sequences of a batch                            data/fsdp/node/expert (those
+                                                                present)
     seq         positions of a sequence                         context, if present
     tokens      flattened batch*seq, the MoE's token axis       batch axes + seq axes
-    experts     stacked experts (moe_ffn's expert_axis)         expert; folded: all other axes
+    experts     stacked experts (moe_ffn's expert_axis)         expert, or (node, expert) when
+                                                                both; folded: all other axes
     expert_ffn  an expert's ffn (moe_ffn's expert_tensor_axis)  expert_tensor, if present
     embed, heads, kv_heads, head_dim, ffn, vocab, router        replicated
     layers      the stacked layer axis (`scan_layers`)          replicated, always
 
-Default layouts (`rules_for(mesh)`), the three the tests run:
+Default layouts (`rules_for(mesh)`), the four the tests run:
 - `("expert",)`: batch and tokens over `expert`, experts over `expert`, the rest replicated.
 - `("data", "expert")`: batch and tokens over `("data", "expert")`, experts over `expert`.
+- `("node", "expert")` (experts across hosts, docs/multinode.md): batch and tokens over
+  `("node", "expert")`, experts over `("node", "expert")`: moe_ffn's expert_axis is the tuple,
+  `node` the outer axis of its hierarchical ring and `expert` the inner one. `node` without
+  `expert` is folded like any other axis.
 - folded `("data", "context")` (README "parallel folding"): attention sees batch over `data` and
   seq over `context` (context parallelism: keys and values are all-gathered over `context`); the
   MoE sees tokens over `("data", "context")` and runs its ring over `expert_axis=("data",
   "context")`: the two axes act as one expert axis over the same devices.
 
-Any name can be overridden: `rules_for(mesh, heads=("tensor",))`; layouts other than the three
+Any name can be overridden: `rules_for(mesh, heads=("tensor",))`; layouts other than the four
 above are not tested. Activations whose dimension does not divide by an axis' size drop that axis
 (e.g. batch 2 on 8 devices is replicated for attention; the MoE then reshards its flattened tokens
 over `tokens`); parameters must divide (`ModelConfig.check_mesh`).
@@ -106,10 +112,10 @@ class AxisRules:
 def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None) -> AxisRules:
     """The default rules for `mesh` (see the module docstring), with `overrides` by name."""
     names = tuple(mesh.axis_names)
-    batch = tuple(a for a in names if a in ("data", "fsdp", "expert"))
+    batch = tuple(a for a in names if a in ("data", "fsdp", "node", "expert"))
     seq = tuple(a for a in names if a == "context")
-    if "expert" in names:
-        experts = ("expert",)
+    if "expert" in names:   # "node", if present, is the outer (inter-host) expert axis
+        experts = ("node", "expert") if "node" in names else ("expert",)
     else:   # parallel folding: the attention axes taken together as one expert axis
         experts = tuple(a for a in names if a not in ("tensor", "expert_tensor"))
     table = {n: () for n in LOGICAL}

@@ -1,9 +1,9 @@
 """What each attention recomputation option keeps (bytes, `m`) and saves (backward FLOPs, `c`),
 per device and per layer, relative to "full" recomputation (which keeps only the block input).
 
-Shapes per device: `b` local sequences (the batch over its data/fsdp/expert axes), `s` local query
-positions (the sequence over `context`), `S` key positions (all of them: keys and values are
-all-gathered over `context`), `N` query heads, `K` key/value heads, `D` head dim, `H` hidden
+Shapes per device: `b` local sequences (the batch over its data/fsdp/node/expert axes), `s` local
+query positions (the sequence over `context`), `S` key positions (all of them: keys and values
+are all-gathered over `context`), `N` query heads, `K` key/value heads, `D` head dim, `H` hidden
 size, `e` bytes per element of the compute dtype.
 
     m(save_qkv)      = b s (N + 2K) D e                      q, k, v projections
@@ -51,7 +51,7 @@ import numpy as np
 
 from relaymoe_jax.remat.options import OPTIONS
 
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ("data", "fsdp", "node", "expert")   # models.sharding.rules_for's batch axes
 
 
 @dataclasses.dataclass(frozen=True)

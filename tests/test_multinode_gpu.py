@@ -1,0 +1,98 @@
+"""The hierarchical ring on the GPU compiler for 2 and 4 hosts of 8 abstract H100s (1x2x8, 1x4x8;
+`relaymoe_jax.gpu_mesh`, no GPU): what crosses hosts, read from the compiled program's
+collective-permute source-target pairs and the topology's process indices, and what XLA:GPU's
+schedule hides those transfers behind (`relaymoe_jax.overlap`).
+
+Compiled with `topology.XLA_OPTIONS` (two collective permutes in flight at once: the round's
+inter-node transfer and the inner ring's; with XLA's default of one the scheduler starts the
+inter-node transfer after the inner ring's loop).
+"""
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from relaymoe_jax import gpu_mesh, hlo, moe_ffn, overlap, topology
+
+needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
+                                  reason="needs the gpu-compile extra (jax CUDA plugin)")
+pytestmark = [pytest.mark.gpu_compile, needs_plugin]
+AXES = ("node", "local")
+LOCAL = gpu_mesh.GPUS_PER_HOST
+T_DEV, H, F, K = 512, 256, 128, 4
+
+
+@functools.cache
+def _mesh(nodes):
+    return gpu_mesh.mesh((nodes, LOCAL), AXES)
+
+
+def _args(mesh, e):
+    n = mesh.devices.size
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(AXES)))
+    bf = jnp.bfloat16
+    return (sds((n * T_DEV, H), bf), sds((n * T_DEV, K), jnp.int32),
+            sds((n * T_DEV, K), jnp.float32), sds((e, H, F), bf), sds((e, H, F), bf),
+            sds((e, F, H), bf))
+
+
+@functools.cache
+def _compiled(nodes, routing, ring, backward=True):
+    mesh = _mesh(nodes)
+    e = 2 * nodes * LOCAL          # two experts per GPU
+
+    def fwd(x, ids, wts, wg, wu, wd):
+        return moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh, expert_axis=AXES, routing=routing,
+                       ring=ring, gmm_impl="xla")
+
+    def loss(x, ids, wts, wg, wu, wd):
+        return jnp.sum(fwd(x, ids, wts, wg, wu, wd).astype(jnp.float32) ** 2)
+
+    fn = jax.grad(loss, argnums=(0, 2, 3, 4, 5)) if backward else fwd
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        return jax.jit(fn).trace(*_args(mesh, e)).lower().compile(
+            compiler_options=topology.XLA_OPTIONS).as_text()
+
+
+@pytest.mark.parametrize("nodes,routing", [(2, "expert"), (4, "token")])
+def test_every_inter_node_transfer_hides_behind_a_round(nodes, routing):
+    """fwd+bwd: every collective permute that crosses hosts starts before at least L - 1 = 7
+    hops of compute and is waited for after them, unless no compute is left that does not feed
+    it or wait for it (the accumulators' last trip home, as in the flat ring)."""
+    found = overlap.cross_host_transfers(_compiled(nodes, routing, "hierarchical"),
+                                         hlo.host_of(_mesh(nodes)))
+    hidden = [t for t in found if t.free]
+    assert len(hidden) >= 2, found             # forward and backward rounds at least
+    for t in hidden:
+        assert t.hops >= LOCAL - 1, t
+
+
+def test_the_flat_ring_hides_each_transfer_behind_one_hop_only():
+    """The same check fails on the flat ring: its boundary transfers each have one hop."""
+    found = overlap.cross_host_transfers(_compiled(2, "expert", "flat"),
+                                         hlo.host_of(_mesh(2)))
+    assert [t for t in found if 0 < t.hops < LOCAL - 1], found
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_bytes_across_hosts_per_hop_and_per_round(nodes):
+    """Forward, expert routing: a partition is 2 experts x (gate, up, down) bf16. The flat ring
+    sends one per hop (N - 1 hops) across hosts from each of the `nodes` boundary GPUs and none
+    from the others; the hierarchical ring one per round (nodes - 1 rounds) from every GPU, and
+    N - 1 - (nodes - 1) within hosts."""
+    host_of = hlo.host_of(_mesh(nodes))
+    n = nodes * LOCAL
+    part = 2 * 3 * H * F * 2
+    flat = hlo.link_bytes(_compiled(nodes, "expert", "flat", backward=False), host_of)
+    boundary = [i for i in range(n) if i % LOCAL == LOCAL - 1]
+    assert [i for i, b in enumerate(flat.inter) if b] == boundary
+    assert {flat.inter[i] for i in boundary} == {(n - 1) * part}
+    hier = hlo.link_bytes(_compiled(nodes, "expert", "hierarchical", backward=False), host_of)
+    assert set(hier.inter) == {(nodes - 1) * part}
+    assert set(hier.intra) == {nodes * (LOCAL - 1) * part}
+    assert flat.max_inter / hier.max_inter == (n - 1) / (nodes - 1)
