@@ -109,10 +109,14 @@ def collective_permutes(hlo_text: str) -> list[Permute]:
     out = []
     for c, name, sizes, attrs, trips in _collectives(
             hlo_text, ("collective-permute", "collective-permute-start")):
-        m = _PAIRS.search(attrs)
-        pairs = re.findall(r"\{(\d+),(\d+)\}", m[1]) if m else []
-        out.append(Permute(c, name, sum(sizes), trips, tuple((int(a), int(b)) for a, b in pairs)))
+        out.append(Permute(c, name, sum(sizes), trips, source_target_pairs(attrs)))
     return out
+
+
+def source_target_pairs(attrs: str) -> tuple[tuple[int, int], ...]:
+    """The (source, target) partition ids of a collective permute's attribute text."""
+    m = _PAIRS.search(attrs)
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m[1])) if m else ()
 
 
 def loop_permute_bytes(hlo_text: str) -> list[int]:

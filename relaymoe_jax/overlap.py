@@ -17,16 +17,16 @@ import dataclasses
 import re
 
 from relaymoe_jax import hlo
+from relaymoe_jax.hlo import _COMP, _TRIPS
 
-_COMP = re.compile(r"^(?:ENTRY )?%(\S+) ")
+# hlo's instruction pattern with a lazy operand list and the attributes optional: conditionals'
+# and calls' operands here are read back by name
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\((.*?)\)(, .*)?$")
 _BODY = re.compile(r"\bbody=%([^\s,]+)")
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%([^\s,]+)")
 _BRANCHES = re.compile(r"\b(?:true_computation|false_computation)=%([^\s,]+)|"
                        r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _NAMES = re.compile(r"%([^\s,()]+)")
 HOP_SCOPES = ("ring_fwd_hop", "ring_bwd_hop")
 
@@ -108,10 +108,9 @@ def cross_host_transfers(hlo_text: str, host_of) -> list[Transfer]:
             return seen
 
         for i, (name, _, opcode, _, attrs) in enumerate(instrs):
-            if opcode not in ("collective-permute-start", "collective-permute") or not (
-                    m := _PAIRS.search(attrs)):
+            if opcode not in ("collective-permute-start", "collective-permute"):
                 continue
-            pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m[1]))
+            pairs = hlo.source_target_pairs(attrs)
             cross = tuple((s, t) for s, t in pairs if host_of[s] != host_of[t])
             if not cross:
                 continue

@@ -83,8 +83,7 @@ def choose_ring(ring, mesh, expert_axes) -> bool:
         return ring == "hierarchical"
     if len(expert_axes) < 2:
         return False
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else \
-        dict(mesh.shape)
+    sizes = dict(mesh.shape)
     if sizes[expert_axes[-1]] < 2 or math.prod(sizes[a] for a in expert_axes[:-1]) < 2:
         return False
     found = spans(mesh, expert_axes)

@@ -130,8 +130,8 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
     payload, part, acc, state = lax.fori_loop(1, n - 1, body,
                                               (payload_next, part, zero_acc(), state))
     acc = add(acc, part)
-    if inner:   # after the payload's arrival: XLA must not merge this send (it depends on round
-        acc = lax.optimization_barrier((acc, payload))[0]    # n-2) with the payload's (it must not)
+    if inner:   # ordered after the payload's arrival, so that XLA's permute combiner cannot
+        acc = lax.optimization_barrier((acc, payload))[0]    # merge the two sends (2 hosts)
     acc = shift(acc, axis, n)                                 # hop n-1: the parts only
     part, state = hop(n - 1, payload, state)
     return state, shift(add(acc, part), axis, n)              # home to the payload's owner
