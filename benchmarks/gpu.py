@@ -492,7 +492,7 @@ def layer_section(opts, budget):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from relaymoe_jax import memory, moe_ffn
+    from relaymoe_jax import XLA_OPTIONS, memory, moe_ffn
     from relaymoe_jax.kernels.gmm import MOE_IMPLS
     shp = dict(TINY_LAYER if opts.tiny else LAYER)
     shp["tokens"] = opts.layer_tokens or shp["tokens"]
@@ -541,8 +541,8 @@ def layer_section(opts, budget):
     for v in LAYER_VARIANTS:
         try:
             fwd, fwdbwd = fns(v)
-            c_fwd = jax.jit(fwd).lower(*args).compile()
-            c_all = jax.jit(fwdbwd).lower(*args).compile()
+            c_fwd = jax.jit(fwd).lower(*args).compile(compiler_options=XLA_OPTIONS)
+            c_all = jax.jit(fwdbwd).lower(*args).compile(compiler_options=XLA_OPTIONS)
             compiled[v] = (c_fwd, c_all, c_fwd.memory_analysis(), c_all.memory_analysis())
         except Exception as ex:
             errors[v] = f"error: {_why(ex)}"

@@ -14,6 +14,10 @@ compiler, bf16, the Pallas grouped matmul (`--gmm auto`). Per row, all per GPU:
   hosts / of its own host, read from the fwd+bwd program's collective permutes and all-to-alls with
   loop trip counts (`relaymoe_jax.hlo.link_bytes`, `all_to_all_link_bytes`). Other collectives
   (the loss's all-reduce) are not counted;
+- hidden hops: of the fwd+bwd program's cross-host collective permutes that have compute they
+  could run beside (`relaymoe_jax.overlap.cross_host_transfers`, `free` > 0), the fewest ring hops
+  of compute one of them is scheduled across (its start before them, its done after); "-" when none
+  crosses hosts;
 - compile s: trace + lower + compile of the fwd+bwd, seconds on this machine.
 
 --json OUT writes, per row, the shape, the variant's `moe_ffn` arguments, both programs' temp /
@@ -99,25 +103,22 @@ def compile_variant(shape, mesh, variant, gmm):
     """The compiled forward and forward+backward of one variant, and their compile seconds."""
     import jax
 
-    from relaymoe_jax import memory, topology
+    from relaymoe_jax import XLA_OPTIONS, memory
     base, extra = variant_kwargs(variant, gmm)
     fns = memory.layer_fns(shape, mesh, base, AXES, extra)
     args = memory.abstract_args(shape, mesh, AXES)
     out, secs = [], []
-    # as the trainer compiles a mesh over several hosts (train/loop.py): the hierarchical ring's
-    # inter-node transfer stays in flight across a round only with these options
-    options = topology.XLA_OPTIONS if mesh.devices.shape[0] > 1 else None
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):    # with the options the trainer compiles with (train/loop.py)
         for fn in fns:
             t0 = time.perf_counter()
-            out.append(jax.jit(fn).trace(*args).lower().compile(compiler_options=options))
+            out.append(jax.jit(fn).trace(*args).lower().compile(compiler_options=XLA_OPTIONS))
             secs.append(time.perf_counter() - t0)
     return out, secs
 
 
 def measure(shape, mesh, variant, gmm):
     """Every figure of one row (bytes per GPU; per-device lists indexed by partition id)."""
-    from relaymoe_jax import hlo, memory
+    from relaymoe_jax import hlo, memory, overlap
     (c_fwd, c_all), secs = compile_variant(shape, mesh, variant, gmm)
     hosts = hlo.host_of(mesh)
     row = dict(memory.read_compiled(c_fwd, c_all), compile_s_fwd=secs[0], compile_s_fwdbwd=secs[1])
@@ -129,9 +130,19 @@ def measure(shape, mesh, variant, gmm):
         for kind, links in (("permute", hlo.link_bytes(text, hosts)),
                             ("a2a", hlo.all_to_all_link_bytes(text, hosts))):
             row[f"{prog}_{kind}_intra"], row[f"{prog}_{kind}_inter"] = links.intra, links.inter
+    row["cross_host_transfers"] = [
+        dict(hops=t.hops, free=t.free, bytes=t.bytes, op_name=t.op_name)
+        for t in overlap.cross_host_transfers(c_all.as_text(), hosts)]
     row["intra"] = [a + b for a, b in zip(row["fwdbwd_permute_intra"], row["fwdbwd_a2a_intra"])]
     row["inter"] = [a + b for a, b in zip(row["fwdbwd_permute_inter"], row["fwdbwd_a2a_inter"])]
     return row
+
+
+def hidden_hops(row):
+    """The table's "hidden hops" cell: the fewest hops any cross-host permute with compute
+    beside it is scheduled across ("-": none crosses hosts, or none has compute beside it)."""
+    hops = [t["hops"] for t in row["cross_host_transfers"] if t["free"]]
+    return str(min(hops)) if hops else "-"
 
 
 def main(argv=None):
@@ -163,9 +174,11 @@ def main(argv=None):
           "flat ring hop's collective permutes (the hierarchical ring's are in --json: the sum "
           "over its loop bodies); cross-host / intra-host MiB: the most any GPU sends "
           "in one fwd+bwd by collective permute + all-to-all to other hosts / its own host; "
-          "'x ring': fwd+bwd over the flat ring in the mode routing='auto' picks", flush=True)
+          "hidden hops: the fewest ring hops any cross-host transfer with compute beside it is "
+          "scheduled across; 'x ring': fwd+bwd over the flat ring in the mode routing='auto' "
+          "picks; compiled with relaymoe_jax.XLA_OPTIONS", flush=True)
     head = ("EP", "hosts", "k", "variant", "fwd MiB", "fwd+bwd MiB", "x ring", "hop fwd KiB",
-            "hop bwd KiB", "cross-host MiB", "intra-host MiB",
+            "hop bwd KiB", "cross-host MiB", "intra-host MiB", "hidden hops",
             f"fwd+bwd % of {args.target.upper()}", "compile s (fwd+bwd)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head), flush=True)
@@ -200,7 +213,7 @@ def main(argv=None):
                          f"{m['fwdbwd'] / got[base]['fwdbwd']:.2f}" if base in got else "-",
                          f"{m['hop_fwd'] / 2**10:,.1f}" if ring else "",
                          f"{m['hop_bwd'] / 2**10:,.1f}" if ring else "",
-                         mib(max(m["inter"])), mib(max(m["intra"])),
+                         mib(max(m["inter"])), mib(max(m["intra"])), hidden_hops(m),
                          f"{100 * m['fwdbwd'] / device_bytes:,.1f}",
                          f"{m['compile_s_fwdbwd']:,.0f}"]
                 print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)

@@ -62,8 +62,8 @@ the busiest GPU's slowest link):
       not overlapped.
 Ignored: latency per transfer or kernel, kernel efficiency at small sizes, routing imbalance, the
 all-to-all's permutation kernels, the router, contention between GPUs on a NIC or switch, and
-whether the compiled schedule really overlaps (the hierarchical ring's round transfer needs
-`topology.XLA_OPTIONS`, two collectives in flight, to start before the round's hops).
+whether the compiled schedule really overlaps (it does with `relaymoe_jax.XLA_OPTIONS`, with
+which the programs are compiled; tests/test_multinode_gpu.py).
 """
 
 import dataclasses
@@ -103,11 +103,15 @@ def relay_sends(n: int, payload: float, acc: float = 0.0, tail: float | None = N
     n-1 times and the last hop sends nothing; with one (the backward's dW) hop 0 sends the
     payload, hops 1..n-2 the payload and the accumulator trailing it, hop n-1 the accumulator, and
     the tail returns it home after the last hop's compute (`tail` bytes; default `acc`: the
-    compiled programs send the finished dW in the weights' dtype, see `flat_ring_bytes`)."""
+    compiled programs send the finished dW in the weights' dtype, see `flat_ring_bytes`). A ring
+    of two sends no accumulator: hop 0 sends the payload, and the tail brings the other part home
+    (float32, `acc`: it is added after it arrives)."""
     if n == 1:
         return [0.0], 0.0
     if not acc:
         return [payload] * (n - 1) + [0.0], 0.0
+    if n == 2:
+        return [payload, 0.0], acc
     return [payload] + [payload + acc] * (n - 2) + [acc], acc if tail is None else tail
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax import hlo
 from relaymoe_jax.dispatch.mode import routing_volumes
 from relaymoe_jax.op import moe_ffn
+from relaymoe_jax.xla_options import XLA_OPTIONS
 
 VARIANTS = {   # name -> moe_ffn keyword arguments
     "ring-expert": dict(dispatcher="ring", routing="expert"),
@@ -137,7 +138,8 @@ def measure_layer(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
     fwd, fwdbwd = layer_fns(s, mesh, variant, axis, extra)
     args = abstract_args(s, mesh, axis)
     with jax.set_mesh(mesh):   # an abstract GPU mesh (`gpu_mesh`): Pallas needs the context
-        c_fwd, c_all = (jax.jit(f).trace(*args).lower().compile() for f in (fwd, fwdbwd))
+        c_fwd, c_all = (jax.jit(f).trace(*args).lower().compile(compiler_options=XLA_OPTIONS)
+                        for f in (fwd, fwdbwd))
     return read_compiled(c_fwd, c_all)
 
 

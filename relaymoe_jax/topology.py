@@ -21,12 +21,6 @@ import math
 import numpy as np
 
 RINGS = ("auto", "flat", "hierarchical")
-# XLA:GPU options for programs with a hierarchical ring: two collective permutes in flight at
-# once, the round's inter-node transfer beside the inner ring's. XLA's default (one) makes its
-# scheduler start the inter-node transfer after the inner ring's loop (tests/test_multinode_gpu):
-# jax.jit(f, compiler_options=XLA_OPTIONS), or
-# XLA_FLAGS=--xla_gpu_experimental_parallel_collective_overlap_limit=2.
-XLA_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
 def check_ring(ring, dispatcher, expert_axes):

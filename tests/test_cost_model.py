@@ -30,7 +30,7 @@ def test_relay_schedule_matches_ring_py():
     # backward: payload, then payload + accumulator, then accumulator, then its return
     assert cm.relay_sends(4, 10.0, 20.0) == ([10.0, 30.0, 30.0, 20.0], 20.0)
     assert cm.relay_sends(4, 10.0, 20.0, tail=10.0)[1] == 10.0
-    assert cm.relay_sends(2, 10.0, 20.0) == ([10.0, 20.0], 20.0)
+    assert cm.relay_sends(2, 10.0, 20.0) == ([10.0, 0.0], 20.0)   # a ring of two: no trailing
     assert cm.relay_sends(1, 10.0, 20.0) == ([0.0], 0.0)
     sends, tail = cm.relay_sends(16, 3.0, 7.0)
     assert sum(sends) + tail == 15 * 3.0 + 16 * 7.0      # (n-1) payloads, n accumulators

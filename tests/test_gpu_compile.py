@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import gpu_mesh, hlo, moe_ffn
+from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
 from scripts import load_script
@@ -31,11 +31,12 @@ def _sds(mesh, spec, shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
-def _compile(fn, mesh, *args):
-    """jit(fn) compiled for `mesh` from ShapeDtypeStructs (never run)."""
+def _compile(fn, mesh, *args, options=XLA_OPTIONS):
+    """jit(fn) compiled for `mesh` from ShapeDtypeStructs (never run), with the options the
+    trainer compiles with."""
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        return jax.jit(fn).trace(*args).lower().compile()
+        return jax.jit(fn).trace(*args).lower().compile(compiler_options=options)
 
 
 # ------------------------------------------------------------------------ meshes
@@ -164,11 +165,11 @@ def _ep8():
     return gpu_mesh.mesh((EP,), ("expert",))
 
 
-def _layer_args(mesh, dtype=jnp.bfloat16):
+def _layer_args(mesh, dtype=jnp.bfloat16, t_dev=T_DEV, h=H, f=F, e=E):
     tok = functools.partial(_sds, mesh, P("expert"))
-    return (tok((EP * T_DEV, H), dtype), tok((EP * T_DEV, K), jnp.int32),
-            tok((EP * T_DEV, K), jnp.float32), tok((E, H, F), dtype), tok((E, H, F), dtype),
-            tok((E, F, H), dtype))
+    return (tok((EP * t_dev, h), dtype), tok((EP * t_dev, K), jnp.int32),
+            tok((EP * t_dev, K), jnp.float32), tok((e, h, f), dtype), tok((e, h, f), dtype),
+            tok((e, f, h), dtype))
 
 
 def _fwd_bwd(mesh, **kw):
@@ -208,6 +209,23 @@ def test_ring_compiles_and_overlaps(routing, gmm_impl):
     for b in bodies:
         assert b.overlapped, (f"{routing}/{gmm_impl}: {b.computation} sends at {b.starts}, "
                               f"computes at {b.loops}, waits at {b.dones}")
+
+
+@needs_plugin
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_large_hops_overlap_only_with_the_xla_options(routing):
+    """Above XLA's 30 MiB permute-combining default a hop's arrays travel as separate permutes,
+    and without `XLA_OPTIONS` XLA:GPU waits for all but one or two of them before the hop's
+    compute (at the paper's shape: 1 of a forward hop's 3, 1 of a backward hop's 6). With them
+    every ring loop body hides its whole transfer. Sizes: 4 experts per GPU, gate/up/down
+    16 MiB each (expert routing's payload); 8,192 tokens of 4 KiB per GPU (token routing's)."""
+    mesh = _ep8()
+    args = _layer_args(mesh, t_dev=8192, h=2048, f=1024, e=4 * EP)
+    fn = _fwd_bwd(mesh, dispatcher="ring", routing=routing, gmm_impl="auto")
+    for options, hidden in ((XLA_OPTIONS, True), (None, False)):
+        bodies = hlo.loop_schedules(_compile(fn, mesh, *args, options=options).as_text())
+        assert len(bodies) == 2, bodies
+        assert all(b.overlapped == hidden for b in bodies), (options, bodies)
 
 
 @needs_plugin

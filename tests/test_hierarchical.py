@@ -52,6 +52,32 @@ def test_values_and_gradients(case, k, nodes, local, routing):
     assert int(got.aux["dropped_pairs"]) == 0
 
 
+@pytest.mark.parametrize("routing", ["expert", "token"])
+@pytest.mark.parametrize("case,k", [("uniform", 4), ("one_partition", 2)])
+def test_two_device_flat_ring(case, k, routing):
+    """A ring of two (as the outer ring at 2 nodes, the inner at 2 GPUs per node): its parts do
+    not trail their payload, the owner keeps its own and the other comes home after the last hop
+    (`dispatch/ring.relay`)."""
+    m = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,),
+                      devices=jax.devices()[:2])
+    inp = make_inputs(testing.routing_case(case, T, k, E, 2, seed=k), E)
+    inp = {n: jax.device_put(v, NamedSharding(m, P("expert"))) for n, v in inp.items()}
+    got, _ = check_parity("ring", inp, m, 1e-5, routing=routing)
+    assert int(got.aux["dropped_pairs"]) == 0
+
+
+@pytest.mark.parametrize("routing", ["expert", "token"])
+def test_one_node(routing):
+    """ring="hierarchical" on one node: the round runs inline (no outer transfer to keep in
+    flight), the flat ring over the local axis."""
+    m = hier_mesh(1, 8)
+    inp = placed(testing.routing_case("uniform", T, 4, E, 8, seed=1), m)
+    kw = dict(expert_axis=AXES, token_axes=AXES)
+    got, _ = check_parity("ring", inp, m, 1e-5, ref_kw=kw, routing=routing, ring="hierarchical",
+                          **kw)
+    assert int(got.aux["dropped_pairs"]) == 0
+
+
 def test_parity_detects_a_dropped_pair():
     """The comparison above would fail if one (token, expert) pair were dropped, duplicated or
     misweighted: testing.assert_parity_detects perturbs each and expects a failure."""

@@ -3,9 +3,10 @@
 collective-permute source-target pairs and the topology's process indices, and what XLA:GPU's
 schedule hides those transfers behind (`relaymoe_jax.overlap`).
 
-Compiled with `topology.XLA_OPTIONS` (two collective permutes in flight at once: the round's
-inter-node transfer and the inner ring's; with XLA's default of one the scheduler starts the
-inter-node transfer after the inner ring's loop).
+Compiled with `relaymoe_jax.XLA_OPTIONS`, as the trainer compiles (a hop's arrays sent as one
+collective permute, and three in flight at once: the round's inter-node transfer, the inner
+ring's and the loss's all-reduce; with fewer the scheduler starts the inter-node transfer after
+the round).
 """
 import functools
 import warnings
@@ -16,14 +17,17 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import gpu_mesh, hlo, moe_ffn, overlap, topology
+from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn, overlap
 
 needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
                                   reason="needs the gpu-compile extra (jax CUDA plugin)")
 pytestmark = [pytest.mark.gpu_compile, needs_plugin]
 AXES = ("node", "local")
 LOCAL = gpu_mesh.GPUS_PER_HOST
-T_DEV, H, F, K = 512, 256, 128, 4
+# Sizes where it matters: a hop's arrays (4 experts' gate/up/down, 16 MiB each; 8,192 tokens of
+# 4 KiB) are above XLA's 30 MiB permute-combining default, as at the paper's shape; with the small
+# arrays this file first used, XLA combined them anyway and hid what the paper shape did not.
+T_DEV, H, F, K, E_GPU = 8192, 2048, 1024, 4, 4
 
 
 @functools.cache
@@ -43,7 +47,7 @@ def _args(mesh, e):
 @functools.cache
 def _compiled(nodes, routing, ring, backward=True):
     mesh = _mesh(nodes)
-    e = 2 * nodes * LOCAL          # two experts per GPU
+    e = E_GPU * nodes * LOCAL
 
     def fwd(x, ids, wts, wg, wu, wd):
         return moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh, expert_axis=AXES, routing=routing,
@@ -56,20 +60,22 @@ def _compiled(nodes, routing, ring, backward=True):
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
         return jax.jit(fn).trace(*_args(mesh, e)).lower().compile(
-            compiler_options=topology.XLA_OPTIONS).as_text()
+            compiler_options=XLA_OPTIONS).as_text()
 
 
-@pytest.mark.parametrize("nodes,routing", [(2, "expert"), (4, "token")])
+@pytest.mark.parametrize("nodes,routing", [(2, "expert"), (2, "token"), (4, "token")])
 def test_every_inter_node_transfer_hides_behind_a_round(nodes, routing):
     """fwd+bwd: every collective permute that crosses hosts starts before at least L - 1 = 7
-    hops of compute and is waited for after them, unless no compute is left that does not feed
-    it or wait for it (the accumulators' last trip home, as in the flat ring)."""
+    hops of compute and is waited for after them, except one per pass (forward, backward) at
+    most: the accumulators' last trip home, which nothing is left to hide behind (as in the
+    flat ring); or, at 2 hosts, where a pass's two rounds are independent (a ring of two: nothing
+    trails), XLA may run the visiting payload's round first, hide the trip home behind the
+    owner's round and leave the payload's transfer before it instead (token routing does)."""
     found = overlap.cross_host_transfers(_compiled(nodes, routing, "hierarchical"),
                                          hlo.host_of(_mesh(nodes)))
-    hidden = [t for t in found if t.free]
-    assert len(hidden) >= 2, found             # forward and backward rounds at least
-    for t in hidden:
-        assert t.hops >= LOCAL - 1, t
+    waits = [t for t in found if t.hops < LOCAL - 1]
+    assert len(found) > len(waits), found
+    assert len(waits) <= 2, waits
 
 
 def test_the_flat_ring_hides_each_transfer_behind_one_hop_only():
@@ -81,13 +87,13 @@ def test_the_flat_ring_hides_each_transfer_behind_one_hop_only():
 
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_bytes_across_hosts_per_hop_and_per_round(nodes):
-    """Forward, expert routing: a partition is 2 experts x (gate, up, down) bf16. The flat ring
+    """Forward, expert routing: a partition is E_GPU experts x (gate, up, down) bf16. The flat ring
     sends one per hop (N - 1 hops) across hosts from each of the `nodes` boundary GPUs and none
     from the others; the hierarchical ring one per round (nodes - 1 rounds) from every GPU, and
     N - 1 - (nodes - 1) within hosts."""
     host_of = hlo.host_of(_mesh(nodes))
     n = nodes * LOCAL
-    part = 2 * 3 * H * F * 2
+    part = E_GPU * 3 * H * F * 2
     flat = hlo.link_bytes(_compiled(nodes, "expert", "flat", backward=False), host_of)
     boundary = [i for i in range(n) if i % LOCAL == LOCAL - 1]
     assert [i for i, b in enumerate(flat.inter) if b] == boundary

@@ -66,6 +66,10 @@ def test_hierarchical_ring_sends_one_partition_across_per_round(rows):
     partition = E // EP * 3 * H * F * 2
     assert r["fwd_permute_inter"] == [(HOSTS - 1) * partition] * EP
     assert max(r["inter"]) < max(rows["ring-expert"]["inter"])
+    # the "hidden hops" column: its cross-host transfers run beside a whole round (8 hops), the
+    # flat ring's beside one
+    assert scaling.hidden_hops(r) == str(LOCAL) and scaling.hidden_hops(rows["ring-expert"]) == "1"
+    assert scaling.hidden_hops(rows["a2a-cap1.0"]) == "-"
 
 
 @pytest.mark.parametrize("argv", [["--ep", "12"], ["--ep", "16", "-E", "24"], ["--ep", "0"],

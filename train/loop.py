@@ -22,10 +22,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import topology
 from relaymoe_jax.models import QwenMoe
 from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
 from relaymoe_jax.models.sharding import LAYERS
+from relaymoe_jax.xla_options import XLA_OPTIONS
 
 
 @dataclasses.dataclass
@@ -286,14 +286,11 @@ def compile_step(step, state, ids_sharding, batch_shape, key=None):
     if key is not None and key in _COMPILED:
         return _COMPILED[key]
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    # devices on several hosts (or a `node` axis): the experts' ring may be hierarchical, whose
-    # inter-node transfers XLA:GPU keeps in flight across a round only with these options
-    mesh = ids_sharding.mesh
-    several = topology.ring_hosts(mesh, mesh.axis_names) > 1 or dict(mesh.shape).get("node", 1) > 1
-    options = topology.XLA_OPTIONS if several else None
+    # without these XLA:GPU waits for most of a ring hop's transfer before its compute
+    # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
     jitted = jax.jit(step, in_shardings=(shardings, ids_sharding),
                      out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
-                     donate_argnums=0, compiler_options=options)
+                     donate_argnums=0, compiler_options=XLA_OPTIONS)
     abstract_ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
     compiled = jitted.lower(state, abstract_ids).compile()
     if key is not None:

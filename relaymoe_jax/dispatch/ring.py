@@ -37,7 +37,9 @@ body sends depends on that body's compute (the transfer can hide behind the hop'
 
 Both modes are one schedule, `relay`: a payload (weights; tokens) visits every device once, and
 an accumulator (none; dW; out; dx and d expert_weights) trails it by one hop and ends on the
-payload's owner.
+payload's owner. On a ring of two nothing trails: shift(shift(a) + b) = a + shift(b), so the
+owner keeps its own part and the other comes home after the last hop (one transfer fewer, and no
+accumulator in flight beside the last hop).
 
 Hierarchical ring (`cfg.hierarchical`, expert axes (outer..., inner), M = outer size, L = inner
 size; ring position = outer * L + inner). `relay` nests: an outer hop is a round, and a round is
@@ -51,8 +53,10 @@ a whole inner relay. At round r, inner hop h, device (o, i) holds the payload of
     held it at the round's start; the outer accumulator trails it by one round (backward dW,
     token routing's outputs and dx), then goes home over the outer axis after the last round.
     A flat ring over the same devices sends N - 1 payloads across hosts per boundary GPU per
-    pass; this one M - 1 per GPU. The cost: the round-start payload stays live while the inner
-    ring runs, and the next round's is received meanwhile: two more payload buffers.
+    pass; this one M - 1 per GPU. The cost, while a round runs: the round-start payload (held for
+    its send) and the next round's (received), and in the backward the outer accumulator's send
+    and receive buffers (float32 dW: two bf16 payloads each). At M = 2 no accumulator crosses
+    (the ring of two above): the owner's own part waits through the second round instead.
 
 dW is summed over `reduce_axes` (mesh axes whose devices hold other tokens for the same weights).
 """
@@ -97,20 +101,28 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
 
     def hop(h, payload, state):
         src = (me - h) % n if base is None else base * n + (me - h) % n
-        if inner:                                             # a round: the whole inner ring
-            rnd = lambda payload, state: relay(inner, payload, visit, state, zero_acc, src)
-            # One instruction for the scheduler (a conditional that always takes the round):
-            # XLA:GPU can then keep this level's transfer in flight across the whole round.
-            # Inlined, the round's peeled inner transfers sit beside it and its scheduler
-            # starts it after them (measured on the compiled 1x4x8 program: 0 of 8 hops).
-            never = lambda payload, state: (state, zero_acc() if zero_acc else None)
-            state, part = lax.cond(me < n, rnd, never, payload, state)
+        if not inner:
+            return visit(src, payload, state)
+        rnd = lambda payload, state: relay(inner, payload, visit, state, zero_acc, src)
+        if n == 1:                                  # one node: nothing of this level in flight
+            state, part = rnd(payload, state)
             return part, state
-        return visit(src, payload, state)
+        # A round: one instruction for the scheduler (a conditional that always takes it), so
+        # that XLA:GPU keeps this level's transfer in flight across the whole round. Inlined,
+        # the round's peeled inner transfers sit beside it and its scheduler starts it after
+        # them (measured on the compiled 1x4x8 program: 0 of 8 hops).
+        never = lambda payload, state: (state, zero_acc() if zero_acc else None)
+        state, part = lax.cond(me < n, rnd, never, payload, state)
+        return part, state
 
     if n == 1:
         part, state = hop(0, payload, state)
         return state, part
+    if n == 2 and zero_acc is not None:   # shift(shift(a) + b) == a + shift(b): nothing trails
+        payload_next = shift(payload, axis, n)
+        part, state = hop(0, payload, state)                  # the owner's own part stays
+        other, state = hop(1, payload_next, state)
+        return state, add(part, shift(other, axis, n))        # the other part comes home
     if zero_acc is None:                                      # nothing trails the payload
         def body(h, carry):
             payload, state = carry
@@ -129,11 +141,10 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
 
     payload, part, acc, state = lax.fori_loop(1, n - 1, body,
                                               (payload_next, part, zero_acc(), state))
-    acc = add(acc, part)
-    if inner:   # ordered after the payload's arrival, so that XLA's permute combiner cannot
-        acc = lax.optimization_barrier((acc, payload))[0]    # merge the two sends (2 hosts)
-    acc = shift(acc, axis, n)                                 # hop n-1: the parts only
+    acc = shift(add(acc, part), axis, n)                      # hop n-1: the parts only
     part, state = hop(n - 1, payload, state)
+    if inner:   # the trip home waits for all of acc's arrays: none combines with their send
+        acc, part = lax.optimization_barrier((acc, part))
     return state, shift(add(acc, part), axis, n)              # home to the payload's owner
 
 
