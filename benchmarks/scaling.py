@@ -16,8 +16,8 @@ compiler, bf16, the Pallas grouped matmul (`--gmm auto`). Per row, all per GPU:
   (the loss's all-reduce) are not counted;
 - hidden hops: of the fwd+bwd program's cross-host collective permutes that have compute they
   could run beside (`relaymoe_jax.overlap.cross_host_transfers`, `free` > 0), the fewest ring hops
-  of compute one of them is scheduled across (its start before them, its done after); "-" when none
-  crosses hosts;
+  of compute one of them is scheduled across (its start before them, its done after); "-" when no
+  collective permute crosses hosts (the all-to-all's exchanges are not read here);
 - compile s: trace + lower + compile of the fwd+bwd, seconds on this machine.
 
 --json OUT writes, per row, the shape, the variant's `moe_ffn` arguments, both programs' temp /
@@ -140,7 +140,8 @@ def measure(shape, mesh, variant, gmm):
 
 def hidden_hops(row):
     """The table's "hidden hops" cell: the fewest hops any cross-host permute with compute
-    beside it is scheduled across ("-": none crosses hosts, or none has compute beside it)."""
+    beside it is scheduled across ("-": no permute crosses hosts, or none has compute beside
+    it; all-to-alls are not read)."""
     hops = [t["hops"] for t in row["cross_host_transfers"] if t["free"]]
     return str(min(hops)) if hops else "-"
 
