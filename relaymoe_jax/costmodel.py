@@ -202,7 +202,8 @@ def flat_ring_bytes(row) -> dict:
 
 def hier_ring_check(row, payload: float, acc: float, tail: float) -> dict:
     """The compiled hierarchical ring's per-device bytes by class against the nested schedule
-    (the flat ring's P, A and tail; each round's inner ring returns an f32 partial, A):
+    (the flat ring's P, A and tail; each round's inner ring returns an f32 partial, A, except
+    on one host, where the one round is the flat ring and ends with its tail):
     (compiled - schedule) / P, per pass and class. 0 expected; -1 for the backward's inter-host
     bytes at 2 hosts, where XLA reuses the forward's one outer transfer (both are peeled out of
     a one-trip loop) for the backward's first."""
@@ -212,7 +213,8 @@ def hier_ring_check(row, payload: float, acc: float, tail: float) -> dict:
     out_f, _ = relay_sends(m, payload)
     in_f, _ = relay_sends(local, payload)
     out_b, out_tail = relay_sends(m, payload, acc, tail)
-    in_b, in_tail = relay_sends(local, payload, acc)
+    # a round returns its f32 partial; on one host the round is the whole (flat) ring
+    in_b, in_tail = relay_sends(local, payload, acc, tail if m == 1 else None)
     expect = {"fwd_inter": sum(out_f), "fwd_intra": m * sum(in_f),
               "bwd_inter": sum(out_b) + out_tail, "bwd_intra": m * (sum(in_b) + in_tail)}
     got = {"fwd_inter": max(fe), "fwd_intra": max(fi),

@@ -131,6 +131,14 @@ def test_bytes_are_read_from_the_compiled_row():
     assert (one["share_intra"], one["share_inter"], one["tail"]) == (1.0, 0.0, 2000)
 
 
+def test_hierarchical_ring_on_one_host_is_the_flat_ring():
+    """One host: the hierarchical ring's one round is the flat ring, tail included (XLA sends
+    the finished dW as bf16, P, not A): nothing is left over against the flat schedule."""
+    row = synthetic_row(8, 1, p=1000, a=2000, tail=1000, variant="hier-expert")
+    assert cm.hier_ring_check(row, 1000, 2000, 1000) == dict.fromkeys(
+        ("fwd_inter", "fwd_intra", "bwd_inter", "bwd_intra"), 0.0)
+
+
 def test_standin_flops_against_plain_arithmetic():
     e, n, h, f = 2, 64, 256, 128
     got = cm.standin_flops(e, n, h, f)
