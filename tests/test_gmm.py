@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gmm_cases import BF16_RTOL, _assert_close, _rand
+from gmm_cases import BF16_RTOL, F32_RTOL, _assert_close, _rand
 from relaymoe_jax.kernels import gmm, tgmm
 from relaymoe_jax.kernels.gmm import reference as ref
 from relaymoe_jax.kernels.gmm import resolve_impl
@@ -100,6 +100,48 @@ class _GmmTests:
                    preferred_element_type=jnp.float32)
         assert out.dtype == jnp.float32
         _assert_close(out, want)
+
+    @pytest.mark.parametrize("transpose_rhs", [False, True])
+    def test_mixed_dtypes_multiply_in_the_16_bit_type(self, transpose_rhs):
+        """bf16 weights with f32 rows (and an f32 cotangent in the backward): the f32 operand is
+        cast to bf16 (tensor cores), never promoted: the results are those of the rounded
+        operands to f32 accuracy (bf16 products are exact in f32), which promoting misses by
+        about bf16's rounding. Gradients keep their operands' dtypes."""
+        lhs, rhs, sizes, tile_m = _case("empty_groups", transpose_rhs=transpose_rhs)
+        rhs = rhs.astype(jnp.bfloat16)
+        r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
+        mm = lambda a, b: gmm(a, b, sizes, impl=self.impl, transpose_rhs=transpose_rhs,
+                              tile_m=tile_m, preferred_element_type=jnp.float32)
+        out, vjp = jax.vjp(mm, lhs, rhs)
+        _assert_close(out, ref.gmm(r16(lhs), r16(rhs), sizes, transpose_rhs=transpose_rhs))
+        dout = _rand(9, out.shape)
+        dlhs, drhs = vjp(dout)
+        assert (dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16)
+        # "ragged_dot" is differentiated by JAX through the cast: its dlhs is bf16-rounded
+        tol = BF16_RTOL if self.impl == "ragged_dot" else F32_RTOL
+        _assert_close(dlhs, ref.gmm(r16(dout), r16(rhs), sizes, transpose_rhs=not transpose_rhs),
+                      tol)
+        want_w = (ref.tgmm(r16(dout), r16(lhs), sizes) if transpose_rhs
+                  else ref.tgmm(r16(lhs), r16(dout), sizes))
+        _assert_close(drhs, want_w, BF16_RTOL)
+        assert float(np.abs(np.asarray(out, np.float64) - ref.gmm(
+            np.asarray(lhs, np.float64), r16(rhs), sizes, transpose_rhs=transpose_rhs)).max()) \
+            > 1e-4 * float(np.abs(np.asarray(out)).max())   # promoting would give this one
+
+    def test_tgmm_mixed_dtypes_multiply_in_the_16_bit_type(self):
+        lhs, _, sizes, tile_m = _case("empty_groups", dtype=jnp.bfloat16)
+        rhs = _rand(7, (lhs.shape[0], N))                         # f32
+        r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
+        out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m,
+                   preferred_element_type=jnp.float32)
+        _assert_close(out, ref.tgmm(r16(lhs), r16(rhs), sizes))
+
+    def test_two_different_16_bit_types_are_refused(self):
+        lhs, rhs, sizes, tile_m = _case("one_group")
+        with pytest.raises(ValueError, match="two different narrow types, bfloat16 and float16"):
+            gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.float16), sizes, impl=self.impl)
+        with pytest.raises(ValueError, match="two different narrow types, float16 and bfloat16"):
+            tgmm(lhs.astype(jnp.float16), lhs.astype(jnp.bfloat16), sizes, impl=self.impl)
 
     def test_no_groups(self):
         lhs = _rand(0, (8, K))

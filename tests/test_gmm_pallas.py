@@ -156,6 +156,55 @@ def test_gmm_bf16(transpose_rhs):
     _assert_close(out, ref.gmm(lhs.astype(jnp.float32), w_gkn.astype(jnp.float32), sizes))
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_mixed_operands_multiply_in_bf16(transpose_rhs):
+    """The kernel given f32 rows and bf16 weights, and in its backward an f32 cotangent (the
+    f32 output's), multiplies the operands rounded to bf16 (the tensor-core path), not promoted:
+    f32-accurate against the rounded operands, off by bf16 rounding from the unrounded ones.
+    The row gradient stays f32, the weight gradient bf16. tests/test_gpu_compile.py reads the
+    compiled kernels' operand types and their wgmma instructions."""
+    m, sizes = SHAPE_CASES["m_not_multiple_of_block"]
+    lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))
+    rhs, w_gkn = _rhs(5, len(sizes), transpose_rhs, jnp.bfloat16)
+    r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
+    mm = lambda a, b: gp.gmm(a, b, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs,
+                             preferred_element_type=jnp.float32, **SMALL)
+    out, vjp = jax.vjp(mm, lhs, rhs)
+    want = ref.gmm(r16(lhs), r16(w_gkn), sizes)
+    _assert_close(out, want)
+    assert np.abs(np.asarray(out) - ref.gmm(np.asarray(lhs, np.float64), r16(w_gkn),
+                                            sizes)).max() > 1e-4 * np.abs(want).max()
+    dlhs, drhs = vjp(dout)
+    assert (dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16)
+    _assert_close(dlhs, ref.gmm(r16(dout), np.swapaxes(r16(w_gkn), 1, 2), sizes))
+    dw = ref.tgmm(r16(lhs), r16(dout), sizes)
+    _assert_close(drhs, np.swapaxes(dw, 1, 2) if transpose_rhs else dw, BF16_RTOL)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_zero_padding_false_gives_the_padding_rows_no_work(transpose_rhs):
+    """zero_padding=False: the real rows as before, and no program stores the padding rows of
+    the output or of the lhs gradient (the interpreter leaves unwritten rows NaN); the weight
+    gradient is unchanged (tgmm never reads padding)."""
+    m, sizes = 70, [10, 1, 0, 20, 6]           # rows 37..69 are padding: 2+ row tiles of 16
+    end = sum(sizes)
+    lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))
+    rhs, w_gkn = _rhs(5, len(sizes), transpose_rhs)
+    sizes_j = jnp.asarray(sizes, jnp.int32)
+    mm = lambda a, b: gp.gmm(a, b, sizes_j, transpose_rhs=transpose_rhs, zero_padding=False,
+                             **SMALL)
+    out, vjp = jax.vjp(mm, lhs, rhs)
+    dlhs, drhs = vjp(dout)
+    want_dlhs, want_drhs = ref.gmm_grads(np.asarray(lhs), np.asarray(rhs), sizes,
+                                         np.asarray(dout), transpose_rhs)
+    _assert_close(out[:end], ref.gmm(lhs, w_gkn, sizes)[:end])
+    _assert_close(dlhs[:end], want_dlhs[:end])
+    _assert_close(drhs, want_drhs)
+    assert np.isnan(np.asarray(out[end:])).all() and np.isnan(np.asarray(dlhs[end:])).all()
+    with pytest.raises(ValueError, match="zero_padding must be a bool, got 'no'"):
+        gp.gmm(lhs, rhs, sizes_j, zero_padding="no", **SMALL)
+
+
 def test_gmm_output_dtype_selection():
     m, sizes = SHAPE_CASES["empty_groups_g6"]
     lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn
+from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn, triton_calls
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
 from scripts import load_script
@@ -254,3 +254,100 @@ def test_h200_mesh_compiles_the_kernel():
     c = _compile(_gmm_fwd_bwd({}, False), mesh, s((T_ROWS, k), bf), s((g, k, n), bf),
                  s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((M_ROWS, n), bf))
     assert c.as_text().count(TRITON_CALL) == 3
+
+
+# ------------------------------------------------------- no float32 kernel math
+
+# The layers whose every grouped matmul must be a 16-bit kernel in bf16: the keyword sets are the
+# ones the tests above compile, so `_compiled_layer`'s cache serves both.
+BF16_LAYERS = {
+    "ring-expert": dict(dispatcher="ring", routing="expert", gmm_impl="auto"),
+    "ring-token": dict(dispatcher="ring", routing="token", gmm_impl="auto"),
+    "a2a-dropless": dict(dispatcher="alltoall", gmm_impl="pallas"),
+    "a2a-cap1.0": dict(dispatcher="alltoall", gmm_impl="pallas", capacity_factor=1.0),
+}
+
+
+def _kernel_report(calls):
+    return "\n".join(f"{c.kernel} {c.name}: {c.operands}" for c in calls)
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", sorted(BF16_LAYERS))
+def test_every_layer_kernel_takes_16_bit_operands(name):
+    """Read from the compiled 8 x H100 fwd+bwd: every Triton call of a bf16 layer receives
+    16-bit float operands only. A float32 operand would make the kernel multiply in f32 FMA
+    without the tensor cores (before the fix, 6 of the all-to-all backward's 9 kernels did)."""
+    calls = triton_calls.triton_calls(_compiled_layer(**BF16_LAYERS[name]).as_text())
+    kinds = {c.kernel for c in calls}
+    assert kinds == {"relaymoe_gmm", "relaymoe_tgmm"}, kinds
+    assert len(calls) >= 9, _kernel_report(calls)   # 3 forward, 6 backward at least
+    wide = [c for c in calls if c.wide_floats]
+    assert not wide, _kernel_report(wide)
+
+
+@needs_plugin
+@pytest.mark.parametrize("dispatcher", ["ring", "alltoall"])
+def test_train_step_kernels_take_16_bit_operands(dispatcher):
+    """The tiny model's whole train step (router, attention, experts, chunked LM loss, AdamW),
+    compute_dtype=bfloat16, compiled by XLA:GPU for 8 H100s with the trainer's options: every
+    Triton call takes 16-bit float operands."""
+    from relaymoe_jax.models.configs import load_config
+    from train import loop
+    from train import mesh as train_mesh
+    tc = loop.TrainConfig(batch_size=8, seq_len=128, compute_dtype="bfloat16")
+    sizes = train_mesh.parse_mesh(tc.mesh, EP)
+    mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
+    cfg = load_config("configs/tiny.yaml", expert_size=train_mesh.expert_size(sizes),
+                      dispatcher=dispatcher)
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        calls = triton_calls.triton_calls(loop.compile_abstract(cfg, tc, mesh, memo=False).as_text())
+    assert len(calls) >= 9 * cfg.num_hidden_layers, _kernel_report(calls)
+    wide = [c for c in calls if c.wide_floats]
+    assert not wide, _kernel_report(wide)
+
+
+def _dumped_gmm_fwd_bwd(tmp_path, x_dtype, out_dtype):
+    """gmm (x [M, K] in x_dtype, bf16 weights, output out_dtype) and its VJP compiled for one H100
+    with the Triton IR dumped: (the Triton calls, {dumped kernel: has wgmma})."""
+    mesh, s = _one_gpu(), functools.partial(_sds, _one_gpu(), P())
+    g, k, n = 4, 256, 128
+
+    def f(x, w, sizes, dout):
+        out, vjp = jax.vjp(lambda a, b: gp.gmm(a, b, sizes, preferred_element_type=out_dtype),
+                           x, w)
+        return out, *vjp(dout)
+
+    dump = tmp_path / "dump"
+    c = _compile(f, mesh, s((1024, k), x_dtype), s((g, k, n), jnp.bfloat16),
+                 s((g,), jnp.int32), s((1024, n), out_dtype),
+                 options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"})
+    return triton_calls.triton_calls(c.as_text()), triton_calls.tensor_core_kernels(dump)
+
+
+@needs_plugin
+@pytest.mark.parametrize("x_dtype, out_dtype", [(jnp.bfloat16, jnp.float32),
+                                                (jnp.float32, jnp.bfloat16)])
+def test_mixed_operands_multiply_on_the_tensor_cores(tmp_path, x_dtype, out_dtype):
+    """bf16 weights with an f32 activation, or an f32 cotangent (a float32 output's): every
+    kernel of the fwd+bwd gets bf16 operands, and every dumped kernel issues wgmma."""
+    calls, dumped = _dumped_gmm_fwd_bwd(tmp_path, x_dtype, out_dtype)
+    assert len(calls) == 3 and not [c for c in calls if c.wide_floats], _kernel_report(calls)
+    assert dumped and all(dumped.values()), dumped
+
+
+@needs_plugin
+def test_float32_kernels_stay_float32_and_are_seen(tmp_path):
+    """The negative control of the two checks above: f32 x f32 stays available (IEEE f32 math),
+    and the checks see it: f32 operands in every call, no wgmma in the dumped kernels."""
+    mesh, s = _one_gpu(), functools.partial(_sds, _one_gpu(), P())
+    dump = tmp_path / "dump"
+    f = lambda x, w, sizes: gp.gmm(x, w, sizes)
+    c = _compile(f, mesh, s((1024, 256), jnp.float32), s((4, 256, 128), jnp.float32),
+                 s((4,), jnp.int32),
+                 options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"})
+    calls = triton_calls.triton_calls(c.as_text())
+    assert len(calls) == 1 and calls[0].wide_floats == (("f32", (1024, 256)), ("f32", (4, 256, 128)))
+    dumped = triton_calls.tensor_core_kernels(dump)
+    assert dumped and not any(dumped.values()), dumped

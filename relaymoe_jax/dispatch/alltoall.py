@@ -5,7 +5,9 @@ Pipeline (paper Figure 2), each stage one buffer, no needless copies:
      [N * B, H] (one block of B rows per destination device, rows sorted by local expert);
   2. `lax.all_to_all` of the send buffer (and of the [N, E_l] counts);
   3. sort the received rows by local expert (one gather) -> [N * B, H];
-  4. grouped matmuls gate/up -> SwiGLU -> down;
+  4. grouped matmuls gate/up -> SwiGLU -> down (bf16 operands in both passes: the kernels cast
+     a float32 cotangent down, `kernels/gmm/common.py`; no work for the padding rows, which the
+     Pallas kernel leaves unwritten: `zero_padding=False`);
   5. unsort back to the receive layout;
   6. `lax.all_to_all` back;
   7. unpermute: scale by the router weight and scatter-add into [T, H].
@@ -108,10 +110,14 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
             jnp.arange(rows, dtype=jnp.int32), mode="drop")
         sorted_ok = src_of < rows
         xs_rh = plan.take_rows(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison)
+        # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
+        xs_rh = plan.mask_row_grads(xs_rh, sorted_ok)
 
     with jax.named_scope("a2a_experts"):
+        # Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel
+        # work and stay unwritten; every read of them below is a select (`where`), never a product.
         mm = lambda a, w: gmm(a, w, group_sizes, **impl_kwargs(cfg.gmm_impl),
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=jnp.float32, zero_padding=False)
         act = (jax.nn.silu(mm(xs_rh, w_gate)) * mm(xs_rh, w_up)).astype(x_th.dtype)
         ys_rh = mm(act, w_down).astype(x_th.dtype)
 

@@ -47,6 +47,24 @@ def take_rows(a, idx, ok, poison):
     return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=float("nan"))
 
 
+@jax.custom_vjp
+def mask_row_grads(a_rh, ok_r):
+    """a_rh itself; its cotangent's rows with `ok_r` False become exact zeros (a select, so NaN
+    and garbage there are dropped). For rows whose consumers leave their gradient unwritten."""
+    return a_rh
+
+
+def _mask_row_grads_fwd(a_rh, ok_r):
+    return a_rh, ok_r
+
+
+def _mask_row_grads_bwd(ok_r, ct_rh):
+    return jnp.where(ok_r[:, None], ct_rh, jnp.zeros((), ct_rh.dtype)), None
+
+
+mask_row_grads.defvjp(_mask_row_grads_fwd, _mask_row_grads_bwd)
+
+
 def pair_keys(ids_tk, num_experts):
     """[T*k] int32 sort keys: the global expert id, or `num_experts` for an out-of-range id."""
     flat = ids_tk.reshape(-1).astype(jnp.int32)

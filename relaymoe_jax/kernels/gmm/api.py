@@ -10,6 +10,13 @@ masks with selects by construction; impl="ragged_dot" meets this on CPU in
 jax 0.12, as the tests check, but that rests on XLA's lowering). Math is
 accumulated in float32. Zero groups (G == 0) give all-zero outputs.
 
+Operand dtypes (every impl, forward and backward: `common.operand_dtype`). A 16-bit operand
+(bf16, f16) meeting a float32 one is multiplied in the 16-bit type: the float32 operand is cast
+down, so the product runs on the tensor cores instead of in f32 FMA (a float32 cotangent from a
+`preferred_element_type=float32` output is the usual way in). The output dtype is unchanged.
+bf16 x f16 is refused (ValueError). Equal types multiply as they are: f32 x f32 at IEEE
+precision (`Precision.HIGHEST`, no TF32).
+
 impl="pallas" is the Pallas (Triton lowering) GPU kernel of `pallas.py`, with its
 own custom_vjp; `interpret=True` runs it on CPU with the Pallas interpreter
 (tests). "auto" picks "pallas" when the code compiles for a GPU and the blocked "xla" version
@@ -106,7 +113,7 @@ def _gather(a, rows, name):
 
 
 def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_element_type=None,
-        transpose_rhs=False, tile_m=None, lhs_rows=None) -> jax.Array:
+        transpose_rhs=False, tile_m=None, lhs_rows=None, zero_padding=True) -> jax.Array:
     """Grouped matmul: out[M, N], rows of group g times rhs[g] (rhs[g].T if transpose_rhs).
 
     Args:
@@ -116,14 +123,21 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
       impl: "auto" | "xla" | "ragged_dot" | "pallas".
       interpret: run the Pallas kernel with the Pallas interpreter (CPU tests).
       preferred_element_type: output dtype (default lhs.dtype); math is float32.
+        Operands of a 16-bit and a 32-bit float type multiply in the 16-bit one
+        (the wider is cast down: tensor cores, never f32 FMA by accident; see
+        the module docstring); bf16 x f16 raises ValueError.
       transpose_rhs: see `rhs`.
       tile_m: row-tile size of "xla" (default 128) and block_m of "pallas"
         (a power of two >= 16; default 64).
       lhs_rows: optional [M] row indices: row r is lhs[lhs_rows[r]] (lhs is then a
         [T, K] row source). "pallas" reads the rows inside the kernel (the gathered
         matrix is never built); the others gather first.
+      zero_padding: False lets "pallas" skip rows >= sum(group_sizes) (no work, left
+        unwritten in the output and the lhs gradient: garbage on a GPU); the other
+        impls still write zeros there. Only for callers that mask those rows with a
+        select wherever they read them (`pallas.gmm`).
 
-    Rows >= sum(group_sizes) come back as exact zeros. See the module docstring
+    Rows >= sum(group_sizes) come back as exact zeros (unless `zero_padding=False`). See the module docstring
     for sum(group_sizes) > M. Differentiable in lhs and rhs.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -151,7 +165,7 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
     if impl == "pallas":
         return pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                           transpose_rhs=bool(transpose_rhs), interpret=interpret,
-                          lhs_rows=lhs_rows, **_pallas_blocks(tile_m))
+                          lhs_rows=lhs_rows, zero_padding=zero_padding, **_pallas_blocks(tile_m))
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
     return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
@@ -164,8 +178,8 @@ def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False
     This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
     integer. `num_groups` (optional) states G and must equal len(group_sizes).
     Rows >= sum(group_sizes) are ignored in both operands, NaN included; empty
-    groups give exact zeros. Differentiable in lhs and rhs. `impl`, `interpret`
-    and `tile_m` as in `gmm`; `lhs_rows` / `rhs_rows` gather either operand's
+    groups give exact zeros. Differentiable in lhs and rhs. `impl`, `interpret`,
+    `tile_m` and the operand-dtype rule (bf16 x f32 multiplies in bf16) as in `gmm`; `lhs_rows` / `rhs_rows` gather either operand's
     rows like gmm's `lhs_rows` (fused into the kernel by "pallas").
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)

@@ -6,7 +6,12 @@ as 0, and groups are cut at row M. Rows >= sum(group_sizes) are padding. gmm
 returns exact zeros there, and neither op ever loads them, so NaN/Inf in padding
 rows cannot leak into other rows or into the weight gradient. Math accumulates
 in float32. float32 operands use IEEE dots (`Precision.HIGHEST`, no TF32), and
-narrower operands use the tensor cores' native bf16/f16 path.
+narrower operands use the tensor cores' native bf16/f16 path (wgmma on Hopper).
+Mixed operands follow `common.operand_dtype`: a 16-bit operand with a float32
+one (a float32 cotangent, in the backward of a float32-output gmm) multiplies in
+the 16-bit type, the float32 operand cast down before the kernel; promoting
+would lower to `tt.dot(f32, f32)` in IEEE f32 FMA, spilling registers (it ran
+our all-to-all's backward ~160x slower on an H200). bf16 x f16 is refused.
 
 gmm kernel, `out[M, N]`. Grid = (work item, n tile). The grid must be static, and
 the Triton backend has no scalar prefetch, so the work list is computed with jnp
@@ -24,9 +29,13 @@ A program:
      outside [lo, hi), and K/N past the array edge, are never read;
   3. does a masked store of rows [lo, hi) of its n tile.
 Padding items (group G) run zero K iterations and store the zero accumulator.
+With `zero_padding=False` there is no group G: the padding rows get no work
+item at all (their programs exit at once), so a mostly-padding buffer, such as
+the static dropless all-to-all's, costs the work of its real rows only; those
+rows, in the output and in the lhs gradient, are then left unwritten.
 
-Zero-row guarantee. A GPU leaves unwritten memory as garbage, so every element
-of `out` must be stored. It is, exactly once, and nothing else writes it. The
+Zero-row guarantee (the default). A GPU leaves unwritten memory as garbage, so
+every element of `out` must be stored. It is, exactly once, and nothing else writes it. The
 G + 1 groups, real plus padding, partition the rows [0, M). Each (tile, group)
 intersection is exactly one work item. The n grid axis covers [0, N). So
 padding rows receive an explicit zero store. No memset and no
@@ -96,6 +105,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from relaymoe_jax.first_order import first_order
+from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
 from relaymoe_jax.kernels.gmm.xla import clamp_group_bounds, match_vma, work_items
 
 DEFAULT_BLOCK_M = 64
@@ -114,6 +124,7 @@ class Config:
     num_warps: int | None = None  # None: 4
     num_stages: int | None = None  # None: 3 for <= 2-byte operands, else 2
     interpret: bool = False
+    zero_padding: bool = True  # gmm: store zeros in rows >= sum(group_sizes) (False: skip them)
 
 
 def _check_block(name: str, block) -> int:
@@ -156,11 +167,6 @@ def _compiler_params(cfg: Config, name: str, tiles) -> plt.CompilerParams:
         while stages > 1 and stages * per_stage > SMEM_BYTES:
             stages -= 1
     return plt.CompilerParams(num_warps=cfg.num_warps or 4, num_stages=stages)
-
-
-def _precision(compute) -> lax.Precision:
-    """HIGHEST (IEEE, no TF32) for float32 math; the native MMA path otherwise."""
-    return lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _in_bounds(start, size: int, bound: int):
@@ -256,7 +262,7 @@ def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
             w = _load(w_ref.at[w_g, pl.ds(k0, bk), pl.ds(n0, bn)], _and(k_ok, cols_ok))
         return acc_tn + lax.dot_general(
             x_tk.astype(compute), w.astype(compute), (contract, ((), ())),
-            precision=_precision(compute), preferred_element_type=jnp.float32)
+            precision=precision(compute), preferred_element_type=jnp.float32)
 
     acc_tn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bm, bn), jnp.float32))
     store_ok = own_t[:, None] if cols_ok is None else own_t[:, None] & cols_ok[None, :]
@@ -264,13 +270,17 @@ def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
               mask=jnp.broadcast_to(store_ok, (bm, bn)))
 
 
-def _gmm_items(group_sizes_g, m: int, bm: int):
-    """Holds the int32 work-item arrays (group, row0, lo, hi), padding group included."""
+def _gmm_items(group_sizes_g, m: int, bm: int, zero_padding: bool = True):
+    """Holds the int32 work-item arrays (group, row0, lo, hi): the padding rows [sum, M) are group
+    G when `zero_padding` (its items store zeros), else not visited at all."""
     start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    sizes_ext = jnp.concatenate([end_g - start_g, (m - end_g[-1:])])  # group G = padding
+    if zero_padding:
+        sizes_ext = jnp.concatenate([end_g - start_g, (m - end_g[-1:])])  # group G = padding
+        start_x = jnp.concatenate([start_g, end_g[-1:]])
+        end_x = jnp.concatenate([end_g, jnp.full((1,), m, jnp.int32)])
+    else:
+        sizes_ext, start_x, end_x = end_g - start_g, start_g, end_g
     items = work_items(sizes_ext, m, bm)
-    start_x = jnp.concatenate([start_g, end_g[-1:]])
-    end_x = jnp.concatenate([end_g, jnp.full((1,), m, jnp.int32)])
     row0_i = items.tile_i * bm
     real_i = jnp.arange(items.group_i.shape[0]) < items.count
     lo_i = jnp.where(real_i, jnp.maximum(start_x[items.group_i], row0_i), 0)
@@ -286,8 +296,9 @@ def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, c
     if m == 0 or n == 0 or k == 0 or num_groups == 0 or x.shape[0] == 0:
         return jnp.zeros((m, n), out_dtype)
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
-    meta = _gmm_items(group_sizes_g, m, bm)
-    compute = jnp.promote_types(x.dtype, w_gkn.dtype)
+    meta = _gmm_items(group_sizes_g, m, bm, cfg.zero_padding)
+    compute = operand_dtype(x.dtype, w_gkn.dtype)   # bf16 x f32 -> bf16 (tensor cores)
+    x, w_gkn = x.astype(compute), w_gkn.astype(compute)
     kernel = functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk, transpose_rhs=transpose_rhs,
                                gather=rows_m is not None, compute=compute)
     rows = () if rows_m is None else (rows_m,)
@@ -328,7 +339,7 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: 
         y_tn = _load_rows(y_ref, y_src, r0, bm, n0, bn, _and(rows_ok, n_ok))
         return acc_kn + lax.dot_general(
             x_tk.astype(compute), y_tn.astype(compute), (((0,), (0,)), ((), ())),
-            precision=_precision(compute), preferred_element_type=jnp.float32)
+            precision=precision(compute), preferred_element_type=jnp.float32)
 
     trips = pl.cdiv(end - start, jnp.int32(bm))   # int32 under x64 too
     acc_kn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bk, bn), jnp.float32))
@@ -349,7 +360,8 @@ def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config):
         return jnp.zeros((num_groups, k, n), out_dtype)
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
     start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    compute = jnp.promote_types(x.dtype, y.dtype)
+    compute = operand_dtype(x.dtype, y.dtype)      # bf16 x f32 -> bf16 (tensor cores)
+    x, y = x.astype(compute), y.astype(compute)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, compute=compute,
                                gather_x=x_rows_m is not None, gather_y=y_rows_m is not None)
     rows = tuple(r for r in (x_rows_m, y_rows_m) if r is not None)
@@ -447,10 +459,14 @@ _tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
 # -------------------------------------------------------------- public entry
 
 
-def _config(block_m, block_n, block_k, num_warps, num_stages, interpret) -> Config:
+def _config(block_m, block_n, block_k, num_warps, num_stages, interpret,
+            zero_padding=True) -> Config:
     """Holds the checked static configuration."""
+    if not isinstance(zero_padding, (bool, np.bool_)):
+        raise ValueError(f"zero_padding must be a bool, got {zero_padding!r}")
     return Config(_check_block("block_m", block_m), _check_block("block_n", block_n),
-                  _check_block("block_k", block_k), num_warps, num_stages, bool(interpret))
+                  _check_block("block_k", block_k), num_warps, num_stages, bool(interpret),
+                  bool(zero_padding))
 
 
 def _rows(rows, name: str):
@@ -472,7 +488,8 @@ def _with_vma(*operands):
 
 def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=False,
         lhs_rows=None, interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
-        block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None) -> jax.Array:
+        block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None,
+        zero_padding=True) -> jax.Array:
     """Grouped matmul by the Pallas kernel: out[M, N], rows of group g @ rhs[g].
 
     Args:
@@ -480,6 +497,7 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=Fal
       rhs: [G, K, N], or [G, N, K] when `transpose_rhs` (then rhs[g].T is used).
       group_sizes: [G] integer rows per group (traced values are fine).
       preferred_element_type: output dtype (default lhs.dtype); math is float32.
+        bf16 x f32 operands multiply in bf16 (the f32 one cast down; module doc).
       transpose_rhs: see `rhs`.
       lhs_rows: optional [M] integer row indices, the fused row gather: grouped
         row r is lhs[lhs_rows[r]] (clamped into [0, T)), read straight from
@@ -490,14 +508,19 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=Fal
       block_m, block_n, block_k: tile sizes, powers of two >= 16; each is
         shrunk to the next power of two of its dimension when that is smaller.
       num_warps, num_stages: Triton launch parameters (None: see module doc).
+      zero_padding: False leaves rows >= sum(group_sizes) unwritten, in the output
+        and in the (unfused) lhs gradient: garbage on a GPU, NaN in interpret mode.
+        No program is launched for them, so the work is that of the real rows only.
+        For callers whose every reader of those rows masks them with a select
+        (never a multiply: 0 * NaN is NaN), as the all-to-all's does.
 
-    Rows >= sum(group_sizes) come back as exact zeros and are never read.
-    Differentiable in lhs and rhs; the backward pass is gmm and tgmm kernels.
+    Rows >= sum(group_sizes) come back as exact zeros (see `zero_padding`) and are
+    never read. Differentiable in lhs and rhs; the backward pass is gmm and tgmm kernels.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"need lhs [M, K] and rhs 3-D, got {lhs.shape} and {rhs.shape}")
-    cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret)
+    cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret, zero_padding)
     out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
                          else preferred_element_type)
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)

@@ -19,19 +19,14 @@ import numpy as np
 from jax import lax
 
 from relaymoe_jax.first_order import first_order
+from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
 from relaymoe_jax.kernels.gmm.xla import clamp_group_sizes, match_vma
-
-
-def _precision(*dtypes) -> lax.Precision:
-    """HIGHEST for float32 math, default otherwise."""
-    compute = jnp.result_type(*dtypes)
-    return lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
 
 
 def gmm_ragged(x_mk, w_gkn, group_sizes_g, transpose_rhs: bool, out_dtype) -> jax.Array:
     """Holds out[M, N] = rows of group g @ w[g] (or w[g].T); rows past the sum are 0."""
     m = x_mk.shape[0]
-    compute = jnp.promote_types(x_mk.dtype, w_gkn.dtype)
+    compute = operand_dtype(x_mk.dtype, w_gkn.dtype)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2 if transpose_rhs else 1]), ([], [])),
         lhs_ragged_dimensions=[0],
@@ -40,7 +35,7 @@ def gmm_ragged(x_mk, w_gkn, group_sizes_g, transpose_rhs: bool, out_dtype) -> ja
     out_mn = lax.ragged_dot_general(
         x_mk.astype(compute), w_gkn.astype(compute),
         clamp_group_sizes(group_sizes_g, m), dims,
-        precision=_precision(x_mk.dtype, w_gkn.dtype),
+        precision=precision(compute),
         preferred_element_type=jnp.float32,
     )
     return out_mn.astype(out_dtype)
@@ -76,7 +71,7 @@ _tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
 def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, out_dtype) -> jax.Array:
     """Holds out[G, K, N] = x[rows of g].T @ y[rows of g] (ragged contracting dim)."""
     m = x_mk.shape[0]
-    compute = jnp.promote_types(x_mk.dtype, y_mn.dtype)
+    compute = operand_dtype(x_mk.dtype, y_mn.dtype)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0],
@@ -85,7 +80,7 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, out_dtype) -> jax.Array:
     out_gkn = lax.ragged_dot_general(
         x_mk.astype(compute), y_mn.astype(compute),
         clamp_group_sizes(group_sizes_g, m), dims,
-        precision=_precision(x_mk.dtype, y_mn.dtype),
+        precision=precision(compute),
         preferred_element_type=jnp.float32,
     )
     return out_gkn.astype(out_dtype)

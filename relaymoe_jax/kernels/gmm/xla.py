@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from relaymoe_jax.first_order import first_order
+from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
 from relaymoe_jax.late import late_zero
 
 DEFAULT_TILE_M = 128
@@ -93,12 +94,6 @@ def _tile_rows(items: WorkItems, i: jax.Array, m: int, tm: int):
     return g, row0, (rows_t >= lo) & (rows_t < hi)
 
 
-def _precision(*dtypes) -> lax.Precision:
-    """HIGHEST for float32 math (no TF32 on GPU); default for narrower types."""
-    compute = jnp.result_type(*dtypes)
-    return lax.Precision.HIGHEST if compute == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _zeros_like_vma(shape, dtype, *operands) -> jax.Array:
     """Holds zeros typed as varying over every shard_map axis any operand varies over.
 
@@ -135,8 +130,8 @@ def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
         return jnp.zeros((0, n), out_dtype)
     tm = min(tm, m)
     items = work_items(group_sizes_g, m, tm)
-    compute = jnp.promote_types(x_mk.dtype, w_gkn.dtype)
-    precision = _precision(x_mk.dtype, w_gkn.dtype)
+    compute = operand_dtype(x_mk.dtype, w_gkn.dtype)
+    prec = precision(compute)
     contract = ((1,), (1,)) if transpose_rhs else ((1,), (0,))
 
     def body(carry):
@@ -146,7 +141,7 @@ def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
         w_kn = lax.dynamic_index_in_dim(w_gkn, g, keepdims=False).astype(compute)
         y_tn = lax.dot_general(
             x_tk, w_kn, (contract, ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
+            precision=prec, preferred_element_type=jnp.float32,
         ).astype(out_dtype)
         cur_tn = lax.dynamic_slice(out_mn, (row0, _I0), (tm, n))
         new_tn = jnp.where(own_t[:, None], y_tn, cur_tn)
@@ -166,8 +161,8 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype):
         return jnp.zeros((num_groups, k, n), out_dtype)
     tm = min(tm, m)
     items = work_items(group_sizes_g, m, tm)
-    compute = jnp.promote_types(x_mk.dtype, y_mn.dtype)
-    precision = _precision(x_mk.dtype, y_mn.dtype)
+    compute = operand_dtype(x_mk.dtype, y_mn.dtype)
+    prec = precision(compute)
 
     def body(carry):
         i, acc_gkn = carry
@@ -179,7 +174,7 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype):
         y_tn = jnp.where(own_t[:, None], y_tn, jnp.zeros((), compute))
         d_kn = lax.dot_general(
             x_tk, y_tn, (((0,), (0,)), ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
+            precision=prec, preferred_element_type=jnp.float32,
         )
         cur_1kn = lax.dynamic_slice(acc_gkn, (g, _I0, _I0), (1, k, n))
         return i + 1, lax.dynamic_update_slice(acc_gkn, cur_1kn + d_kn[None], (g, _I0, _I0))
