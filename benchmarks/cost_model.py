@@ -3,14 +3,17 @@
 
 Bytes come from the compiled XLA:GPU programs (`benchmarks/scaling.py --json`: per-device
 collective-permute and all-to-all bytes by link class, one ring hop's bytes); FLOPs from XLA:CPU's
-`cost_analysis()` of a stand-in that does one hop's work under balanced routing; time from three
-assumed constants (NVLink and NIC bandwidth per direction, bf16 throughput) and the rules of
+`cost_analysis()` of a stand-in that does one hop's work under balanced routing; time from two
+assumed constants (NVLink and NIC bandwidth per direction), the compute rates (measured on a GPU
+where `benchmarks/gpu.py --json` wrote them, else assumed: bf16 throughput) and the rules of
 `relaymoe_jax.costmodel` (its docstring has the formulas and the constants' sources). Expert
-routing (what routing="auto" picks at the paper shape).
+routing (what routing="auto" picks at the paper shape). The output starts by saying which
+compute figures are measured and which assumed.
 
     python benchmarks/cost_model.py [--scaling-json benchmarks/results/scaling.json ...] \
         [--check-tokens 15360] [--tokens 4096 ... 131072] [--tflops 346.3] [--nvlink-gbs 450] \
-        [--nic-gbs 50] [--out docs/img/cost_model.png]
+        [--nic-gbs 50] [--measurements benchmarks/results/gpu.json | none] \
+        [--out docs/img/cost_model.png]
 
 Without --scaling-json (or when a needed row is missing) it runs `benchmarks/scaling.py` for the
 missing (EP, variant) rows first (XLA:GPU compiles, minutes at EP=64), into --scaling-out;
@@ -57,8 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=positive_int, nargs="+", default=DEFAULT_TOKENS,
                    help="tokens per device to predict (default %(default)s)")
     p.add_argument("--tflops", type=positive_float, default=cm.DEFAULT_TFLOPS,
-                   help=f"bf16 matmul throughput per GPU, TFLOP/s (default {cm.DEFAULT_TFLOPS} = "
-                        f"{cm.EFFICIENCY} x the H100 SXM dense peak {cm.H100_BF16_TFLOPS})")
+                   help=f"assumed bf16 matmul throughput per GPU where not measured, TFLOP/s "
+                        f"(default {cm.DEFAULT_TFLOPS} = {cm.EFFICIENCY} x the H100 SXM dense "
+                        f"peak {cm.H100_BF16_TFLOPS})")
+    p.add_argument("--measurements", metavar="PATH", default=None,
+                   help="benchmarks/gpu.py --json output with measured compute rates (default: "
+                        f"{cm.MEASUREMENTS.relative_to(cm.REPO)} if it exists); 'none': assume")
     p.add_argument("--nvlink-gbs", type=positive_float, default=cm.NVLINK_GBS,
                    help="NVLink GB/s per direction per GPU (default %(default)s, H100 NVLink 4)")
     p.add_argument("--nic-gbs", type=positive_float, default=cm.NIC_GBS,
@@ -71,7 +78,20 @@ def parse_args(argv=None):
     for path in a.scaling_json:
         if not os.path.isfile(path):
             p.error(f"--scaling-json {path}: no such file")
+    if a.measurements not in (None, "none") and not os.path.isfile(a.measurements):
+        p.error(f"--measurements {a.measurements}: no such file")
     return a
+
+
+def compute_rates(args, hidden, ffn) -> cm.ComputeRates:
+    """The forward and backward compute rates: measured (--measurements) or assumed (--tflops)."""
+    if args.measurements == "none":
+        return cm.ComputeRates(cm.assumed_rate(args.tflops), cm.assumed_rate(args.tflops))
+    try:
+        return cm.load_rates(args.measurements, assumed_tflops=args.tflops, hidden=hidden,
+                             ffn=ffn)
+    except cm.MeasurementError as e:
+        sys.exit(f"cost_model.py: error: --measurements: {e}")
 
 
 def load_rows(paths):
@@ -142,14 +162,20 @@ def main(argv=None):
     experts, hidden, ffn = shape
     k = args.top_k
     links = cm.Links(args.nvlink_gbs * 1e9, args.nic_gbs * 1e9)
-    rate = args.tflops * 1e12
+    rates = compute_rates(args, hidden, ffn)
     mib = lambda b: fmt(b / 2**20)
 
-    print("# A MODEL ON PAPER, NOT A MEASUREMENT: nothing here ran on a GPU or a network.")
+    measured = [r for r in (rates.fwd, rates.bwd) if r.measured]
+    print("# A MODEL ON PAPER, NOT A MEASUREMENT: " +
+          ("nothing here ran on a network; its compute rates were measured on one GPU (below)."
+           if measured else "nothing here ran on a GPU or a network."))
+    print("".join(f"# {line}\n" for line in rates.report()), end="")
     print(f"# shape: E={experts} k={k} H={hidden} F={ffn} bf16, expert routing, hosts of "
           f"{GPUS_PER_HOST} H100; assumed: NVLink {fmt(args.nvlink_gbs, 0)} GB/s and NIC "
-          f"{fmt(args.nic_gbs, 0)} GB/s per direction per GPU, {fmt(args.tflops)} TFLOP/s bf16 "
-          f"(H100 SXM dense peak {cm.H100_BF16_TFLOPS} x {args.tflops / cm.H100_BF16_TFLOPS:.3f})")
+          f"{fmt(args.nic_gbs, 0)} GB/s per direction per GPU; compute: "
+          + ("measured rates on the GPU run's FLOP count (6 and 12 x pairs x H x F, "
+             "relaymoe_jax.costmodel.hop_flops), " if measured else "")
+          + ("assumed rates on the stand-in's FLOPs" if len(measured) < 2 else "").rstrip(", "))
     print("# bytes: compiled XLA:GPU programs (benchmarks/scaling.py JSON); FLOPs: XLA:CPU "
           "cost_analysis of the stand-in; rules: relaymoe_jax/costmodel.py", flush=True)
 
@@ -216,18 +242,18 @@ def main(argv=None):
     head = ("EP", "T/dev", "pairs per expert per hop", "hop fwd GFLOP", "hop fwd+bwd GFLOP",
             "a2a fwd+bwd GFLOP", "units/pair: fwd, vjp, a2a bwd")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    flops = {}
+    secs = {}
     for ep in args.ep:
         el = experts // ep
         for t in args.tokens:
             n = cm.pairs_per_expert(t, k, experts)
             hop = cm.standin_flops(el, n, hidden, ffn)
             full = cm.standin_flops(el, ep * n, hidden, ffn)
-            flops[ep, t] = (hop["fwd"], hop["fwd"] + hop["vjp"], full["fwd"] + full["bwd"],
-                            full["fwd"] + full["vjp"])
+            secs[ep, t] = compute_seconds(rates, hop, full, el * n, ep, hidden, ffn)
             unit = 2 * hidden * ffn * el * n
             print(f"| {ep} | {t:,} | {n:,} | {fmt(hop['fwd'] / 1e9)} | "
-                  f"{fmt(flops[ep, t][1] / 1e9)} | {fmt(flops[ep, t][2] / 1e9)} | "
+                  f"{fmt((hop['fwd'] + hop['vjp']) / 1e9)} | "
+                  f"{fmt((full['fwd'] + full['bwd']) / 1e9)} | "
                   f"{hop['fwd'] / unit:.3f}, {hop['vjp'] / unit:.3f}, "
                   f"{full['bwd'] / (unit * ep):.3f} |", flush=True)
 
@@ -248,11 +274,10 @@ def main(argv=None):
         fl = cm.flat_levels(ep, b["share_intra"], b["share_inter"])
         hl = cm.hier_levels(hosts, local)
         for t in args.tokens:
-            f_hop, fb_hop, f_a2a, f_a2a_remat = flops[ep, t]
-            c_f, c_b = f_hop / rate, (fb_hop - f_hop) / rate
+            c_f, c_b, c_a2a, c_a2a_remat = secs[ep, t]
             r_flat = cm.ring_layer_time(fl, c_f, c_b, p, a, links, b["tail"])
             r_hier = cm.ring_layer_time(hl, c_f, c_b, p, a, links, b["tail"])
-            r_a2a = cm.alltoall_time(f_a2a, *cm.alltoall_bytes(a2a, t), rate, links)
+            r_a2a = cm.alltoall_time_s(c_a2a, *cm.alltoall_bytes(a2a, t), links)
             compute = ep * (c_f + c_b)
 
             def what(level, c, nbytes, hops=1):
@@ -268,7 +293,7 @@ def main(argv=None):
                 w_in = what(inner, c, nb)
                 w_out = what(hl[0], c, nb, hops=inner.n) if len(hl) > 1 else "compute"
                 hb.append(w_out if w_out != "compute" else w_in)
-            r_remat = cm.alltoall_time(f_a2a_remat, *cm.alltoall_bytes(a2a, t), rate, links)
+            r_remat = cm.alltoall_time_s(c_a2a_remat, *cm.alltoall_bytes(a2a, t), links)
             pred[ep, t] = dict(a2a=r_a2a["total"], flat=r_flat["total"], hier=r_hier["total"],
                                compute=compute, a2a_remat=r_remat["total"],
                                a2a_comm=r_a2a["comm"])
@@ -297,10 +322,9 @@ def main(argv=None):
         p, a = b["payload"], b["acc"]
         fl = cm.flat_levels(ep, b["share_intra"], b["share_inter"])[0]
         outer, inner = cm.Level(hosts, 0.0, 1.0), cm.Level(local, 1.0, 0.0)
-        f_hop, fb_hop = flops[ep, t_ref][:2]
-        per_tok = (f_hop / t_ref, (fb_hop - f_hop) / t_ref)
-        th = lambda level, nb, ft, hops=1: cm.threshold_tokens(
-            cm.transfer_time(nb, level, links), hops * ft, rate)
+        per_tok = tuple(c / t_ref for c in secs[ep, t_ref][:2])   # compute s per token
+        th = lambda level, nb, st, hops=1: cm.threshold_tokens(
+            cm.transfer_time(nb, level, links), hops * st, 1.0)
         flat_l = [th(fl, nb, ft) for nb, ft in zip((p, p + a), per_tok)]
         nvl_l = [th(inner, nb, ft) for nb, ft in zip((p, p + a), per_tok)]
         out_l = ([th(outer, nb, ft, inner.n) for nb, ft in zip((p, p + a), per_tok)]
@@ -347,14 +371,34 @@ def main(argv=None):
             f"{pred[ep, t]['a2a'] / pred[ep, t]['flat']:.2f}x (EP {ep})" for ep in args.ep) +
             "; a2a / hierarchical ring " + ", ".join(
             f"{pred[ep, t]['a2a'] / pred[ep, t]['hier']:.2f}x (EP {ep})" for ep in args.ep) + ".")
-    print(f"- Both lines scale with --tflops (x{args.tflops / cm.DEFAULT_TFLOPS:.2f} of the "
-          f"default here) and inversely with the link's bandwidth.")
+    print(f"- Both lines scale with the compute rates (here {rates_text(rates)}) and inversely "
+          f"with the link's bandwidth.")
 
-    out = plot(args, pred, lines, Path(args.out))
+    out = plot(args, rates, pred, lines, Path(args.out))
     print(f"\n# plot: {out}")
 
 
-def plot(args, pred, lines, out: Path) -> Path:
+def compute_seconds(rates, hop, full, pairs, ep, hidden, ffn):
+    """(ring hop fwd, ring hop bwd, a2a fwd+bwd, a2a fwd+bwd with the forward recomputed) compute
+    seconds: `hop` / `full` the stand-in FLOPs of one hop's `pairs` pairs / of the device's
+    ep * pairs (used where a rate is assumed)."""
+    fwd = lambda fl, n: rates.forward_s(fl["fwd"], n, hidden, ffn)
+    bwd = lambda fl, key, n, again: rates.backward_s(fl[key], n, hidden, ffn, recompute=again)
+    n_all = ep * pairs
+    return (fwd(hop, pairs), bwd(hop, "vjp", pairs, True),
+            fwd(full, n_all) + bwd(full, "bwd", n_all, False),
+            fwd(full, n_all) + bwd(full, "vjp", n_all, True))
+
+
+def rates_text(rates) -> str:
+    """The compute rates in a few words, e.g. 'fwd 312.5 / bwd 288.1 TFLOP/s, measured'."""
+    kind = lambda r: "measured" if r.measured else "assumed"
+    same = kind(rates.fwd) == kind(rates.bwd)
+    return (f"fwd {rates.fwd.tflops:.4g} / bwd {rates.bwd.tflops:.4g} TFLOP/s, "
+            + (kind(rates.fwd) if same else f"{kind(rates.fwd)} / {kind(rates.bwd)}"))
+
+
+def plot(args, rates, pred, lines, out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -380,7 +424,7 @@ def plot(args, pred, lines, out: Path) -> Path:
     axes[0].set_ylabel("predicted ms per layer (fwd+bwd)")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"A cost model, not a measurement: NVLink {args.nvlink_gbs:g} GB/s, NIC "
-                 f"{args.nic_gbs:g} GB/s per direction, {args.tflops:g} TFLOP/s bf16\n"
+                 f"{args.nic_gbs:g} GB/s per direction, compute {rates_text(rates)}\n"
                  "dashed: where the flat (orange) / hierarchical (green) ring stops hiding its "
                  "transfers", fontsize=9)
     out.parent.mkdir(parents=True, exist_ok=True)

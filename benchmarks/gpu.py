@@ -1,7 +1,11 @@
-"""One prepared GPU run: grouped-matmul kernel TFLOP/s and the MoE layer's fwd+bwd time and memory.
+"""One prepared GPU run: what the cost model assumes, measured on one H100/H200.
 
-Run on one H100/H200: `python benchmarks/gpu.py` (about 5 minutes). The first output line is the
-command that reproduces the output, the second the jax version, device kind and date. Sections:
+Run on one H100/H200 (the whole run within about 7 minutes; `--budget-min` skips what is left
+after 6.5): `python benchmarks/gpu.py --json benchmarks/results/gpu.json`. The first output line
+is the command that reproduces the output, the second the jax version, device kind and date.
+`--json PATH` also writes every figure (below) to PATH, which `relaymoe_jax.costmodel.load_rates`
+reads (benchmarks/cost_model.py then uses the measured compute rates instead of its assumed one);
+nothing is written without it. Sections, in this order:
 
 1. `## MoE layer` -- `moe_ffn` fwd+bwd on one device (mesh of 1, expert axis of size 1): ring
    (expert and token routing) vs all-to-all (dropless, and capacity factor 1.0), gmm_impl="pallas".
@@ -11,22 +15,32 @@ command that reproduces the output, the second the jax version, device kind and 
    (`compiled.memory_analysis().temp_size_in_bytes`, compile-only) for fwd and fwd+bwd; the run
    peak from `jax.devices()[0].memory_stats()`; fwd+bwd time; expert TFLOP/s (18*T*k*H*F per
    fwd+bwd: three matmuls, forward + two gradients each); pairs the capacity dropped; the largest
-   |y - y_ring_expert| / max|y_ring_expert|. This section runs first, before the kernels allocate
+   |y - y_ring_expert| / max|y_ring_expert|. This section runs first, before the others allocate
    anything, because the allocator's peak cannot be reset (see `layer_section`).
-2. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs (and gradients):
-   our Pallas `gmm` (impl="pallas": the default config, plus a few block configs), XLA's
-   `lax.ragged_dot` (impl="ragged_dot"), and JAX's Mosaic-GPU `ragged_dot_mgpu.ragged_dot` (its
-   fwd+bwd is that kernel for dlhs with transpose_rhs=True, and `transposed_ragged_dot_mgpu` for
-   drhs). Shapes are per device, M = tokens*k = 65536 routed rows: Qwen3-30B-A3B gate/up (K=H=2048,
-   N=F=768, G=16 local experts) and down (K=768, N=2048), and E384 (H=F=2048, G=48; gate/up and
-   down have the same shape). Group patterns, both summing to M: balanced (equal sizes) and skewed
-   (half the rows in group 0, the rest Zipf 1/r over the other groups, every 4th group empty).
-   TFLOP/s = 2*M*K*N / time for the forward, 3 * 2*M*K*N (forward, dlhs, drhs) for fwd+bwd.
-   `% peak` is against the dense bf16 peak of the device kind (printed; `--peak-tflops` sets it).
-   err = max|out - ref| / max|ref| against the float64 numpy reference (`kernels/gmm/reference.py`)
-   on sampled rows (`--check-rows`; all rows when M is no larger) and, for drhs, up to 64 sampled
-   columns; err bwd is the larger of dlhs's and drhs's. `check` is "ok" when both are within the
-   bf16 tolerance TOL, else "ERR > tol".
+2. `## One ring hop` -- the compute of one hop of the paper's ring (E=128 over EP=8: E_l=16
+   local experts, k=8, H=2048, F=768, bf16, T=61,440 tokens per device): a hop computes the
+   balanced share T*k/EP = 61,440 pairs, so on one device `moe_ffn(dispatcher="ring",
+   routing="expert", gmm_impl="pallas")` with 16 experts and 61,440/8 = 7,680 tokens (k=8: the
+   same 61,440 pairs, all on the one device) is that hop. Timed at two chunk sizes: the default
+   (`dispatch.chunking.default_chunk(61_440, 8, 8, 128)`) and the balanced share (one chunk, the
+   old default). fwd ms; bwd ms = fwd+bwd - fwd; TFLOP/s = 6*pairs*H*F / fwd and 12*pairs*H*F /
+   bwd (`costmodel.hop_flops`: the three matmuls and their six gradients; the ring's backward
+   also recomputes gate and up, not counted). These are the cost model's compute term.
+3. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs: the three passes of
+   one grouped matmul timed apart: fwd out = x @ W_g, dx = dout @ W_g^T (gmm with
+   transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: our Pallas gmm/tgmm (impl="pallas":
+   the default config and the block configs of PALLAS_CONFIGS, from tokamax's H100 autotuning
+   data), XLA's `lax.ragged_dot` (impl="ragged_dot"), and JAX's Mosaic-GPU
+   `ragged_dot_mgpu.ragged_dot` (dx: the same kernel with transpose_rhs=True; dW:
+   `transposed_ragged_dot_mgpu`). Shapes are per device, M = tokens*k = 65536 routed rows:
+   Qwen3-30B-A3B gate/up (K=H=2048, N=F=768, G=16 local experts) and down (K=768, N=2048), and
+   E384 (H=F=2048, G=48; gate/up and down have the same shape). Group patterns, both summing to
+   M: balanced (equal sizes) and skewed (half the rows in group 0, the rest Zipf 1/r over the
+   other groups, every 4th group empty). TFLOP/s = 2*M*K*N / time for each pass. `% peak` is
+   against the dense bf16 peak of the device kind (printed; `--peak-tflops` sets it). err =
+   max|out - ref| / max|ref| against the float64 numpy reference (`kernels/gmm/reference.py`) on
+   sampled rows (`--check-rows`; all rows when M is no larger) and, for dW, up to 64 sampled
+   columns. `check` is "ok" when all three are within the bf16 tolerance TOL, else "ERR > tol".
 
 Time = median over `--runs` runs, after `--warmup` calls, of the wall time of `--inner` back-to-back
 calls ended by `jax.block_until_ready`, divided by `--inner` (a call slower than 10 ms is timed
@@ -35,21 +49,26 @@ a failure prints `error: ...` (`n/a: ...` for the Mosaic-GPU kernel, e.g. on a n
 the run goes on. Once `--budget-min` minutes have passed, the remaining cases are skipped (said so).
 
 `--tiny` shrinks every shape so it runs anywhere (M=256, K, N in {32, 64}, G in {4, 8}; the layer at
-E=4, k=2, H=F=32, T=64). `--interpret` (needs `--tiny`) runs the Pallas kernel with interpret=True,
-the Mosaic-GPU kernels under `plgpu.force_gpu_interpret_mode` and the layer with
-gmm_impl="pallas-interpret": this is how tests/test_gpu_script.py runs the script on CPU. Its
-times only show that the code runs. Without `--interpret` the script needs a GPU.
+E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128). `--interpret`
+(needs `--tiny`) runs the Pallas kernel with interpret=True, the Mosaic-GPU kernels under
+`plgpu.force_gpu_interpret_mode` and the layer and hop with gmm_impl="pallas-interpret": this is
+how tests/test_gpu_script.py runs the script on CPU. Its times only show that the code runs.
+Without `--interpret` the script needs a GPU.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import json
 import math
 import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
+from relaymoe_jax import costmodel
 from relaymoe_jax.argtypes import non_negative_int, positive_float, positive_int
 
 SCRIPT = "benchmarks/gpu.py"
@@ -62,9 +81,32 @@ TINY_SHAPES = [("qwen-like gate/up", 256, 64, 32, 4),
                ("qwen-like down", 256, 32, 64, 4),
                ("e384-like", 256, 64, 64, 8)]
 PATTERNS = ("balanced", "skewed")
-# Pallas configs: "default" (api.gmm(impl="pallas")) or "block_m,block_n,block_k[,warps[,stages]]"
-PALLAS_CONFIGS = ["default", "128,128,64,8,3", "128,256,64,8", "64,256,64,4,3"]
-# (128x256x64 with its stages fitted to shared memory: 3 stages of its tgmm need 245,760 bytes)
+PASSES = ("fwd", "dx", "dW")
+SECTIONS = ("layer", "hop", "kernels")   # run in this order: see layer_section's doc
+# Pallas configs: "default" (api.gmm / api.tgmm impl="pallas") or
+# "block_m,block_n,block_k[,warps[,stages]]" in our kernel's terms; each is timed in every pass.
+# The sweep starts from the block configs tokamax's autotuner found fastest for its Pallas-Triton
+# ragged_dot on an H100 (openxla/tokamax 783ea95, tokamax/data/autotuning/nvidia_h100_80gb_hbm3/
+# pallas_triton_ragged_dot.json, entry keys "lhs"/"rhs" shapes; TFLOP/s = 2*M*K*N / the median of
+# its evaluation_times_ms). Its forward and dx dots tile (rows, output columns, contraction) with
+# (block_m, block_n, block_k) as ours do; its ragged-contracting dot (dW) tiles lhs's output dim
+# with block_m, rhs's with block_n and the rows with block_k, so its (m, n, k) is our tgmm's
+# (block_k, block_n, block_m). It has no entry at our exact shapes (G=16/48); the nearest are:
+#   128,128,32,4,4  fwd: fastest at 5 of its 8 G=256 forward shapes, e.g. bf16[131072,7168] @
+#                   [256,7168,1024] (421 TFLOP/s); dx: fastest at 13 of its 15 dx shapes, among
+#                   them [131072,768] @ [128,2048,768]^T (our gate/up dx at G=128, 164 TFLOP/s)
+#                   and [65536,2048] @ [256,7168,2048]^T (144 TFLOP/s).
+#   128,256,64,8    fwd: fastest at the few-group bf16[8192,4096] @ [8,4096,14336] (G=8, 649
+#                   TFLOP/s) with 3 stages; stages fitted here (3 for gmm; tgmm would need
+#                   245,760 bytes of shared memory at 3, so 2).
+#   64,256,128,8    dW: its (128, 256, 64, 8 warps, 3 stages), fastest at [131072,2048]^T @
+#                   [131072,768] (our gate/up dW at G=128, 551 TFLOP/s), [131072,4096]^T @
+#                   [131072,1536] (580) and [262144,1536]^T @ [262144,4096] (595); stages fitted
+#                   (3 for tgmm; gmm would need 245,760 bytes at 3, so 2).
+#   32,128,128,4,4  dW: its (128, 128, 32, 4, 4), fastest at [131072,1536]^T @ [131072,4096]
+#                   (down-like, K < N, G=128: 568 TFLOP/s) and [65536,7168]^T @ [65536,2048]
+#                   (M=65,536, G=256: 393 TFLOP/s).
+PALLAS_CONFIGS = ["default", "128,128,32,4,4", "128,256,64,8", "64,256,128,8", "32,128,128,4,4"]
 TINY_PALLAS_CONFIGS = ["default", "16,32,32"]
 # Mosaic-GPU configs: (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); blocks are
 # shrunk to divide the dimension they tile (see `_mgpu_cfg`).
@@ -73,6 +115,11 @@ TINY_MGPU_CONFIGS = [(64, 64, 32, 2, 1)]
 LAYER = dict(experts=16, top_k=8, hidden=2048, ffn=768, tokens=8192)
 TINY_LAYER = dict(experts=4, top_k=2, hidden=32, ffn=32, tokens=64)
 LAYER_VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")  # memory.VARIANTS
+# One hop of the paper's ring on one device: `experts` local experts (of experts * ep), `tokens`
+# = the paper's tokens per device / ep, so tokens * top_k = the hop's balanced share of pairs.
+# `chunk`: the smaller chunk timed (None: dispatch.chunking.default_chunk at the paper shape).
+HOP = dict(experts=16, top_k=8, hidden=2048, ffn=768, tokens=7_680, ep=8, chunk=None)
+TINY_HOP = dict(experts=4, top_k=2, hidden=32, ffn=32, tokens=64, ep=8, chunk=32)
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity), NVIDIA spec sheets.
 PEAKS = (("nvl", None), ("h100 pcie", 756.0), ("h100", 989.4), ("h200", 989.4), ("a100", 312.0))
 
@@ -83,8 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shapes: runs anywhere")
     p.add_argument("--interpret", action="store_true",
                    help="kernels in their CPU interpreters (needs --tiny); runs=1 by default")
-    p.add_argument("--sections", nargs="+", choices=("layer", "kernels"),
-                   default=["layer", "kernels"])
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--runs", type=positive_int, default=None,
                    help="timed runs (default 10; 1 interpret)")
     p.add_argument("--warmup", type=non_negative_int, default=None,
@@ -101,8 +147,11 @@ def parse_args(argv=None):
                         f"{TINY_LAYER['tokens']})")
     p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="dense bf16 peak for '%% peak' (default: from the device kind)")
-    p.add_argument("--budget-min", type=positive_float, default=4.5,
+    p.add_argument("--budget-min", type=positive_float, default=6.5,
                    help="skip the remaining cases after this many minutes")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the measurements to PATH (for the cost model: "
+                        "benchmarks/results/gpu.json)")
     a = p.parse_args(argv)
     if a.interpret and not a.tiny:
         p.error("--interpret runs the kernels in their CPU interpreters, which only handle tiny "
@@ -339,69 +388,112 @@ def _reset_interpreter():
         pass
 
 
-def kernels(case, opts):
-    """Holds [(kernel, config label, fwd fn, fwdbwd fn, failure prefix, interpret-mgpu)]."""
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel under test: a jitted fn(x, w, gs, dout) per pass, or none and why not."""
+    name: str                # "pallas", "ragged_dot" or "mgpu"
+    config: str              # as given: a PALLAS_CONFIGS entry, or the Mosaic-GPU label
+    label: str               # as printed
+    fns: dict                # pass -> jitted fn; {} when the kernel is unavailable
+    fail: str                # what a failed cell starts with: "error", "n/a" or "n/a: why"
+    mgpu_interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiming:
+    """One pass of one kernel on one case (a JSON row); ms/tflops/err None when it failed."""
+    shape: str
+    m: int
+    k: int
+    n: int
+    g: int
+    groups: str
+    kernel: str
+    config: str
+    op: str                  # a PASSES entry
+    ms: float | None
+    tflops: float | None
+    err: float | None
+    error: str | None = None
+
+
+def _passes(gmm, tgmm, **kw):
+    """Holds {pass: fn(x, w, gs, dout)}: fwd x @ w[g], dx dout @ w[g]^T, dW x_g^T @ dout_g."""
+    return {"fwd": lambda x, w, gs, dout: gmm(x, w, gs, **kw),
+            "dx": lambda x, w, gs, dout: gmm(dout, w, gs, transpose_rhs=True, **kw),
+            "dW": lambda x, w, gs, dout: tgmm(x, dout, gs, **kw)}
+
+
+def _jit_all(fns):
     import jax
+    return {p: jax.jit(f) for p, f in fns.items()}
+
+
+def _cfg_label(cfg):
+    return " ".join(f"{k.replace('block_', 'b').replace('num_', '')}{v}" for k, v in cfg.items())
+
+
+def pallas_kernel(spec: str, interpret: bool) -> Kernel:
+    """Our Pallas gmm (fwd, dx) and tgmm (dW), at config `spec` (see PALLAS_CONFIGS)."""
     import jax.numpy as jnp
 
     from relaymoe_jax.kernels.gmm import gmm as api_gmm
     from relaymoe_jax.kernels.gmm import pallas as gp
-    bf16 = jnp.bfloat16
+    from relaymoe_jax.kernels.gmm import tgmm as api_tgmm
+    common = dict(preferred_element_type=jnp.bfloat16, interpret=interpret)
+    cfg = _pallas_cfg(spec)
+    if cfg is None:
+        return Kernel("pallas", spec, "default (api impl='pallas')",
+                      _jit_all(_passes(api_gmm, api_tgmm, impl="pallas", **common)), "error")
+    return Kernel("pallas", spec, _cfg_label(cfg),
+                  _jit_all(_passes(gp.gmm, gp.tgmm, **common, **cfg)), "error")
 
-    def with_vjp(f):
-        def fb(x, w, gs, dout):
-            out, vjp = jax.vjp(lambda a, b: f(a, b, gs), x, w)
-            return (out, *vjp(dout))
-        return fb
 
-    out = []
-    for spec in opts.pallas_configs:
-        cfg = _pallas_cfg(spec)
-        if cfg is None:
-            f = lambda x, w, gs: api_gmm(x, w, gs, impl="pallas", interpret=opts.interpret,
-                                         preferred_element_type=bf16)
-            label = "default (api.gmm impl='pallas')"
-        else:
-            f = (lambda c: lambda x, w, gs: gp.gmm(x, w, gs, preferred_element_type=bf16,
-                                                   interpret=opts.interpret, **c))(cfg)
-            label = " ".join(f"{k.replace('block_', 'b').replace('num_', '')}{v}"
-                             for k, v in cfg.items())
-        out.append(("pallas", label, jax.jit(f), jax.jit(with_vjp(f)), "error", False))
-    f = lambda x, w, gs: api_gmm(x, w, gs, impl="ragged_dot", preferred_element_type=bf16)
-    out.append(("ragged_dot", "lax.ragged_dot (impl='ragged_dot')", jax.jit(f),
-                jax.jit(with_vjp(f)), "error", False))
+def ragged_dot_kernel() -> Kernel:
+    import jax.numpy as jnp
+
+    from relaymoe_jax.kernels.gmm import gmm as api_gmm
+    from relaymoe_jax.kernels.gmm import tgmm as api_tgmm
+    fns = _passes(api_gmm, api_tgmm, impl="ragged_dot", preferred_element_type=jnp.bfloat16)
+    return Kernel("ragged_dot", "ragged_dot", "lax.ragged_dot (impl='ragged_dot')",
+                  _jit_all(fns), "error")
+
+
+def mgpu_kernels(case, opts) -> list[Kernel]:
+    """JAX's Mosaic-GPU kernels at MGPU_CONFIGS (one 'n/a: why' entry if they do not import)."""
     try:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
     except Exception as e:
-        out.append(("mgpu", "ragged_dot_mgpu", None, None, f"n/a: {_why(e)}", False))
-        return out
+        return [Kernel("mgpu", "ragged_dot_mgpu", "ragged_dot_mgpu", {}, f"n/a: {_why(e)}")]
+    out = []
     for cfg in (TINY_MGPU_CONFIGS if opts.tiny else MGPU_CONFIGS):
         kw_fwd = _mgpu_cfg(cfg, case.m, case.k, case.n)
-        kw_dlhs = _mgpu_cfg(cfg, case.m, case.n, case.k)   # [M,N] @ [G,K,N]^T: N contracted
+        kw_dx = _mgpu_cfg(cfg, case.m, case.n, case.k)   # [M,N] @ [G,K,N]^T: N contracted
         bm, bn = kw_fwd["block_m"], kw_fwd["block_n"]
         while bm > 8 and case.k % bm:
             bm //= 2
         # block_k is the row chunk; its swizzle tiles the (rows, K) and (rows, N) blocks in
         # block_k columns, so block_k must divide block_m and block_n.
-        kw_drhs = dict(block_m=bm, block_n=bn, block_k=min(64, bm, bn),
-                       max_concurrent_steps=cfg[3], grid_block_n=1)
-        fwd, fwdbwd = _mgpu_fns(ragged_dot_mgpu, transposed_ragged_dot_mgpu, kw_fwd, kw_dlhs,
-                                kw_drhs)
-        out.append(("mgpu", _mgpu_label(kw_fwd), jax.jit(fwd), jax.jit(fwdbwd), "n/a",
-                    opts.interpret))
+        kw_dw = dict(block_m=bm, block_n=bn, block_k=min(64, bm, bn),
+                     max_concurrent_steps=cfg[3], grid_block_n=1)
+        fns = _mgpu_passes(ragged_dot_mgpu.ragged_dot,
+                           transposed_ragged_dot_mgpu.transposed_ragged_dot, kw_fwd, kw_dx, kw_dw)
+        label = _mgpu_label(kw_fwd)
+        out.append(Kernel("mgpu", label, label, _jit_all(fns), "n/a", opts.interpret))
     return out
 
 
-def _mgpu_fns(rd, trd, kw_fwd, kw_dlhs, kw_drhs):
-    """Holds (fwd, fwdbwd) of the Mosaic-GPU kernels: fwdbwd gives (out, dlhs, drhs)."""
-    fwd = lambda x, w, gs: rd.ragged_dot(x, w, group_sizes=gs, **kw_fwd)
+def _mgpu_passes(rd, trd, kw_fwd, kw_dx, kw_dw):
+    """Holds {pass: fn(x, w, gs, dout)} of the Mosaic-GPU kernels, each with its own blocks."""
+    return {"fwd": lambda x, w, gs, dout: rd(x, w, group_sizes=gs, **kw_fwd),
+            "dx": lambda x, w, gs, dout: rd(dout, w, group_sizes=gs, transpose_rhs=True, **kw_dx),
+            "dW": lambda x, w, gs, dout: trd(x, dout, group_sizes=gs, **kw_dw)}
 
-    def fwdbwd(x, w, gs, dout):
-        dx = rd.ragged_dot(dout, w, group_sizes=gs, transpose_rhs=True, **kw_dlhs)
-        dw = trd.transposed_ragged_dot(x, dout, group_sizes=gs, **kw_drhs)
-        return fwd(x, w, gs), dx, dw
 
-    return fwd, fwdbwd
+def kernels(case, opts) -> list[Kernel]:
+    """Every kernel timed on `case`: the Pallas configs, lax.ragged_dot, the Mosaic-GPU ones."""
+    return [*(pallas_kernel(s, opts.interpret) for s in opts.pallas_configs),
+            ragged_dot_kernel(), *mgpu_kernels(case, opts)]
 
 
 def _call(fn, args, opts, mgpu_interpret):
@@ -415,25 +507,83 @@ def _call(fn, args, opts, mgpu_interpret):
             raise
 
 
-def kernel_section(opts, peak, budget):
+def _pass_error(op, got, ref):
+    """Holds the pass's err against the float64 reference (see the module doc)."""
+    rows, cols, ref_out, ref_dx, ref_dw = ref
+    if op == "dW":
+        return _relerr(got[:, :, cols], ref_dw)
+    return _relerr(got[rows], ref_out if op == "fwd" else ref_dx)
+
+
+def time_pass(kernel, op, case, gs, ref, flops, opts):
+    """Holds (ms, TFLOP/s, err) of one pass; raises what the kernel raised."""
+    got, secs = _call(kernel.fns[op], (case.x, case.w, gs, case.dout), opts,
+                      kernel.mgpu_interpret)
+    err = _pass_error(op, got, ref)
+    return secs * 1e3, flops / secs / 1e12, err
+
+
+KERNEL_COLS = ("shape", "M", "K", "N", "G", "groups", "kernel", "config",
+               *(f"{p} {c}" for p in PASSES for c in ("ms", "TFLOP/s")),
+               "% peak fwd / dx / dW", *(f"err {p}" for p in PASSES), "check")
+
+
+def kernel_rows(kernel, name, case, sizes, pattern, ref, opts, peak):
+    """Times the kernel's passes on one case: prints its row, holds its KernelTiming records."""
     import jax.numpy as jnp
+    gs = jnp.asarray(sizes)
+    flops = 2.0 * float(sizes.sum()) * case.k * case.n
+    groups = _pattern_label(pattern, sizes)
+    timings, cells, pct = [], [], []
+    for op in PASSES:
+        rec = dict(shape=name, m=case.m, k=case.k, n=case.n, g=case.g, groups=pattern,
+                   kernel=kernel.name, config=kernel.config, op=op)
+        if op not in kernel.fns:
+            timings.append(KernelTiming(**rec, ms=None, tflops=None, err=None, error=kernel.fail))
+            cells += [kernel.fail, ""]
+            pct.append("-")
+            continue
+        try:
+            ms, tf, err = time_pass(kernel, op, case, gs, ref, flops, opts)
+            timings.append(KernelTiming(**rec, ms=ms, tflops=tf, err=err))
+            cells += [_num(ms), _num(tf)]
+            pct.append(f"{100 * tf / peak:.1f}" if peak else "n/a")
+        except Exception as e:
+            why = f"{kernel.fail}: {_why(e)}"
+            timings.append(KernelTiming(**rec, ms=None, tflops=None, err=None, error=why))
+            cells += [why, ""]
+            pct.append("-")
+    errs = [t.err for t in timings if t.err is not None]
+    check = "-" if not errs else ("ok" if all(e <= TOL for e in errs) else "ERR > tol")
+    _row([name, case.m, case.k, case.n, case.g, groups, kernel.name, kernel.label, *cells,
+          " / ".join(pct), *("-" if t.err is None else _num(t.err, 3) for t in timings), check])
+    return timings
+
+
+def _case_kernels(name, m, k, n, g, opts):
+    """Holds (case, kernels) of one shape, or None after printing why it failed."""
+    try:
+        case = Case(m, k, n, g, opts.check_rows)
+        return case, kernels(case, opts)
+    except Exception as e:
+        print(f"# {name}: error: {_why(e)}", flush=True)
+        return None
+
+
+def kernel_section(opts, peak, budget, results):
     print("\n## Grouped matmul kernels (bf16 in, f32 accumulation, bf16 out)\n")
-    print(f"# err: max|out - ref| / max|ref| vs float64 numpy; tolerance {TOL}; % peak: of "
+    print(f"# fwd = x @ W_g, dx = dout @ W_g^T, dW = x_g^T @ dout_g, each 2*M*K*N FLOPs; err: "
+          f"max|out - ref| / max|ref| vs float64 numpy; tolerance {TOL}; % peak: of "
           + (f"{peak} TFLOP/s" if peak else "n/a (peak unknown)"), flush=True)
-    _head(("shape", "M", "K", "N", "G", "groups", "kernel", "config", "fwd ms", "fwd TFLOP/s",
-           "fwd % peak", "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd % peak", "err fwd",
-           "err bwd", "check"))
-    pct = lambda tf: f"{100 * tf / peak:.1f}" if peak else "n/a"
+    _head(KERNEL_COLS)
     for name, m, k, n, g in (TINY_SHAPES if opts.tiny else SHAPES):
         if budget.over():
             print(f"# skipped {name} and the rest: time budget of {budget.minutes} min reached")
             return
-        try:
-            case = Case(m, k, n, g, opts.check_rows)
-            kerns = kernels(case, opts)
-        except Exception as e:
-            print(f"# {name}: error: {_why(e)}", flush=True)
+        built = _case_kernels(name, m, k, n, g, opts)
+        if built is None:
             continue
+        case, kerns = built
         for pattern in PATTERNS:
             if budget.over():
                 print(f"# skipped {name} {pattern} and the rest: time budget of "
@@ -441,42 +591,88 @@ def kernel_section(opts, peak, budget):
                 return
             sizes = group_sizes(pattern, m, g)
             try:
-                rows, cols, ref_out, ref_dx, ref_dw = case.reference(sizes)
+                ref = case.reference(sizes)
             except Exception as e:
                 print(f"# {name} {pattern}: reference failed: {_why(e)}", flush=True)
                 continue
-            gs = jnp.asarray(sizes)
-            flops = 2.0 * float(sizes.sum()) * k * n
-            for kernel, label, fwd, fwdbwd, fail, mgpu_interp in kerns:
-                cells = [name, m, k, n, g, _pattern_label(pattern, sizes), kernel, label]
-                errs, res = {}, []
-                for key, fn, args, mult in (("fwd", fwd, (case.x, case.w, gs), 1),
-                                            ("bwd", fwdbwd, (case.x, case.w, gs, case.dout), 3)):
-                    if fn is None:
-                        res += [fail, "", ""]
-                        continue
-                    try:
-                        got, secs = _call(fn, args, opts, mgpu_interp)
-                        if key == "fwd":
-                            errs[key] = _relerr(got[rows], ref_out)
-                        else:
-                            errs[key] = max(_relerr(got[1][rows], ref_dx),
-                                            _relerr(got[2][:, :, cols], ref_dw))
-                        del got
-                        tf = mult * flops / secs / 1e12
-                        res += [_num(secs * 1e3), _num(tf), pct(tf)]
-                    except Exception as e:
-                        res += [f"{fail}: {_why(e)}", "", ""]
-                errs_txt = [_num(errs[x], 3) if x in errs else "-" for x in ("fwd", "bwd")]
-                ok = "-" if not errs else (
-                    "ok" if all(v <= TOL for v in errs.values()) else "ERR > tol")
-                _row([*cells, *res, *errs_txt, ok])
+            for kernel in kerns:
+                results.kernels += kernel_rows(kernel, name, case, sizes, pattern, ref, opts,
+                                               peak)
 
 
-# ---------------------------------------------------------------- layer
+# ---------------------------------------------------------------- layer and hop
 
 
-def layer_section(opts, budget):
+def _moe_impl(opts):
+    """Holds the layer's gmm_impl: pallas (its interpreter with --interpret), else xla."""
+    from relaymoe_jax.kernels.gmm import MOE_IMPLS
+    impl = "pallas-interpret" if opts.interpret else "pallas"
+    if impl not in MOE_IMPLS:
+        print(f"# gmm_impl={impl!r} is not in MOE_IMPLS {MOE_IMPLS}: using 'xla' instead")
+        impl = "xla"
+    return impl
+
+
+def _one_device():
+    """Holds (device, its 1-device mesh over axis "expert", the sharding of that axis)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    dev = jax.devices()[0]
+    mesh = Mesh(np.array([dev]), ("expert",))
+    return dev, mesh, NamedSharding(mesh, P("expert"))
+
+
+def layer_inputs(shp, sharding):
+    """Holds moe_ffn's bf16 inputs (x, ids, weights, w_gate, w_up, w_down) for shape `shp`:
+    each token routed to `top_k` distinct random experts, router weights normalised."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
+    keys = jax.random.split(jax.random.key(1), 5)
+    wts = rng.uniform(0.1, 1.0, (t, k))
+    host = [jax.random.normal(keys[0], (t, h)), ids, wts / wts.sum(1, keepdims=True),
+            jax.random.normal(keys[1], (e, h, f)) / math.sqrt(h),
+            jax.random.normal(keys[2], (e, h, f)) / math.sqrt(h),
+            jax.random.normal(keys[3], (e, f, h)) / math.sqrt(f)]
+    return [jax.device_put(jnp.asarray(a, jnp.int32 if i == 1 else jnp.bfloat16), sharding)
+            for i, a in enumerate(host)]
+
+
+def layer_fns(kw, stats=True):
+    """Holds (fwd, fwdbwd) of moe_ffn(**kw), both taking (x, ids, wts, wg, wu, wd): fwd gives
+    (y, stats) (y alone with stats=False), fwdbwd the loss 0.5*|y|^2 and its gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from relaymoe_jax import moe_ffn
+    fwd = lambda x, ids, wts, wg, wu, wd: moe_ffn(x, ids, wts, wg, wu, wd, return_stats=stats,
+                                                  **kw)
+
+    def loss(x, wts, wg, wu, wd, ids):
+        y = moe_ffn(x, ids, wts, wg, wu, wd, **kw).astype(jnp.float32)
+        return 0.5 * jnp.sum(y * y)   # dy = y: a real [T, H] cotangent
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    return fwd, lambda x, ids, wts, wg, wu, wd: grad(x, wts, wg, wu, wd, ids)
+
+
+def _compile(fn, args):
+    import jax
+
+    from relaymoe_jax import XLA_OPTIONS
+    return jax.jit(fn).lower(*args).compile(compiler_options=XLA_OPTIONS)
+
+
+LAYER_COLS = ("variant", "fwd temp MiB", "fwd+bwd temp MiB", "run peak MiB", "fwd+bwd ms",
+              "expert TFLOP/s", "dropped pairs", "y rel. diff vs ring-expert")
+
+
+def layer_section(opts, budget, results):
     """moe_ffn fwd+bwd on a 1-device mesh: ring (expert, token) vs alltoall (dropless, cap 1.0).
 
     Peak memory: `memory_stats()["peak_bytes_in_use"]` is a process-wide high-water mark that
@@ -486,50 +682,18 @@ def layer_section(opts, budget):
     transient peak over the inputs); one that does not gets "<= " the previous mark's value,
     an upper bound only.
     """
-    import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from relaymoe_jax import XLA_OPTIONS, memory, moe_ffn
-    from relaymoe_jax.kernels.gmm import MOE_IMPLS
+    from relaymoe_jax import memory
     shp = dict(TINY_LAYER if opts.tiny else LAYER)
     shp["tokens"] = opts.layer_tokens or shp["tokens"]
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
     impl = "pallas-interpret" if opts.interpret else "pallas"
     print(f"\n## MoE layer fwd+bwd on one device: E={e} k={k} H={h} F={f} T={t} bf16, "
           f"gmm_impl={impl!r}\n")
-    if impl not in MOE_IMPLS:
-        print(f"# gmm_impl={impl!r} is not in MOE_IMPLS {MOE_IMPLS}: using 'xla' instead")
-        impl = "xla"
-    dev = jax.devices()[0]
-    mesh = Mesh(np.array([dev]), ("expert",))
-    sharding = NamedSharding(mesh, P("expert"))
-    rng = np.random.default_rng(0)
-    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
-    keys = jax.random.split(jax.random.key(1), 5)
-    wts = rng.uniform(0.1, 1.0, (t, k))
-    host = [jax.random.normal(keys[0], (t, h)), ids, wts / wts.sum(1, keepdims=True),
-            jax.random.normal(keys[1], (e, h, f)) / math.sqrt(h),
-            jax.random.normal(keys[2], (e, h, f)) / math.sqrt(h),
-            jax.random.normal(keys[3], (e, f, h)) / math.sqrt(f)]
-    args = [jax.device_put(jnp.asarray(a, jnp.int32 if i == 1 else jnp.bfloat16), sharding)
-            for i, a in enumerate(host)]
-    del host
-
-    def fns(variant):
-        kw = dict(memory.VARIANTS[variant], mesh=mesh, expert_axis="expert", gmm_impl=impl)
-        fwd = lambda x, ids, wts, wg, wu, wd: moe_ffn(x, ids, wts, wg, wu, wd, return_stats=True,
-                                                      **kw)
-
-        def loss(x, wts, wg, wu, wd, ids):
-            y = moe_ffn(x, ids, wts, wg, wu, wd, **kw).astype(jnp.float32)
-            return 0.5 * jnp.sum(y * y)   # dy = y: a real [T, H] cotangent
-
-        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
-        return fwd, lambda x, ids, wts, wg, wu, wd: grad(x, wts, wg, wu, wd, ids)
-
+    impl = _moe_impl(opts)
+    dev, mesh, sharding = _one_device()
+    args = layer_inputs(shp, sharding)
     stats = lambda: dev.memory_stats() or {}
     print("# temp MiB: compiled.memory_analysis().temp_size_in_bytes (compile-only); run peak "
           "MiB: memory_stats() peak_bytes_in_use during the variant's runs minus bytes in use "
@@ -540,16 +704,15 @@ def layer_section(opts, budget):
     compiled, errors = {}, {}
     for v in LAYER_VARIANTS:
         try:
-            fwd, fwdbwd = fns(v)
-            c_fwd = jax.jit(fwd).lower(*args).compile(compiler_options=XLA_OPTIONS)
-            c_all = jax.jit(fwdbwd).lower(*args).compile(compiler_options=XLA_OPTIONS)
+            fwd, fwdbwd = layer_fns(dict(memory.VARIANTS[v], mesh=mesh, expert_axis="expert",
+                                         gmm_impl=impl))
+            c_fwd, c_all = _compile(fwd, args), _compile(fwdbwd, args)
             compiled[v] = (c_fwd, c_all, c_fwd.memory_analysis(), c_all.memory_analysis())
         except Exception as ex:
             errors[v] = f"error: {_why(ex)}"
     temp = lambda ma: ma.temp_size_in_bytes if ma is not None else None
     order = sorted(compiled, key=lambda v: temp(compiled[v][3]) or 0)
-    _head(("variant", "fwd temp MiB", "fwd+bwd temp MiB", "run peak MiB", "fwd+bwd ms",
-           "expert TFLOP/s", "dropped pairs", "y rel. diff vs ring-expert"))
+    _head(LAYER_COLS)
     flops, rows, ys = 18.0 * t * k * h * f, {}, {}
     for v in order:
         c_fwd, c_all, ma_fwd, ma_all = compiled[v]
@@ -577,15 +740,118 @@ def layer_section(opts, budget):
             rows[v] = [*cells, f"error: {_why(ex)}", "", "", ""]
     for v in LAYER_VARIANTS:   # printed together: the last column needs ring-expert's output
         if v in errors:
-            _row([v, errors[v], "", "", "", "", "", ""])
+            cells = [v, errors[v], "", "", "", "", "", ""]
+        else:
+            ref = ys.get("ring-expert")
+            diff = (_num(_relerr(ys[v], ref), 3) if v in ys and ref is not None
+                    else "n/a" if v in ys else "")
+            cells = [*rows[v], diff]
+        _row(cells)
+        results.layer.append(dict(zip(LAYER_COLS, (str(c) for c in cells))))
+
+
+@dataclasses.dataclass(frozen=True)
+class HopTiming:
+    """One hop at one chunk size (a JSON row); the times None when it failed."""
+    chunk: int
+    default_chunk: bool      # the ring's default chunk at the paper shape
+    pairs: int
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    fwd_ms: float | None
+    bwd_ms: float | None
+    fwd_tflops: float | None
+    bwd_tflops: float | None
+    error: str | None = None
+
+
+def hop_chunks(shp):
+    """Holds [(chunk, is the default)]: the default chunk at the paper shape, then the balanced
+    share (one chunk; the old default)."""
+    from relaymoe_jax.dispatch.chunking import balanced_share, default_chunk
+    ring_tokens, ep = shp["tokens"] * shp["ep"], shp["ep"]
+    share = balanced_share(ring_tokens, shp["top_k"], ep)
+    small = shp["chunk"] or default_chunk(ring_tokens, shp["top_k"], ep, shp["experts"] * ep)
+    return [(small, True), (share, False)]
+
+
+def time_hop(shp, chunk, mesh, args, impl, opts):
+    """Holds (fwd s, fwd+bwd s) of the ring's one hop at `chunk` pairs per chunk."""
+    fwd, fwdbwd = layer_fns(dict(dispatcher="ring", routing="expert", mesh=mesh,
+                                 expert_axis="expert", gmm_impl=impl, chunk_size=chunk),
+                            stats=False)
+    _, t_fwd = timed(_compile(fwd, args), args, opts, keep=False)
+    _, t_all = timed(_compile(fwdbwd, args), args, opts, keep=False)
+    return t_fwd, t_all
+
+
+HOP_COLS = ("chunk (pairs)", "chunks per hop", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s",
+            "bwd TFLOP/s")
+
+
+def hop_section(opts, budget, results):
+    """One hop of the paper's ring on one device, at the default chunk and at one chunk."""
+    shp = TINY_HOP if opts.tiny else HOP
+    e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
+    pairs, impl = t * k, _moe_impl(opts)
+    print(f"\n## One ring hop: E_l={e} local experts (E={e * shp['ep']} over EP={shp['ep']}), "
+          f"k={k}, H={h}, F={f}, bf16, {pairs:,} pairs (T={t * shp['ep']:,} per device / EP; "
+          f"{t:,} tokens on one device), gmm_impl={impl!r}\n")
+    flop_f, flop_b = costmodel.hop_flops(pairs, h, f)
+    print(f"# moe_ffn(dispatcher='ring', routing='expert', chunk_size=chunk) under jit on a "
+          f"1-device mesh; bwd = fwd+bwd - fwd; TFLOP/s: {costmodel.HOP_FWD_UNITS}*pairs*H*F / "
+          f"fwd, {costmodel.HOP_BWD_UNITS}*pairs*H*F / bwd (the recompute not counted)",
+          flush=True)
+    _, mesh, sharding = _one_device()
+    args = layer_inputs(shp, sharding)
+    _head(HOP_COLS)
+    for chunk, is_default in hop_chunks(shp):
+        rec = dict(chunk=chunk, default_chunk=is_default, pairs=pairs, experts=e, top_k=k,
+                   hidden=h, ffn=f)
+        label = f"{chunk:,}" + (" (default)" if is_default else " (balanced share)")
+        if budget.over():
+            why = f"skipped: time budget of {budget.minutes} min"
+            results.hop.append(HopTiming(**rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None,
+                                         bwd_tflops=None, error=why))
+            _row([label, "", why, "", "", "", ""])
             continue
-        ref = ys.get("ring-expert")
-        diff = (_num(_relerr(ys[v], ref), 3) if v in ys and ref is not None
-                else "n/a" if v in ys else "")
-        _row([*rows[v], diff])
+        try:
+            t_fwd, t_all = time_hop(shp, chunk, mesh, args, impl, opts)
+        except Exception as ex:
+            results.hop.append(HopTiming(**rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None,
+                                         bwd_tflops=None, error=_why(ex)))
+            _row([label, "", f"error: {_why(ex)}", "", "", "", ""])
+            continue
+        t_bwd = t_all - t_fwd
+        tf_b = flop_b / t_bwd / 1e12 if t_bwd > 0 else None
+        results.hop.append(HopTiming(**rec, fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3,
+                                     fwd_tflops=flop_f / t_fwd / 1e12, bwd_tflops=tf_b))
+        _row([label, -(-pairs // chunk), _num(t_fwd * 1e3), _num(t_bwd * 1e3),
+              _num(t_all * 1e3), _num(flop_f / t_fwd / 1e12),
+              _num(tf_b) if tf_b is not None else "n/a (fwd+bwd <= fwd)"])
 
 
-# ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- results and main
+
+
+@dataclasses.dataclass
+class Results:
+    """What the sections measured, for `--json`."""
+    kernels: list = dataclasses.field(default_factory=list)   # KernelTiming
+    hop: list = dataclasses.field(default_factory=list)       # HopTiming
+    layer: list = dataclasses.field(default_factory=list)     # {LAYER_COLS column: cell text}
+
+
+def write_json(path, header: dict, results: Results):
+    """Writes the header (command, device, jax, date, ...) and every section's rows to path."""
+    doc = {**header, "kernels": [dataclasses.asdict(r) for r in results.kernels],
+           "hop": [dataclasses.asdict(r) for r in results.hop], "layer": results.layer}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\n# measurements written to {path}")
 
 
 def main(argv=None):
@@ -599,7 +865,8 @@ def main(argv=None):
     import logging
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: counted
     dev = jax.devices()[0]
-    print("# reproduce: " + " ".join(shlex.quote(a) for a in ["python", SCRIPT, *argv]))
+    command = " ".join(shlex.quote(a) for a in ["python", SCRIPT, *argv])
+    print("# reproduce: " + command)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# jax {jax.__version__}; device: {dev.device_kind} ({dev.platform}, "
           f"{jax.device_count()} visible, 1 used); {now}; host {os.cpu_count()} CPUs")
@@ -612,17 +879,23 @@ def main(argv=None):
           "warm-up(s), block_until_ready (calls > 10 ms: 1 per run; > 0.2 s: <= 3 runs)")
     if opts.interpret:
         print("# --interpret: Pallas interpret=True, Mosaic GPU under force_gpu_interpret_mode, "
-              "layer gmm_impl='pallas-interpret'; times only show that the code runs")
-    budget = Budget(opts.budget_min)
-    sections = {"layer": lambda: layer_section(opts, budget),
-                "kernels": lambda: kernel_section(opts, peak, budget)}
-    for name in ("layer", "kernels"):   # layer first: see layer_section's doc
+              "layer and hop gmm_impl='pallas-interpret'; times only show that the code runs")
+    budget, results = Budget(opts.budget_min), Results()
+    sections = {"layer": lambda: layer_section(opts, budget, results),
+                "hop": lambda: hop_section(opts, budget, results),
+                "kernels": lambda: kernel_section(opts, peak, budget, results)}
+    for name in SECTIONS:
         if name not in opts.sections:
             continue
         try:
             sections[name]()
         except Exception as e:
             print(f"# {name} section failed: {_why(e)}", flush=True)
+    if opts.json:
+        write_json(opts.json, dict(command=command, device=dev.device_kind,
+                                   platform=dev.platform, jax=jax.__version__, date=now,
+                                   tiny=opts.tiny, interpret=opts.interpret,
+                                   peak_tflops=peak), results)
     sys.stdout.flush()
 
 

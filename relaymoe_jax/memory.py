@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import hlo
+from relaymoe_jax.dispatch.chunking import default_chunk
 from relaymoe_jax.dispatch.mode import routing_volumes
 from relaymoe_jax.op import moe_ffn
 from relaymoe_jax.xla_options import XLA_OPTIONS
@@ -38,7 +39,8 @@ class LayerShape:
 
     @property
     def chunk_rows(self):
-        return self.chunk or -(-self.tokens_per_device * self.top_k // self.ep)
+        return self.chunk or default_chunk(self.tokens_per_device, self.top_k, self.ep,
+                                           self.experts)
 
 
 def expanded_bytes(s: LayerShape) -> int:

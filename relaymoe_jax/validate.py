@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from relaymoe_jax.dispatch.chunking import default_chunk
 from relaymoe_jax.dispatch.mode import routing_volumes
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
 
@@ -157,10 +158,12 @@ def ring_plan(*, routing, chunk_size, ring_tokens, num_experts, top_k, hidden, f
               etp_size, x_dtype, w_dtype, wts_dtype, hosts=1, hierarchical=False):
     """(chunk, RoutingVolumes, routing mode) for `ring_tokens` tokens per ring member.
 
-    The default chunk is the balanced share ceil(T * k / EP); a given one is capped at the pairs a
-    hop can hold (T * k), so no buffer is sized past what can exist."""
+    The default chunk is `dispatch.chunking.default_chunk` (at most the balanced share
+    ceil(T * k / EP)); a given one is capped at the pairs a hop can hold (T * k), so no buffer is
+    sized past what can exist."""
     pairs = ring_tokens * top_k
-    chunk = max(1, -(-pairs // ep)) if chunk_size is None else min(int(chunk_size), pairs)
+    chunk = (default_chunk(ring_tokens, top_k, ep, num_experts) if chunk_size is None
+             else min(int(chunk_size), pairs))
     vol = routing_volumes(experts=num_experts, top_k=top_k, hidden=hidden, ffn=ffn, ep=ep,
                           etp=etp_size, tokens_per_device=ring_tokens, act_dtype=x_dtype,
                           weight_dtype=w_dtype, router_dtype=wts_dtype, hosts=hosts,

@@ -159,30 +159,181 @@ def script():
 
 def test_script_bad_arguments_exit_2(script, capsys):
     for argv in (["--tflops", "0"], ["--nic-gbs", "-1"], ["--tokens", "0"], ["--ep", "12"],
-                 ["--scaling-json", "/nonexistent.json"]):
+                 ["--scaling-json", "/nonexistent.json"],
+                 ["--measurements", "/nonexistent.json"]):
         with pytest.raises(SystemExit) as e:
             script.parse_args(argv)
         assert e.value.code == 2
 
 
-def test_script_end_to_end_on_synthetic_rows(script, tmp_path, capsys):
+# ------------------------------------------------------------------ measured compute rates
+
+def _hop(default, fwd, bwd, chunk):
+    return dict(chunk=chunk, default_chunk=default, pairs=61440, experts=16, top_k=8,
+                hidden=2048, ffn=768, fwd_ms=1.0, bwd_ms=2.0, fwd_tflops=fwd, bwd_tflops=bwd,
+                error=None)
+
+
+def _kern(op, k, n, ms, tflops, config="default", groups="balanced", kernel="pallas"):
+    return dict(shape="s", m=65536, k=k, n=n, g=16, groups=groups, kernel=kernel,
+                config=config, op=op, ms=ms, tflops=tflops, err=0.001, error=None)
+
+
+def _measurements(tmp_path, hop=(), kernels=(), **header):
+    doc = dict(command="python benchmarks/gpu.py --json x", device="NVIDIA H200",
+               platform="gpu", jax="0.12.0.1", date="2026-12-02 10:00 UTC", tiny=False,
+               interpret=False, peak_tflops=989.4, kernels=list(kernels), hop=list(hop),
+               layer=[])
+    doc.update(header)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+# kernel rows the loader must ignore: another config, skewed groups, another shape, failed
+DISTRACTORS = [_kern("fwd", 2048, 768, 1.0, 900.0, config="128,128,32,4,4"),
+               _kern("fwd", 2048, 768, 1.0, 900.0, groups="skewed"),
+               _kern("dx", 2048, 2048, 1.0, 900.0), _kern("dW", 2048, 768, None, None),
+               _kern("fwd", 2048, 768, 1.0, 900.0, kernel="ragged_dot")]
+
+
+def test_measured_hop_rates_are_used(tmp_path):
+    path = _measurements(tmp_path, hop=[_hop(True, 400.0, 300.0, 16384),
+                                        _hop(False, 123.0, 45.0, 61440)],
+                         kernels=[_kern("fwd", 2048, 768, 1.0, 200.0), *DISTRACTORS])
+    rates = cm.load_rates(path)
+    assert (rates.fwd.tflops, rates.bwd.tflops) == (400.0, 300.0)   # the default-chunk row
+    assert rates.fwd.origin == rates.bwd.origin == "hop"
+    fwd, bwd = rates.report()
+    assert fwd.startswith("forward compute: 400 TFLOP/s, measured (")
+    assert bwd.startswith("backward compute: 300 TFLOP/s, measured (")
+    for line in (fwd, bwd):
+        assert f"{path}, NVIDIA H200, 2026-12-02 10:00 UTC" in line and "chunk 16,384" in line
+
+
+def test_kernel_section_is_the_fallback(tmp_path):
+    # the hop's backward failed (null): the backward comes from the kernels' dx and dW
+    kernels = [_kern("fwd", 2048, 768, 1.0, 200.0), _kern("fwd", 768, 2048, 3.0, 100.0),
+               _kern("dx", 2048, 768, 2.0, 150.0), _kern("dW", 768, 2048, 2.0, 250.0),
+               *DISTRACTORS]
+    rates = cm.load_rates(_measurements(tmp_path, hop=[_hop(True, 400.0, None, 16384)],
+                                        kernels=kernels))
+    assert rates.fwd.origin == "hop" and rates.fwd.tflops == 400.0
+    assert rates.bwd.origin == "kernels"
+    # total FLOPs / total time: (150 * 2 + 250 * 2) / (2 + 2)
+    assert rates.bwd.tflops == pytest.approx(200.0)
+    rates = cm.load_rates(_measurements(tmp_path, kernels=kernels))
+    assert rates.fwd.tflops == pytest.approx((200.0 * 1 + 100.0 * 3) / 4)   # 125
+    assert "kernel section" in rates.fwd.source and rates.fwd.source.startswith("measured (")
+    # kernels at other shapes only: nothing measured applies
+    other = cm.load_rates(_measurements(tmp_path, kernels=kernels), hidden=4096, ffn=1024)
+    assert not other.fwd.measured and not other.bwd.measured
+
+
+def test_missing_file_is_assumed(tmp_path, monkeypatch):
+    monkeypatch.setattr(cm, "MEASUREMENTS", tmp_path / "absent.json")
+    rates = cm.load_rates()
+    assert rates.fwd == rates.bwd == cm.assumed_rate()
+    assert rates.fwd.tflops == round(0.35 * 989.4, 1) and not rates.fwd.measured
+    assert rates.report()[0] == ("forward compute: 346.3 TFLOP/s, assumed (0.350 x the H100 SXM "
+                                 "dense bf16 peak 989.4)")
+    assert cm.load_rates(assumed_tflops=500.0).bwd.tflops == 500.0
+    with pytest.raises(cm.MeasurementError, match=r"absent\.json: no such file"):
+        cm.load_rates(tmp_path / "absent.json")   # a path given must exist
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("device"), r"missing key 'device' \(expected a string\)"),
+    (lambda d: d.update(hop={"chunk": 1}), r"hop: expected a list, got \{'chunk': 1\}"),
+    (lambda d: d["hop"][0].update(fwd_tflops="fast"),
+     r"hop\[0\]\.fwd_tflops: expected a number or null, got 'fast'"),
+    (lambda d: d["hop"][0].pop("default_chunk"), r"missing key 'hop\[0\]\.default_chunk'"),
+    (lambda d: d["kernels"][0].update(op="bwd"),
+     r"kernels\[0\]\.op: expected 'fwd', 'dx' or 'dW', got 'bwd'"),
+    (lambda d: d["kernels"][0].update(k=2048.5), r"kernels\[0\]\.k: expected an integer"),
+])
+def test_malformed_file_names_the_key(tmp_path, change, message):
+    path = _measurements(tmp_path, hop=[_hop(True, 400.0, 300.0, 16384)],
+                         kernels=[_kern("fwd", 2048, 768, 1.0, 200.0)])
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(cm.MeasurementError, match=message):
+        cm.load_rates(path)
+
+
+def test_not_json_is_a_clear_error(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{not json")
+    with pytest.raises(cm.MeasurementError, match=r"gpu\.json: not JSON"):
+        cm.load_rates(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(cm.MeasurementError, match="expected a JSON object at the top, got list"):
+        cm.load_rates(path)
+
+
+def test_measured_seconds_scale_the_work():
+    pairs, h, f = 1000, 100, 10                         # 12 * pairs * H * F = 1.2e7 FLOPs
+    hop = cm.ComputeRates(cm.Rate(6.0, "hop", "m"), cm.Rate(12.0, "hop", "m"))
+    assert hop.forward_s(1e30, pairs, h, f) == pytest.approx(1e-6)   # stand-in ignored
+    assert hop.backward_s(1e30, pairs, h, f, recompute=True) == pytest.approx(1e-6)
+    assert hop.backward_s(1e30, pairs, h, f, recompute=False) == pytest.approx(0.75e-6)
+    kern = cm.ComputeRates(cm.Rate(6.0, "kernels", "m"), cm.Rate(12.0, "kernels", "m"))
+    assert kern.backward_s(1e30, pairs, h, f, recompute=False) == pytest.approx(1e-6)
+    assert kern.backward_s(1e30, pairs, h, f, recompute=True) == pytest.approx(16 / 12 * 1e-6)
+    assumed = cm.ComputeRates(cm.assumed_rate(2.0), cm.assumed_rate(4.0))
+    assert assumed.forward_s(6e12, pairs, h, f) == 3.0                 # the stand-in's FLOPs
+    assert assumed.backward_s(8e12, pairs, h, f, recompute=True) == 2.0
+
+
+def _synthetic_scaling(tmp_path):
     rows = []
     for ep, hosts in ((8, 1), (16, 2)):
         p = 16 // ep * 3 * 64 * 32 * 2
-        rows.append(synthetic_row(ep, hosts, p, 2 * p, p))
-        h = synthetic_row(ep, hosts, p, 2 * p, p, variant="hier-expert")
-        rows.append(h)
+        rows += [synthetic_row(ep, hosts, p, 2 * p, p),
+                 synthetic_row(ep, hosts, p, 2 * p, p, variant="hier-expert")]
         a2a = synthetic_row(ep, hosts, 0, 0, 0, variant="a2a-cap1.0")
         a2a["fwdbwd_a2a_intra"] = [4 * 1024 * 2 * 64 * (min(ep, 8) - 1) // ep] * ep
         a2a["fwdbwd_a2a_inter"] = [4 * 1024 * 2 * 64 * (ep - min(ep, 8)) // ep] * ep
         rows.append(a2a)
     path = tmp_path / "scaling.json"
     path.write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_script_end_to_end_on_synthetic_rows(script, tmp_path, capsys):
+    path = _synthetic_scaling(tmp_path)
     out = tmp_path / "cm.png"
     script.main(["--scaling-json", str(path), "--ep", "8", "16", "-k", "2",
-                 "--scaling-tokens", "1024", "--tokens", "1024", "--out", str(out)])
+                 "--scaling-tokens", "1024", "--tokens", "1024", "--out", str(out),
+                 "--measurements", "none"])
     text = capsys.readouterr().out
     assert text.startswith("# reproduce: python benchmarks/cost_model.py --scaling-json")
-    assert "NOT A MEASUREMENT" in text
+    assert "NOT A MEASUREMENT" in text and "nothing here ran on a GPU" in text
+    assert "# forward compute: 346.3 TFLOP/s, assumed (" in text
     assert "| 16 | 2 | 1,024 |" in text and out.stat().st_size > 0
     assert "the hierarchical ring moves that line" in text
+
+
+def test_script_uses_measured_rates(script, tmp_path, capsys):
+    """The synthetic shape (E=16, k=2, H=64, F=32) at EP=8, T=1024: a hop has 2 experts x 128
+    pairs = 256; measured rates 0.001 (fwd) and 0.002 (bwd) TFLOP/s give a hop
+    6*256*64*32 / 1e9 + 12*256*64*32 / 2e9 s = 6.29 ms, 8 hops 50.3 ms of ring compute."""
+    gpu_json = _measurements(tmp_path, hop=[dict(_hop(True, 0.001, 0.002, 256), hidden=64,
+                                                 ffn=32)])
+    argv = ["--scaling-json", str(_synthetic_scaling(tmp_path)), "--ep", "8", "-k", "2",
+            "--scaling-tokens", "1024", "--tokens", "1024", "--out", str(tmp_path / "cm.png"),
+            "--measurements", str(gpu_json)]
+    script.main(argv)
+    text = capsys.readouterr().out
+    assert "its compute rates were measured on one GPU" in text
+    assert "# forward compute: 0.001 TFLOP/s, measured (" in text
+    assert "# backward compute: 0.002 TFLOP/s, measured (" in text
+    ring_ms = 8 * (6 * 256 * 64 * 32 / 1e9 + 12 * 256 * 64 * 32 / 2e9) * 1e3
+    assert f"| 8 | 1 | 1,024 | {ring_ms:,.1f} |" in text
+    # malformed: the script exits naming the key
+    doc = json.loads(gpu_json.read_text())
+    doc["hop"][0]["bwd_tflops"] = "slow"
+    gpu_json.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match=r"--measurements: .*hop\[0\]\.bwd_tflops: expected"):
+        script.main(argv)

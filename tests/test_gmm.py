@@ -136,8 +136,31 @@ class _GmmTests:
                    preferred_element_type=jnp.float32)
         _assert_close(out, ref.tgmm(r16(lhs), r16(rhs), sizes))
 
+    def test_tgmm_accumulates_into_acc(self):
+        """tgmm(acc=a) = a + tgmm (empty groups keep a's values exactly), its gradient in a is
+        the output's cotangent and in lhs/rhs tgmm's; a wrong acc is refused naming it."""
+        lhs, _, sizes, tile_m = _case("empty_groups")
+        rhs = _rand(7, (lhs.shape[0], N))
+        acc = _rand(8, (len(sizes), K, N))
+        f = lambda a, b, c: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m, acc=c)
+        out, vjp = jax.vjp(f, lhs, rhs, acc)
+        _assert_close(out, np.asarray(acc, np.float64) + ref.tgmm(lhs, rhs, sizes))
+        empty = np.asarray(sizes) == 0
+        np.testing.assert_array_equal(np.asarray(out)[empty], np.asarray(acc)[empty])
+        dout = _rand(9, out.shape)
+        dl, dr, da = vjp(dout)
+        want_l, want_r = jax.vjp(lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m),
+                                 lhs, rhs)[1](dout)
+        np.testing.assert_array_equal(np.asarray(da), np.asarray(dout))
+        _assert_close(dl, np.asarray(want_l, np.float64))
+        _assert_close(dr, np.asarray(want_r, np.float64))
+        with pytest.raises(ValueError, match=r"acc must be the output's \[G, K, N\] = "
+                                             r"\(6, 16, 12\) float32 \(preferred_element_type"
+                                             r"\), got bfloat16"):
+            tgmm(lhs, rhs, sizes, impl=self.impl, acc=acc.astype(jnp.bfloat16))
+
     def test_two_different_16_bit_types_are_refused(self):
-        lhs, rhs, sizes, tile_m = _case("one_group")
+        lhs, rhs, sizes, _ = _case("one_group")
         with pytest.raises(ValueError, match="two different narrow types, bfloat16 and float16"):
             gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.float16), sizes, impl=self.impl)
         with pytest.raises(ValueError, match="two different narrow types, float16 and bfloat16"):

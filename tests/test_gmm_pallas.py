@@ -205,6 +205,22 @@ def test_zero_padding_false_gives_the_padding_rows_no_work(transpose_rhs):
         gp.gmm(lhs, rhs, sizes_j, zero_padding="no", **SMALL)
 
 
+def test_tgmm_accumulates_in_place_and_skips_empty_groups():
+    """tgmm(acc=): the kernel adds into acc's aliased buffer (the interpreter would leave an
+    unwritten output NaN, so an empty group equal to acc shows the alias), with the fused
+    gather; values against the float64 reference."""
+    m, sizes = SHAPE_CASES["empty_groups_g6"]
+    x, y = _rand(1, (T, K)), _rand(2, (m, N))
+    rows = np.random.default_rng(3).integers(0, T, m)
+    acc = _rand(4, (len(sizes), K, N))
+    out = jax.jit(lambda a, b, r, c: gp.tgmm(a, b, jnp.asarray(sizes), lhs_rows=r, acc=c,
+                                             **SMALL))(x, y, jnp.asarray(rows), acc)
+    want = np.asarray(acc, np.float64) + ref.tgmm(np.asarray(x)[rows], y, sizes)
+    _assert_close(out, want)
+    empty = np.asarray(sizes) == 0
+    np.testing.assert_array_equal(np.asarray(out)[empty], np.asarray(acc)[empty])
+
+
 def test_gmm_output_dtype_selection():
     m, sizes = SHAPE_CASES["empty_groups_g6"]
     lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))

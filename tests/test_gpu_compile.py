@@ -284,6 +284,10 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
     assert len(calls) >= 9, _kernel_report(calls)   # 3 forward, 6 backward at least
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
+    if name.startswith("ring"):   # the hop's dW sums in place into its f32 accumulator
+        tgmms = [c for c in calls if c.kernel == "relaymoe_tgmm"]
+        assert tgmms and all(c.aliased and c.operands[c.aliased[0]][0] == "f32"
+                             for c in tgmms), _kernel_report(tgmms)
 
 
 @needs_plugin
@@ -302,7 +306,8 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher):
                       dispatcher=dispatcher)
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        calls = triton_calls.triton_calls(loop.compile_abstract(cfg, tc, mesh, memo=False).as_text())
+        text = loop.compile_abstract(cfg, tc, mesh, memo=False).as_text()
+    calls = triton_calls.triton_calls(text)
     assert len(calls) >= 9 * cfg.num_hidden_layers, _kernel_report(calls)
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
@@ -348,6 +353,30 @@ def test_float32_kernels_stay_float32_and_are_seen(tmp_path):
                  s((4,), jnp.int32),
                  options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"})
     calls = triton_calls.triton_calls(c.as_text())
-    assert len(calls) == 1 and calls[0].wide_floats == (("f32", (1024, 256)), ("f32", (4, 256, 128)))
+    assert len(calls) == 1
+    assert calls[0].wide_floats == (("f32", (1024, 256)), ("f32", (4, 256, 128)))
     dumped = triton_calls.tensor_core_kernels(dump)
     assert dumped and not any(dumped.values()), dumped
+
+
+def test_triton_call_parser_reads_operands_and_accumulators():
+    """Two HLO lines as XLA:GPU prints them (abridged): a plain kernel, and one whose f32 operand
+    4 is aliased to its output (tgmm(acc=)): that one is an accumulator, not a multiplied one."""
+    head = '%pallas_call.{i} = f32[4,256,128]{{2,1,0}} custom-call(%a, %b), '
+    text = "\n".join([
+        head.format(i=1) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
+        '{s32[8]{0}, f32[1024,256]{1,0}, bf16[4,256,128]{2,1,0}}, '
+        'api_version=API_VERSION_TYPED_FFI, '
+        'metadata={op_name="jit(f)/relaymoe_gmm/pallas_call"}',
+        head.format(i=2) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
+        '{s32[4]{0}, s32[4]{0}, bf16[1024,256]{1,0}, bf16[1024,128]{1,0}, f32[4,256,128]{2,1,0}}, '
+        'output_to_operand_aliasing={{}: (4, {})}, api_version=API_VERSION_TYPED_FFI, '
+        'metadata={op_name="jit(f)/relaymoe_tgmm/pallas_call"}',
+        '%fusion.3 = f32[8]{0} fusion(%x), kind=kLoop',
+    ])
+    calls = triton_calls.triton_calls(text)
+    assert [(c.name, c.kernel, c.aliased) for c in calls] == [
+        ("pallas_call.1", "relaymoe_gmm", ()), ("pallas_call.2", "relaymoe_tgmm", (4,))]
+    assert calls[0].wide_floats == (("f32", (1024, 256)),)
+    assert calls[1].wide_floats == ()
+    assert triton_calls.wide_float_calls(text) == calls[:1]

@@ -1,14 +1,20 @@
 """benchmarks/gpu.py runs end to end on CPU (--tiny --interpret), so the GPU script does not rot.
 
 The kernels run in their interpreters (Pallas interpret=True, Mosaic GPU under
-force_gpu_interpret_mode) and the layer with gmm_impl="pallas-interpret", on a 1-device mesh.
+force_gpu_interpret_mode) and the layer and the hop with gmm_impl="pallas-interpret", on a
+1-device mesh. One run (module fixture) feeds every check, its `--json` file included, which the
+cost model's loader must read back.
 """
 
+import contextlib
+import io
+import json
 import math
 import re
 
 import pytest
 
+from relaymoe_jax import costmodel as cm
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
 from scripts import load_script
 
@@ -16,6 +22,16 @@ from scripts import load_script
 @pytest.fixture(scope="module")
 def gpu():
     return load_script("benchmarks/gpu.py", "gpu_bench")
+
+
+@pytest.fixture(scope="module")
+def run(gpu, tmp_path_factory):
+    """(printed lines, the --json path) of one `--tiny --interpret --json PATH` run."""
+    path = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        gpu.main(["--tiny", "--interpret", "--json", str(path)])
+    return out.getvalue().splitlines(), path
 
 
 def _table(lines, first_col):
@@ -35,15 +51,17 @@ def _finite(text):
     return math.isfinite(value) and value >= 0
 
 
-def test_tiny_interpret_run(gpu, capsys):
-    gpu.main(["--tiny", "--interpret"])
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "# reproduce: python benchmarks/gpu.py --tiny --interpret"
+def test_header(run):
+    out, path = run
+    assert out[0] == f"# reproduce: python benchmarks/gpu.py --tiny --interpret --json {path}"
     assert out[1].startswith("# jax ") and "device: " in out[1]
     assert re.search(r"\d{4}-\d{2}-\d{2}", out[1])
     assert not any("section failed" in ln for ln in out), out
+    assert out[-1] == f"# measurements written to {path}"
 
-    kern = _table(out, "shape")
+
+def test_kernel_table(gpu, run):
+    kern = _table(run[0], "shape")
     cases = {(r["shape"], r["groups"]) for r in kern}
     assert len(cases) == len(gpu.TINY_SHAPES) * len(gpu.PATTERNS)
     assert {g.split(" ")[0] for _, g in cases} == {"balanced", "skewed"}
@@ -51,18 +69,43 @@ def test_tiny_interpret_run(gpu, capsys):
         rows = [r for r in kern if r["kernel"] == kernel]
         assert len(rows) == per_case * len(cases), kernel
         for r in rows:
-            assert _finite(r["fwd ms"]) and _finite(r["fwd+bwd ms"]), r
-            assert _finite(r["fwd TFLOP/s"]) and _finite(r["fwd+bwd TFLOP/s"]), r
-            assert float(r["err fwd"]) <= gpu.TOL and float(r["err bwd"]) <= gpu.TOL, r
+            for p in gpu.PASSES:
+                assert _finite(r[f"{p} ms"]) and _finite(r[f"{p} TFLOP/s"]), (p, r)
+                assert float(r[f"err {p}"]) <= gpu.TOL, (p, r)
             assert r["check"] == "ok", r
     mgpu = [r for r in kern if r["kernel"] == "mgpu"]
     assert {(r["shape"], r["groups"]) for r in mgpu} == cases
     for r in mgpu:   # a number (then within tolerance) or the reason it could not run
-        for col, err in (("fwd ms", "err fwd"), ("fwd+bwd ms", "err bwd")):
-            if r[col].startswith("n/a: "):
+        for p in gpu.PASSES:
+            if r[f"{p} ms"].startswith("n/a: "):
                 continue
-            assert _finite(r[col]) and float(r[err]) <= gpu.TOL, r
+            assert _finite(r[f"{p} ms"]) and float(r[f"err {p}"]) <= gpu.TOL, r
 
+
+def test_hop_table(gpu, run):
+    out = run[0]
+    head = next(ln for ln in out if ln.startswith("## One ring hop"))
+    shp = gpu.TINY_HOP
+    pairs = shp["tokens"] * shp["top_k"]
+    assert f"{pairs:,} pairs" in head and f"E_l={shp['experts']}" in head
+    rows = _table(out, "chunk (pairs)")
+    share = pairs   # the balanced share of the paper-like ring: T*k / EP = tokens*k here
+    assert [r["chunk (pairs)"] for r in rows] == [f"{shp['chunk']} (default)",
+                                                  f"{share} (balanced share)"]
+    assert [int(r["chunks per hop"]) for r in rows] == [pairs // shp["chunk"], 1]
+    hf = shp["hidden"] * shp["ffn"]
+    for r in rows:
+        fwd, bwd, both = (float(r[c]) for c in ("fwd ms", "bwd ms", "fwd+bwd ms"))
+        assert fwd > 0 and both > 0 and bwd == pytest.approx(both - fwd, rel=2e-3, abs=2e-3)
+        assert float(r["fwd TFLOP/s"]) == pytest.approx(6 * pairs * hf / fwd / 1e9, rel=2e-3)
+        if bwd <= 0:   # one interpreted run each: the noise can exceed the backward's time
+            assert r["bwd TFLOP/s"] == "n/a (fwd+bwd <= fwd)", r
+            continue
+        assert float(r["bwd TFLOP/s"]) == pytest.approx(12 * pairs * hf / bwd / 1e9, rel=2e-3)
+
+
+def test_layer_table(gpu, run):
+    out = run[0]
     head = next(ln for ln in out if ln.startswith("## MoE layer"))
     impl = "pallas-interpret" if "pallas-interpret" in MOE_IMPLS else "xla"
     assert f"gmm_impl={impl!r}" in head
@@ -75,6 +118,49 @@ def test_tiny_interpret_run(gpu, capsys):
     for v in ("ring-expert", "ring-token", "a2a-dropless"):   # dropless: the same y (bf16)
         assert int(layer[v]["dropped pairs"]) == 0
         assert float(layer[v]["y rel. diff vs ring-expert"]) <= gpu.TOL
+
+
+def test_json_has_the_printed_figures(gpu, run):
+    out, path = run
+    doc = json.loads(path.read_text())
+    assert doc["command"] == out[0].removeprefix("# reproduce: ")
+    assert doc["device"] in out[1] and doc["date"] in out[1] and doc["jax"] in out[1]
+    assert doc["tiny"] is True and doc["interpret"] is True
+    printed = _table(out, "shape")
+    assert len(doc["kernels"]) == len(printed) * len(gpu.PASSES)
+    first = printed[0]
+    for p in gpu.PASSES:
+        rec = next(r for r in doc["kernels"] if r["op"] == p)
+        assert (rec["shape"], rec["kernel"], rec["config"]) == (first["shape"], "pallas",
+                                                                 "default")
+        assert f"{rec['ms']:.4g}" == first[f"{p} ms"]
+        assert f"{rec['tflops']:.4g}" == first[f"{p} TFLOP/s"]
+    hops = _table(out, "chunk (pairs)")
+    assert [(h["chunk"], h["default_chunk"]) for h in doc["hop"]] == [
+        (int(r["chunk (pairs)"].split()[0].replace(",", "")), i == 0) for i, r in enumerate(hops)]
+    for rec, r in zip(doc["hop"], hops):
+        assert f"{rec['fwd_ms']:.4g}" == r["fwd ms"] and f"{rec['bwd_ms']:.4g}" == r["bwd ms"]
+    assert [r["variant"] for r in doc["layer"]] == list(gpu.LAYER_VARIANTS)
+    assert doc["layer"] == _table(out, "variant")
+
+
+def test_cost_model_reads_the_json_back(gpu, run):
+    out, path = run
+    shp = gpu.TINY_HOP
+    rates = cm.load_rates(path, hidden=shp["hidden"], ffn=shp["ffn"])
+    default = _table(out, "chunk (pairs)")[0]
+    assert rates.fwd.origin == "hop" and f"{rates.fwd.tflops:.4g}" == default["fwd TFLOP/s"]
+    measured = [rates.fwd]
+    if default["bwd TFLOP/s"].startswith("n/a"):   # no tiny kernel shape is H x F: assumed
+        assert rates.bwd == cm.assumed_rate()
+    else:
+        assert rates.bwd.origin == "hop" and f"{rates.bwd.tflops:.4g}" == default["bwd TFLOP/s"]
+        measured.append(rates.bwd)
+    doc = json.loads(path.read_text())
+    for r in measured:
+        assert r.measured and r.source.startswith(f"measured ({path}, {doc['device']}, "
+                                                  f"{doc['date']}")
+        assert "--interpret" in r.source and f"chunk {shp['chunk']}" in r.source
 
 
 def test_cpu_without_interpret_says_gpu_needed(gpu):

@@ -26,12 +26,14 @@ def test_ring_uses_a_fraction_of_alltoall(measured, ring):
 
 @pytest.mark.parametrize("routing", ["expert", "token"])
 def test_ring_is_near_its_analytic_floor(measured, routing):
-    """Within 15% below and 30% above the analytic live set. Since the loop accumulators are made
-    late (`relaymoe_jax.late`) XLA overlaps part of what the model counts as live together
-    (measured fwd / fwd+bwd: expert 1.11 / 0.88, token 0.92 / 0.88)."""
+    """Within 22% below and 30% above the analytic live set. Since the loop accumulators are made
+    late (`relaymoe_jax.late`) XLA overlaps part of what the model counts as live together, and
+    since the hop's dW sums in place into its accumulator (`tgmm(acc=)`) no per-chunk dW partial
+    is live (measured fwd / fwd+bwd: expert 1.11 / 0.81, token 0.92 / 0.80; before the in-place
+    sum the fwd+bwd were 0.88 / 0.88)."""
     got = measured[f"ring-{routing}"]
     floor = memory.ring_floor_bytes(SHAPE, routing=routing)
-    assert 0.85 * floor <= got["fwdbwd"] <= 1.3 * floor
+    assert 0.78 * floor <= got["fwdbwd"] <= 1.3 * floor
     floor_fwd = memory.ring_floor_bytes(SHAPE, backward=False, routing=routing)
     assert 0.85 * floor_fwd <= got["fwd"] <= 1.3 * floor_fwd
 

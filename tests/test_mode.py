@@ -23,9 +23,10 @@ def test_qwen3_long_sequence_prefers_expert_routing():
     assert v.token_fwd == 131072 * (2048 * 2 + 8 * (4 + 4))
     assert (v.expert_bwd, v.token_bwd) == (2 * v.expert_fwd, 2 * v.token_fwd)
     # What the ring sends: + the f32 dW accumulator (expert bwd); + the f32 output accumulator,
-    # the order's one-chunk padding (C = 131072*8/8) and 128 counts (token fwd).
+    # the order's one-chunk padding (C = min(131072*8/8, 8192), the default chunk) and 128 counts
+    # (token fwd).
     assert v.sent_expert_bwd == 16 * 3 * 2048 * 768 * (2 + 4)
-    assert v.sent_token_fwd == 131072 * (4096 + 64 + 2048 * 4) + (131072 + 128) * 4
+    assert v.sent_token_fwd == 131072 * (4096 + 64 + 2048 * 4) + (8192 + 128) * 4
     assert v.choice == "expert"      # 151 MB < 545 MB in Table 2, and in what is sent
 
 
@@ -38,7 +39,7 @@ def test_e384_short_sequence_prefers_token_routing(top_k):
     assert v.token_fwd == 20480 * (2048 * 2 + top_k * (4 + 4))
     assert (v.expert_bwd, v.token_bwd) == (2 * v.expert_fwd, 2 * v.token_fwd)
     # backward sends x and dy (bf16), metadata, and the f32 dx and d expert_weights accumulators.
-    c = 20480 * top_k // 8
+    c = min(20480 * top_k // 8, 8192)     # the default chunk: the balanced share, at most 8,192
     assert v.sent_token_bwd == 20480 * (2 * 4096 + top_k * 8 + 2048 * 4 + top_k * 4) + (c + 384) * 4
     assert v.choice == "token"
 

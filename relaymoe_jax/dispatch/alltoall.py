@@ -109,9 +109,9 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         src_of = jnp.full((rows,), rows, jnp.int32).at[dst].set(
             jnp.arange(rows, dtype=jnp.int32), mode="drop")
         sorted_ok = src_of < rows
-        xs_rh = plan.take_rows(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison)
         # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
-        xs_rh = plan.mask_row_grads(xs_rh, sorted_ok)
+        xs_rh = plan.take_rows_masked_grad(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok,
+                                           cfg.poison)
 
     with jax.named_scope("a2a_experts"):
         # Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel

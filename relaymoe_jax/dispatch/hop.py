@@ -107,9 +107,12 @@ class Hop:
         return gmm(a, w, gs, **self.mm_kw, preferred_element_type=jnp.float32,
                    transpose_rhs=transpose, lhs_rows=a_rows)
 
-    def _tmm(self, a, b, gs, a_rows=None, b_rows=None):
+    def _tmm(self, acc, a, b, gs, a_rows=None, b_rows=None):
+        """acc + the chunk's weight gradient, summed in place: the experts the chunk does not
+        touch are not read or written (`tgmm(acc=)`), so small chunks stay cheap."""
         return tgmm(a, b, gs, num_groups=self.e_local, **self.mm_kw,
-                    preferred_element_type=jnp.float32, lhs_rows=a_rows, rhs_rows=b_rows)
+                    preferred_element_type=jnp.float32, lhs_rows=a_rows, rhs_rows=b_rows,
+                    acc=acc)
 
     def forward(self, tk, p, w, out_th):
         """out_th + the routed SwiGLU outputs of `tk`'s pairs with expert partition p (= w)."""
@@ -148,12 +151,12 @@ class Hop:
             dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)       # invalid rows: act = dact0 = 0
             wts = ch["wts_c"][:, None]
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
-            dwd = dwd + self._tmm((act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
+            dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
             dgate = (dact * up * sig * (1.0 + gate * (1.0 - sig))).astype(dt)
             dup = (dact * silu).astype(dt)
-            dwg = dwg + self._tmm(x_ch, dgate, gs, a_rows=x_rows)
-            dwu = dwu + self._tmm(x_ch, dup, gs, a_rows=x_rows)
+            dwg = self._tmm(dwg, x_ch, dgate, gs, a_rows=x_rows)
+            dwu = self._tmm(dwu, x_ch, dup, gs, a_rows=x_rows)
             dx_ch = (self._mm(dgate, w_gate, gs, transpose=True)
                      + self._mm(dup, w_up, gs, transpose=True))
             dx_th = dx_th.at[ch["tok"]].add(dx_ch)           # gmm: invalid rows are exact 0

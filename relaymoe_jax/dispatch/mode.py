@@ -31,6 +31,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from relaymoe_jax.dispatch.chunking import default_chunk
+
 
 def _bytes(n: float) -> str:
     """`n` bytes in decimal units to 3 significant figures, e.g. 1.21 GB."""
@@ -116,7 +118,7 @@ def routing_volumes(*, experts, top_k, hidden, ffn, ep, tokens_per_device=None, 
     M = top_k * (4 + itemsize(router_dtype));  *_bwd = 2 * *_fwd.
     Give `tokens_per_device`, or `batch` and `seq_len` (then tokens_per_device =
     batch * seq_len / (sp * cp)). `weight_dtype` defaults to `act_dtype`. `chunk` is the ring's
-    chunk size (default: the balanced share ceil(tokens * top_k / ep)). `hosts`: the hosts the
+    chunk size (default: `dispatch.chunking.default_chunk`). `hosts`: the hosts the
     ep devices are on; `hierarchical`: the ring is hierarchical over them (for `link_bytes` and
     the choice). Bad arguments raise ValueError naming the argument.
     """
@@ -148,7 +150,7 @@ def routing_volumes(*, experts, top_k, hidden, ffn, ep, tokens_per_device=None, 
     weight = act if weight_dtype is None else _itemsize("weight_dtype", weight_dtype)
     router = _itemsize("router_dtype", router_dtype)
 
-    c = -(-tokens * k // ep) if chunk is None else _size("chunk", chunk)
+    c = default_chunk(tokens, k, ep, e) if chunk is None else _size("chunk", chunk)
 
     per_device, expert_bytes = e // ep, 3 * h * f * weight // etp
     token_bytes = h * act + k * (4 + router)

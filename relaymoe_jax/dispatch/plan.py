@@ -47,22 +47,13 @@ def take_rows(a, idx, ok, poison):
     return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=float("nan"))
 
 
-@jax.custom_vjp
-def mask_row_grads(a_rh, ok_r):
-    """a_rh itself; its cotangent's rows with `ok_r` False become exact zeros (a select, so NaN
-    and garbage there are dropped). For rows whose consumers leave their gradient unwritten."""
-    return a_rh
-
-
-def _mask_row_grads_fwd(a_rh, ok_r):
-    return a_rh, ok_r
-
-
-def _mask_row_grads_bwd(ok_r, ct_rh):
-    return jnp.where(ok_r[:, None], ct_rh, jnp.zeros((), ct_rh.dtype)), None
-
-
-mask_row_grads.defvjp(_mask_row_grads_fwd, _mask_row_grads_bwd)
+def take_rows_masked_grad(a, idx, ok, poison):
+    """`take_rows` whose gradient ignores the rows with `ok` False: those rows read an
+    out-of-range index (filled with 0, or NaN when poisoned), so the transpose, a scatter-add in
+    "drop" mode, discards their cotangent, which may be garbage (kernels that leave padding rows
+    unwritten), with no mask or extra buffer."""
+    fill = float("nan") if poison else 0.0
+    return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=fill)
 
 
 def pair_keys(ids_tk, num_experts):

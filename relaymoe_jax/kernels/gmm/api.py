@@ -32,6 +32,7 @@ import numpy as np
 
 from relaymoe_jax import gpu_mesh
 from relaymoe_jax.kernels.gmm import pallas
+from relaymoe_jax.kernels.gmm.common import check_acc
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
 
@@ -137,8 +138,8 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
         impls still write zeros there. Only for callers that mask those rows with a
         select wherever they read them (`pallas.gmm`).
 
-    Rows >= sum(group_sizes) come back as exact zeros (unless `zero_padding=False`). See the module docstring
-    for sum(group_sizes) > M. Differentiable in lhs and rhs.
+    Rows >= sum(group_sizes) come back as exact zeros (unless `zero_padding=False`). See the
+    module docstring for sum(group_sizes) > M. Differentiable in lhs and rhs.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != 2:
@@ -165,21 +166,27 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
     if impl == "pallas":
         return pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                           transpose_rhs=bool(transpose_rhs), interpret=interpret,
-                          lhs_rows=lhs_rows, zero_padding=zero_padding, **_pallas_blocks(tile_m))
+                          lhs_rows=lhs_rows, zero_padding=zero_padding,
+                          **_pallas_blocks(tile_m))
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
     return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
 
 
 def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False,
-         preferred_element_type=None, tile_m=None, lhs_rows=None, rhs_rows=None) -> jax.Array:
+         preferred_element_type=None, tile_m=None, lhs_rows=None, rhs_rows=None,
+         acc=None) -> jax.Array:
     """Transposed grouped matmul: out[g] = lhs[rows of g].T @ rhs[rows of g], out [G, K, N].
 
     This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
     integer. `num_groups` (optional) states G and must equal len(group_sizes).
     Rows >= sum(group_sizes) are ignored in both operands, NaN included; empty
     groups give exact zeros. Differentiable in lhs and rhs. `impl`, `interpret`,
-    `tile_m` and the operand-dtype rule (bf16 x f32 multiplies in bf16) as in `gmm`; `lhs_rows` / `rhs_rows` gather either operand's
+    `tile_m` and the operand-dtype rule (bf16 x f32 multiplies in bf16) as in `gmm`;
+    `acc` (optional [G, K, N] in the output dtype): returns acc + the product, summed in place
+    ("pallas": in acc's aliased buffer, a group with no rows neither read nor written; "xla":
+    in its loop's carry; "ragged_dot": an add), so summing many chunks' weight gradients costs
+    the groups each chunk touches; `lhs_rows` / `rhs_rows` gather either operand's
     rows like gmm's `lhs_rows` (fused into the kernel by "pallas").
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -203,12 +210,15 @@ def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False
     group_sizes = _check_group_sizes(group_sizes, int(num_groups))
     tm = _check_tile_m(tile_m)
     out_dtype = _out_dtype(preferred_element_type, lhs)
+    if acc is not None:
+        acc = check_acc(acc, (int(num_groups), lhs.shape[1], rhs.shape[1]), out_dtype)
     if num_groups == 0:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
     if impl == "pallas":
         return pallas.tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
-                           interpret=interpret, lhs_rows=lhs_rows, rhs_rows=rhs_rows,
+                           interpret=interpret, lhs_rows=lhs_rows, rhs_rows=rhs_rows, acc=acc,
                            **_pallas_blocks(tile_m))
     if impl == "xla":
-        return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype)
-    return tgmm_ragged(lhs, rhs, group_sizes, out_dtype)
+        return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype, acc)
+    out = tgmm_ragged(lhs, rhs, group_sizes, out_dtype)
+    return out if acc is None else acc + out

@@ -34,3 +34,12 @@ def operand_dtype(a, b) -> np.dtype:
 def precision(compute) -> lax.Precision:
     """HIGHEST (IEEE, no TF32) for float32 math; the native MMA path for narrower types."""
     return lax.Precision.HIGHEST if np.dtype(compute) == np.float32 else lax.Precision.DEFAULT
+
+
+def check_acc(acc, shape, dtype):
+    """Holds tgmm's `acc` checked to be a [G, K, N] array of the output dtype."""
+    acc = jnp.asarray(acc)
+    if tuple(acc.shape) != tuple(shape) or np.dtype(acc.dtype) != np.dtype(dtype):
+        raise ValueError(f"acc must be the output's [G, K, N] = {tuple(shape)} {np.dtype(dtype)} "
+                         f"(preferred_element_type), got {acc.dtype}{tuple(acc.shape)}")
+    return acc

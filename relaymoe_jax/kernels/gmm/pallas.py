@@ -105,7 +105,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from relaymoe_jax.first_order import first_order
-from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
+from relaymoe_jax.kernels.gmm.common import check_acc, operand_dtype, precision
 from relaymoe_jax.kernels.gmm.xla import clamp_group_bounds, match_vma, work_items
 
 DEFAULT_BLOCK_M = 64
@@ -316,10 +316,12 @@ def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, c
 
 
 def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: int,
-                 gather_x: bool, gather_y: bool, compute):
+                 gather_x: bool, gather_y: bool, accumulate: bool, compute):
     """One (group, k tile, n tile): o[g, k tile, n tile] = x[rows of g].T @ y[rows of g].
 
-    refs = ([x_rows_ref if gather_x], [y_rows_ref if gather_y], o_ref).
+    refs = ([x_rows_ref if gather_x], [y_rows_ref if gather_y], [acc_ref if accumulate], o_ref).
+    With `accumulate`, o is acc's buffer (aliased): o[g] += ..., and a group with no rows is
+    neither read nor written.
     """
     *rows_refs, o_ref = refs
     x_rows_ref = rows_refs.pop(0) if gather_x else None
@@ -342,37 +344,47 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: 
             precision=precision(compute), preferred_element_type=jnp.float32)
 
     trips = pl.cdiv(end - start, jnp.int32(bm))   # int32 under x64 too
-    acc_kn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bk, bn), jnp.float32))
     out = o_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
     store_ok = _and(k_ok, n_ok)
+    if accumulate:   # masked by the group's rows: an empty group's tile is never touched
+        live = jnp.broadcast_to(end > start, (bk, bn))
+        store_ok = live if store_ok is None else live & store_ok
+        init_kn = _load(out, store_ok).astype(jnp.float32)
+    else:
+        init_kn = jnp.zeros((bk, bn), jnp.float32)
+    acc_kn = lax.fori_loop(jnp.int32(0), trips, body, init_kn)
     if store_ok is None:
         plt.store(out, acc_kn.astype(o_ref.dtype))
     else:
         plt.store(out, acc_kn.astype(o_ref.dtype), mask=jnp.broadcast_to(store_ok, (bk, bn)))
 
 
-def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config):
-    """Holds out[G, K, N] of the tgmm kernel (not differentiable)."""
+def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config, acc=None):
+    """Holds out[G, K, N] of the tgmm kernel, plus `acc` (added in place) if given (not
+    differentiable)."""
     m = (x if x_rows_m is None else x_rows_m).shape[0]
     k, n = x.shape[1], y.shape[1]
     num_groups = group_sizes_g.shape[0]
     if m == 0 or n == 0 or k == 0 or num_groups == 0 or x.shape[0] == 0 or y.shape[0] == 0:
-        return jnp.zeros((num_groups, k, n), out_dtype)
+        return jnp.zeros((num_groups, k, n), out_dtype) if acc is None else acc
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
     start_g, end_g = clamp_group_bounds(group_sizes_g, m)
     compute = operand_dtype(x.dtype, y.dtype)      # bf16 x f32 -> bf16 (tensor cores)
     x, y = x.astype(compute), y.astype(compute)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, compute=compute,
-                               gather_x=x_rows_m is not None, gather_y=y_rows_m is not None)
+                               gather_x=x_rows_m is not None, gather_y=y_rows_m is not None,
+                               accumulate=acc is not None)
     rows = tuple(r for r in (x_rows_m, y_rows_m) if r is not None)
+    tail = () if acc is None else (acc,)
     return pl.pallas_call(
         kernel,
         out_shape=_out_shape((num_groups, k, n), out_dtype, x),
         grid=(num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+        input_output_aliases={} if acc is None else {4 + len(rows): 0},
         compiler_params=_compiler_params(cfg, "tgmm", ((bm, bk, x.dtype), (bm, bn, y.dtype))),
         interpret=cfg.interpret,
         name="relaymoe_tgmm",
-    )(start_g, end_g, x, y, *rows)
+    )(start_g, end_g, x, y, *rows, *tail)
 
 
 # ---------------------------------------------------------------- custom VJPs
@@ -456,6 +468,24 @@ def _tgmm_bwd(out_dtype, cfg, res, dout_gkn):
 _tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _tgmm_acc_vjp(x, y, group_sizes_g, x_rows_m, y_rows_m, acc, cfg: Config):
+    """acc + tgmm(x, y), accumulated in place in acc's buffer."""
+    return _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, acc.dtype, cfg, acc)
+
+
+def _tgmm_acc_fwd(x, y, group_sizes_g, x_rows_m, y_rows_m, acc, cfg):
+    out = _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, acc.dtype, cfg, acc)
+    return out, (x, y, group_sizes_g, x_rows_m, y_rows_m)
+
+
+def _tgmm_acc_bwd(cfg, res, dout_gkn):
+    return (*_tgmm_bwd(dout_gkn.dtype, cfg, res, dout_gkn), dout_gkn)   # d acc = dout
+
+
+_tgmm_acc_vjp.defvjp(_tgmm_acc_fwd, _tgmm_acc_bwd)
+
+
 # -------------------------------------------------------------- public entry
 
 
@@ -530,7 +560,7 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=Fal
 
 def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, rhs_rows=None,
          interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
-         block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None) -> jax.Array:
+         block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None, acc=None) -> jax.Array:
     """Transposed grouped matmul by the Pallas kernel: out[g] = lhs[g rows].T @ rhs[g rows].
 
     lhs [M, K], rhs [M, N], group_sizes [G] integer; out [G, K, N] in
@@ -539,6 +569,12 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, r
     `block_m` is the row chunk of the reduction; `block_k` x `block_n` is the
     output tile. Rows >= sum(group_sizes) are never read; empty groups give
     exact zero slices. Differentiable in lhs and rhs.
+
+    `acc` (optional [G, K, N], in the output dtype): return acc + the product,
+    accumulated in acc's own buffer (aliased to the output): a group with no rows
+    is neither read nor written, so a caller summing many small chunks' weight
+    gradients pays for the groups each chunk touches, not for all G. Differentiable
+    in acc too (its cotangent is the output's).
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     lhs_rows, rhs_rows = _rows(lhs_rows, "lhs_rows"), _rows(rhs_rows, "rhs_rows")
@@ -551,5 +587,7 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, r
     out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
                          else preferred_element_type)
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    args = _with_vma(lhs, rhs, group_sizes, lhs_rows, rhs_rows)
-    return _tgmm_vjp(*args, out_dtype, cfg)
+    if acc is None:
+        return _tgmm_vjp(*_with_vma(lhs, rhs, group_sizes, lhs_rows, rhs_rows), out_dtype, cfg)
+    acc = check_acc(acc, (group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
+    return _tgmm_acc_vjp(*_with_vma(lhs, rhs, group_sizes, lhs_rows, rhs_rows, acc), cfg)

@@ -152,13 +152,14 @@ def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
     return out_mn
 
 
-def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype):
-    """Holds out[G, K, N] = x[rows of g].T @ y[rows of g]; rows outside groups ignored."""
+def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype, acc_gkn=None):
+    """Holds out[G, K, N] = x[rows of g].T @ y[rows of g] (+ acc_gkn, the loop's initial carry,
+    when given); rows outside groups ignored."""
     m, k = x_mk.shape
     n = y_mn.shape[1]
     num_groups = group_sizes_g.shape[0]
     if m == 0:
-        return jnp.zeros((num_groups, k, n), out_dtype)
+        return jnp.zeros((num_groups, k, n), out_dtype) if acc_gkn is None else acc_gkn
     tm = min(tm, m)
     items = work_items(group_sizes_g, m, tm)
     compute = operand_dtype(x_mk.dtype, y_mn.dtype)
@@ -179,7 +180,10 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype):
         cur_1kn = lax.dynamic_slice(acc_gkn, (g, _I0, _I0), (1, k, n))
         return i + 1, lax.dynamic_update_slice(acc_gkn, cur_1kn + d_kn[None], (g, _I0, _I0))
 
-    acc_gkn = _zeros_like_vma((num_groups, k, n), jnp.float32, x_mk, y_mn, group_sizes_g)
+    if acc_gkn is None:
+        acc_gkn = _zeros_like_vma((num_groups, k, n), jnp.float32, x_mk, y_mn, group_sizes_g)
+    else:
+        acc_gkn = acc_gkn.astype(jnp.float32)
     _, acc_gkn = lax.while_loop(lambda c: c[0] < items.count, body, (jnp.int32(0), acc_gkn))
     return acc_gkn.astype(out_dtype)
 
@@ -237,13 +241,34 @@ def _tgmm_bwd(tm, out_dtype, res, dout_gkn):
 _tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tgmm_acc_vjp(x_mk, y_mn, group_sizes_g, acc_gkn, tm: int):
+    """Holds acc + tgmm(x, y): the blocked loop carrying acc (only the items' groups touched)."""
+    return _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, acc_gkn.dtype, acc_gkn)
+
+
+def _tgmm_acc_fwd(x_mk, y_mn, group_sizes_g, acc_gkn, tm):
+    out = _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, acc_gkn.dtype, acc_gkn)
+    return out, (x_mk, y_mn, group_sizes_g)
+
+
+def _tgmm_acc_bwd(tm, res, dout_gkn):
+    return (*_tgmm_bwd(tm, dout_gkn.dtype, res, dout_gkn), dout_gkn)   # d acc = dout
+
+
+_tgmm_acc_vjp.defvjp(_tgmm_acc_fwd, _tgmm_acc_bwd)
+
+
 def gmm_xla(x_mk, w_gkn, group_sizes_g, transpose_rhs: bool, tm: int, out_dtype):
     """Holds out[M, N] of the blocked grouped matmul (differentiable in x, w)."""
     x_mk, w_gkn, group_sizes_g = match_vma(x_mk, w_gkn, group_sizes_g)
     return _gmm_vjp(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype)
 
 
-def tgmm_xla(x_mk, y_mn, group_sizes_g, tm: int, out_dtype):
-    """Holds out[G, K, N] of the blocked transposed grouped matmul (differentiable)."""
-    x_mk, y_mn, group_sizes_g = match_vma(x_mk, y_mn, group_sizes_g)
-    return _tgmm_vjp(x_mk, y_mn, group_sizes_g, tm, out_dtype)
+def tgmm_xla(x_mk, y_mn, group_sizes_g, tm: int, out_dtype, acc_gkn=None):
+    """Holds out[G, K, N] of the blocked transposed grouped matmul, plus acc_gkn (in the loop's
+    carry) when given (differentiable)."""
+    if acc_gkn is None:
+        x_mk, y_mn, group_sizes_g = match_vma(x_mk, y_mn, group_sizes_g)
+        return _tgmm_vjp(x_mk, y_mn, group_sizes_g, tm, out_dtype)
+    return _tgmm_acc_vjp(*match_vma(x_mk, y_mn, group_sizes_g, acc_gkn), tm)
