@@ -44,7 +44,7 @@ def take_rows(a, idx, ok, poison):
     """
     if not poison:
         return a[idx]
-    return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=float("nan"))
+    return _take_or_fill(a, idx, ok, float("nan"))
 
 
 def take_rows_masked_grad(a, idx, ok, poison):
@@ -52,7 +52,11 @@ def take_rows_masked_grad(a, idx, ok, poison):
     out-of-range index (filled with 0, or NaN when poisoned), so the transpose, a scatter-add in
     "drop" mode, discards their cotangent, which may be garbage (kernels that leave padding rows
     unwritten), with no mask or extra buffer."""
-    fill = float("nan") if poison else 0.0
+    return _take_or_fill(a, idx, ok, float("nan") if poison else 0.0)
+
+
+def _take_or_fill(a, idx, ok, fill):
+    """a[idx], with `fill` in the rows where `ok` is False (read through an out-of-range index)."""
     return a.at[jnp.where(ok, idx, a.shape[0])].get(mode="fill", fill_value=fill)
 
 
