@@ -49,8 +49,8 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's train/
-    if "--target" in " ".join(sys.argv):   # before jax (gpu_mesh)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's train/
+    if "--target" in " ".join(sys.argv):  # before jax (gpu_mesh)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from relaymoe_jax.devices import use_cpu_devices
@@ -62,15 +62,32 @@ CONFIG = "configs/qwen3-30b-a3b.yaml"
 # --target: the experiment's settings on a full-size config (paper §4.4: full recomputation)
 # and the layer scan; key blocks of 128: each block's float32 scores are [b, S/8, heads, 128],
 # 0.94 GiB per buffer at micro-batch 12 and 40,960 tokens (3.75 GiB with blocks of 512)
-FULL_SIZE = dict(attention_impl="chunked", attention_block_k=128, attention_remat="full",
-                 moe_remat=True, scan_layers=True)
-SCALED = dict(hidden_size=256, moe_intermediate_size=96, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=256,
-              attention_impl="chunked", attention_block_k=128, max_position_embeddings=131072,
-              attention_remat="full", moe_remat=True)
-VARIANTS = {"ring": dict(dispatcher="ring"),
-            "alltoall dropless": dict(dispatcher="alltoall"),
-            "alltoall cap1.0": dict(dispatcher="alltoall", capacity_factor=1.0)}
+FULL_SIZE = dict(
+    attention_impl="chunked",
+    attention_block_k=128,
+    attention_remat="full",
+    moe_remat=True,
+    scan_layers=True,
+)
+SCALED = dict(
+    hidden_size=256,
+    moe_intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    vocab_size=256,
+    attention_impl="chunked",
+    attention_block_k=128,
+    max_position_embeddings=131072,
+    attention_remat="full",
+    moe_remat=True,
+)
+VARIANTS = {
+    "ring": dict(dispatcher="ring"),
+    "alltoall dropless": dict(dispatcher="alltoall"),
+    "alltoall cap1.0": dict(dispatcher="alltoall", capacity_factor=1.0),
+}
 MIB = 2**20
 
 
@@ -78,8 +95,10 @@ def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = N
     """{variant: ModelConfig} of `config` with `scaled` (default SCALED) on `mesh`."""
     ep = train_mesh.expert_size(dict(mesh.shape))
     scaled = SCALED if scaled is None else scaled
-    return {name: load_config(config, expert_size=ep, **{**scaled, **over, **overrides})
-            for name, over in VARIANTS.items()}
+    return {
+        name: load_config(config, expert_size=ep, **{**scaled, **over, **overrides})
+        for name, over in VARIANTS.items()
+    }
 
 
 def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
@@ -89,14 +108,20 @@ def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) 
     the measured peaks crosses `memory`)."""
     found = {}
     for name, cfg in cfgs.items():
-        print(f"# {name}: the longest of {', '.join(f'{s:,}' for s in sorted(seqs))} at "
-              f"micro-batch {tc.batch_size} ...", flush=True)
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max(
-            cfg.max_position_embeddings, *seqs))
-        peak = lambda seq, cfg=cfg: planner.step_cost(
-            cfg, dataclasses.replace(tc, seq_len=seq), mesh, memo=False).peak
+        print(
+            f"# {name}: the longest of {', '.join(f'{s:,}' for s in sorted(seqs))} at "
+            f"micro-batch {tc.batch_size} ...",
+            flush=True,
+        )
+        cfg = dataclasses.replace(
+            cfg, max_position_embeddings=max(cfg.max_position_embeddings, *seqs)
+        )
+        peak = lambda seq, cfg=cfg: (
+            planner.step_cost(cfg, dataclasses.replace(tc, seq_len=seq), mesh, memo=False).peak
+        )
         found[name] = planner.search.largest_listed(
-            peak, memory, seqs, log=lambda m: print(m, flush=True))
+            peak, memory, seqs, log=lambda m: print(m, flush=True)
+        )
     return found
 
 
@@ -105,8 +130,9 @@ def capacity(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, limit: int, st
     found = {}
     for name, cfg in cfgs.items():
         print(f"# {name}: largest sequence at micro-batch {tc.batch_size} ...", flush=True)
-        found[name] = planner.largest_size(cfg, tc, mesh, memory, field="seq_len", step=step,
-                                           limit=limit, log=print)
+        found[name] = planner.largest_size(
+            cfg, tc, mesh, memory, field="seq_len", step=step, limit=limit, log=print
+        )
     return found
 
 
@@ -127,50 +153,70 @@ def recompute(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, sizes):
 
 def capacity_table(found: dict, memory: int) -> str:
     ring = found["ring"][0]
-    rows = ["| dispatcher | largest seq | its peak MiB | next size probed | its peak MiB | "
-            "ring / it |", "|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| dispatcher | largest seq | its peak MiB | next size probed | its peak MiB | ring / it |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, (seq, rec) in found.items():
         peaks = dict(rec.probes)
         above = min((s for s in peaks if peaks[s] > memory), default=None)
         at_limit = " (the limit)" if seq == rec.limit else ""
-        cells = [name, f"{seq:,}{at_limit}" if seq else "none fits",
-                 f"{peaks[seq] / MIB:,.1f}" if seq else "",
-                 f"{above:,}" if above else "", f"{peaks[above] / MIB:,.1f}" if above else "",
-                 f"{'>= ' if ring == rec.limit else ''}{ring / seq:.2f}x" if seq and ring
-                 else ""]
+        cells = [
+            name,
+            f"{seq:,}{at_limit}" if seq else "none fits",
+            f"{peaks[seq] / MIB:,.1f}" if seq else "",
+            f"{above:,}" if above else "",
+            f"{peaks[above] / MIB:,.1f}" if above else "",
+            f"{'>= ' if ring == rec.limit else ''}{ring / seq:.2f}x" if seq and ring else "",
+        ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def recompute_table(plans: dict, cfgs: dict, mesh, dtype) -> str:
-    rows = ["| seq | micro-batch | dispatcher | full-recompute peak MiB | plan | planned peak MiB "
-            "| attention recompute GFLOP saved per device (formula) | of all avoidable |",
-            "|---:|---:|---|---:|---|---:|---:|---:|"]
+    rows = [
+        "| seq | micro-batch | dispatcher | full-recompute peak MiB | plan | planned peak MiB "
+        "| attention recompute GFLOP saved per device (formula) | of all avoidable |",
+        "|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
     for (seq, batch), by in plans.items():
         for name, r in by.items():
             if isinstance(r, str):
                 rows.append(f"| {seq:,} | {batch} | {name} | does not fit | | | | |")
                 continue
-            costs = planner.remat.option_costs(planner.remat.AttentionShape.of(
-                cfgs[name], batch, seq, dict(mesh.shape), dtype))
+            costs = planner.remat.option_costs(
+                planner.remat.AttentionShape.of(cfgs[name], batch, seq, dict(mesh.shape), dtype)
+            )
             best = len(r.plan.options) * max(c.flops for c in costs.values())
             plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
-            rows.append(f"| {seq:,} | {batch} | {name} | {r.full.peak / MIB:,.1f} | {plan} | "
-                        f"{r.planned.peak / MIB:,.1f} | {r.plan.flops_saved / 1e9:,.2f} | "
-                        f"{r.plan.flops_saved / best:.0%} |")
+            rows.append(
+                f"| {seq:,} | {batch} | {name} | {r.full.peak / MIB:,.1f} | {plan} | "
+                f"{r.planned.peak / MIB:,.1f} | {r.plan.flops_saved / 1e9:,.2f} | "
+                f"{r.plan.flops_saved / best:.0%} |"
+            )
     return "\n".join(rows)
 
 
 def _plot_capacity(ax, found: dict, memory: int) -> None:
     for name, (seq, rec) in found.items():
         pts = sorted(rec.probes)
-        line, = ax.plot([s for s, _ in pts], [p / MIB for _, p in pts], "o-", label=name)
+        (line,) = ax.plot([s for s, _ in pts], [p / MIB for _, p in pts], "o-", label=name)
         if seq:
-            ax.annotate(f"{seq:,}", (seq, dict(rec.probes)[seq] / MIB), color=line.get_color(),
-                        textcoords="offset points", xytext=(4, -12))
+            ax.annotate(
+                f"{seq:,}",
+                (seq, dict(rec.probes)[seq] / MIB),
+                color=line.get_color(),
+                textcoords="offset points",
+                xytext=(4, -12),
+            )
     ax.axhline(memory / MIB, color="k", ls="--", lw=1, label="capacity")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="peak MiB per device",
-           title="capacity: full recomputation, same micro-batch")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="peak MiB per device",
+        title="capacity: full recomputation, same micro-batch",
+    )
     ax.legend()
 
 
@@ -179,17 +225,29 @@ def _plot_recompute(ax, plans: dict) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + i * width for j in range(len(plans))]
-        ys = [0 if isinstance(by[name], str) else by[name].plan.flops_saved / 1e9
-              for by in plans.values()]
+        ys = [
+            0 if isinstance(by[name], str) else by[name].plan.flops_saved / 1e9
+            for by in plans.values()
+        ]
         bars = ax.bar(xs, ys, width, label=name)
         for x, by in zip(xs, plans.values()):
             if isinstance(by[name], str):
-                ax.annotate("OOM", (x, 0), ha="center", va="bottom", fontsize=8,
-                            color=bars.patches[0].get_facecolor())
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(plans))],
-                  [f"seq {s:,}\nb={b}" for s, b in plans])
-    ax.set(ylabel="attention recompute GFLOP saved / device / step",
-           title="recomputation: greedy plan within the capacity")
+                ax.annotate(
+                    "OOM",
+                    (x, 0),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    color=bars.patches[0].get_facecolor(),
+                )
+    ax.set_xticks(
+        [j + width * (len(names) - 1) / 2 for j in range(len(plans))],
+        [f"seq {s:,}\nb={b}" for s, b in plans],
+    )
+    ax.set(
+        ylabel="attention recompute GFLOP saved / device / step",
+        title="recomputation: greedy plan within the capacity",
+    )
     ax.legend()
 
 
@@ -213,26 +271,45 @@ def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    use_cpu_devices(8)      # the emulated mesh, unless XLA_FLAGS sets a device count
+    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--memory", default=None,
-                   help="usable memory per device (default 1GiB; 0.9 x the device's with "
-                        "--target)")
-    p.add_argument("--target", choices=list(planner.gpu_mesh.TARGETS), default=None,
-                   help="compile for abstract GPUs with XLA:GPU, --config at full size")
-    p.add_argument("--hosts", type=planner.positive_int, default=1,
-                   help="with --target: hosts of 8 GPUs")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="usable memory per device (default 1GiB; 0.9 x the device's with --target)",
+    )
+    p.add_argument(
+        "--target",
+        choices=list(planner.gpu_mesh.TARGETS),
+        default=None,
+        help="compile for abstract GPUs with XLA:GPU, --config at full size",
+    )
+    p.add_argument(
+        "--hosts", type=planner.positive_int, default=1, help="with --target: hosts of 8 GPUs"
+    )
     p.add_argument("--config", default=CONFIG, help=f"model config (default {CONFIG})")
-    p.add_argument("--seqs", default="", metavar="SEQ,...",
-                   help="probe these sequence lengths (each one compile per dispatcher)")
-    p.add_argument("--batch", type=planner.positive_int, default=8,
-                   help="micro-batch of the capacity search")
-    p.add_argument("--max-seq", type=planner.positive_int, default=None,
-                   help="search the largest sequence up to this (default 32768 without --seqs)")
+    p.add_argument(
+        "--seqs",
+        default="",
+        metavar="SEQ,...",
+        help="probe these sequence lengths (each one compile per dispatcher)",
+    )
+    p.add_argument(
+        "--batch", type=planner.positive_int, default=8, help="micro-batch of the capacity search"
+    )
+    p.add_argument(
+        "--max-seq",
+        type=planner.positive_int,
+        default=None,
+        help="search the largest sequence up to this (default 32768 without --seqs)",
+    )
     p.add_argument("--seq-step", type=planner.positive_int, default=256)
     p.add_argument("--throughput", default="1280:24,2048:16,3072:8", metavar="SEQ:BATCH,...")
-    p.add_argument("--parts", default="capacity,recompute",
-                   help="capacity (Figure 15), recompute (Figure 13), or both (default)")
+    p.add_argument(
+        "--parts",
+        default="capacity,recompute",
+        help="capacity (Figure 15), recompute (Figure 13), or both (default)",
+    )
     p.add_argument("--out", type=Path, default=Path("docs/img/capacity.png"))
     p.add_argument("overrides", nargs="*", help="model or train key=value")
     args = p.parse_args(argv)
@@ -249,28 +326,46 @@ def main(argv=None) -> int:
         args.parts = "capacity"
     if args.max_seq is None and not seqs:
         args.max_seq = 32768
-    print("# reproduce: python benchmarks/capacity.py " + shlex.join(
-        [*([f"--target={target}", f"--hosts={args.hosts}"] if target else []),
-         *([f"--config={args.config}"] if args.config != CONFIG else []),
-         *([f"--seqs={args.seqs}"] if seqs else []),
-         *([f"--memory={args.memory}"] if args.memory else []), f"--batch={args.batch}",
-         *([f"--max-seq={args.max_seq}", f"--seq-step={args.seq_step}"] if args.max_seq else []),
-         *([f"--throughput={args.throughput}"] if not target else []),
-         f"--parts={args.parts}", f"--out={args.out}",
-         *args.overrides]), flush=True)
+    print(
+        "# reproduce: python benchmarks/capacity.py "
+        + shlex.join(
+            [
+                *([f"--target={target}", f"--hosts={args.hosts}"] if target else []),
+                *([f"--config={args.config}"] if args.config != CONFIG else []),
+                *([f"--seqs={args.seqs}"] if seqs else []),
+                *([f"--memory={args.memory}"] if args.memory else []),
+                f"--batch={args.batch}",
+                *(
+                    [f"--max-seq={args.max_seq}", f"--seq-step={args.seq_step}"]
+                    if args.max_seq
+                    else []
+                ),
+                *([f"--throughput={args.throughput}"] if not target else []),
+                f"--parts={args.parts}",
+                f"--out={args.out}",
+                *args.overrides,
+            ]
+        ),
+        flush=True,
+    )
     parts = set(args.parts.split(","))
     if not parts or parts - {"capacity", "recompute"}:
         raise SystemExit(f"--parts {args.parts!r}: expected capacity, recompute or both")
     if target:
         gpu = planner.gpu_mesh
-        memory = (planner.parse_memory(args.memory) if args.memory
-                  else int(0.9 * gpu.device_memory(target)))
+        memory = (
+            planner.parse_memory(args.memory)
+            if args.memory
+            else int(0.9 * gpu.device_memory(target))
+        )
     else:
         memory = planner.parse_memory(args.memory or "1GiB")
     sizes = [tuple(item.split(":")) for item in args.throughput.split(",") if item]
     if not all(len(s) == 2 and all(v.isdigit() and int(v) > 0 for v in s) for s in sizes):
-        raise SystemExit(f"--throughput {args.throughput!r}: expected SEQ:BATCH[,SEQ:BATCH...] "
-                         "with positive integers")
+        raise SystemExit(
+            f"--throughput {args.throughput!r}: expected SEQ:BATCH[,SEQ:BATCH...] "
+            "with positive integers"
+        )
     sizes = [(int(a), int(b)) for a, b in sizes]
     over = parse_overrides(args.overrides)
     train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
@@ -280,8 +375,10 @@ def main(argv=None) -> int:
     if target:
         shape = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu.GPUS_PER_HOST)
         mesh = gpu.mesh(tuple(shape.values()), tuple(shape), target=target)
-        where = (f"XLA:GPU buffer assignment for {mesh.devices.size} abstract "
-                 f"{gpu.device_kind(target)}, compile only, no GPU (no timing)")
+        where = (
+            f"XLA:GPU buffer assignment for {mesh.devices.size} abstract "
+            f"{gpu.device_kind(target)}, compile only, no GPU (no timing)"
+        )
         model = {**FULL_SIZE, **over}
         cfgs = configs(over, mesh, args.config, scaled=FULL_SIZE)
     else:
@@ -293,20 +390,26 @@ def main(argv=None) -> int:
         found = probe(cfgs, tc, mesh, memory, seqs)
     if "capacity" in parts and args.max_seq:
         searched = capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
-        for name, (seq, rec) in searched.items():   # one record per dispatcher, probes merged
+        for name, (seq, rec) in searched.items():  # one record per dispatcher, probes merged
             if name in found:
                 rec.probes = found[name][1].probes + rec.probes
             found[name] = (seq, rec)
     plans = recompute(cfgs, tc, mesh, memory, sizes) if "recompute" in parts and sizes else {}
-    print(f"\n{'' if target else 'scaled '}{args.config} "
-          f"({', '.join(f'{k}={v}' for k, v in model.items())}), mesh {dict(mesh.shape)}, "
-          f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; {where}")
+    print(
+        f"\n{'' if target else 'scaled '}{args.config} "
+        f"({', '.join(f'{k}={v}' for k, v in model.items())}), mesh {dict(mesh.shape)}, "
+        f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; {where}"
+    )
     if found:
-        print(f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
-              + capacity_table(found, memory))
+        print(
+            f"\nlargest sequence at micro-batch {args.batch} (Figure 15):\n"
+            + capacity_table(found, memory)
+        )
     if plans:
-        print("\nattention recomputation plans (Figure 13):\n"
-              + recompute_table(plans, cfgs, mesh, tc.compute_dtype))
+        print(
+            "\nattention recomputation plans (Figure 13):\n"
+            + recompute_table(plans, cfgs, mesh, tc.compute_dtype)
+        )
     print(f"plot: {plot(found, plans, memory, args.out)}")
     return 0
 

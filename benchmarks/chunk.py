@@ -50,6 +50,7 @@ def parse_args(argv=None):
 def chunk_of(label, s) -> int:
     """The chunk a CHUNKS entry means for shape `s`."""
     from relaymoe_jax.dispatch import chunking
+
     if label == "default":
         return chunking.default_chunk(s.tokens_per_device, s.top_k, s.ep, s.experts)
     if label == "balanced share":
@@ -62,10 +63,15 @@ def fwdbwd_temp(s, mesh, variant) -> int:
     import jax
 
     from relaymoe_jax import XLA_OPTIONS, memory
+
     fwdbwd = memory.layer_fns(s, mesh, variant)[1]
     with jax.set_mesh(mesh):
-        c = jax.jit(fwdbwd).trace(*memory.abstract_args(s, mesh)).lower().compile(
-            compiler_options=XLA_OPTIONS)
+        c = (
+            jax.jit(fwdbwd)
+            .trace(*memory.abstract_args(s, mesh))
+            .lower()
+            .compile(compiler_options=XLA_OPTIONS)
+        )
     return c.memory_analysis().temp_size_in_bytes
 
 
@@ -74,12 +80,18 @@ def memory_table(args):
 
     from relaymoe_jax import gpu_mesh, memory
     from relaymoe_jax.dispatch import chunking
+
     mesh = gpu_mesh.mesh((PAPER["ep"],), ("expert",), target=args.target)
-    print(f"# XLA:GPU for {PAPER['ep']} abstract {gpu_mesh.device_kind(args.target)}, "
-          "XLA_OPTIONS, Pallas kernel, bf16, fwd+bwd temp_size_in_bytes per device, "
-          "MiB = 2^20 bytes; paper shape E128 H2048 F768 T61440/dev EP8", flush=True)
-    print("| k | chunk | pairs | pairs per hop | chunks per hop | experts per chunk | rows per "
-          "expert | ring MiB | capacity 1.0 MiB | capacity 1.0 / ring |")
+    print(
+        f"# XLA:GPU for {PAPER['ep']} abstract {gpu_mesh.device_kind(args.target)}, "
+        "XLA_OPTIONS, Pallas kernel, bf16, fwd+bwd temp_size_in_bytes per device, "
+        "MiB = 2^20 bytes; paper shape E128 H2048 F768 T61440/dev EP8",
+        flush=True,
+    )
+    print(
+        "| k | chunk | pairs | pairs per hop | chunks per hop | experts per chunk | rows per "
+        "expert | ring MiB | capacity 1.0 MiB | capacity 1.0 / ring |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     e_local = PAPER["experts"] // PAPER["ep"]
     for k in args.top_k:
@@ -90,9 +102,12 @@ def memory_table(args):
             c = chunk_of(label, base)
             spans = min(e_local, math.ceil(c / (per_hop / e_local)) + 1)
             ring = fwdbwd_temp(dataclasses.replace(base, chunk=c), mesh, "ring-expert")
-            print(f"| {k} | {label} | {c:,} | {per_hop:,} | {math.ceil(per_hop / c)} | {spans} | "
-                  f"{c / spans:,.0f} | {memory.mib(ring):,.1f} | {memory.mib(cap):,.1f} | "
-                  f"{cap / ring:.2f}x |", flush=True)
+            print(
+                f"| {k} | {label} | {c:,} | {per_hop:,} | {math.ceil(per_hop / c)} | {spans} | "
+                f"{c / spans:,.0f} | {memory.mib(ring):,.1f} | {memory.mib(cap):,.1f} | "
+                f"{cap / ring:.2f}x |",
+                flush=True,
+            )
 
 
 def cpu_time(args):
@@ -102,30 +117,41 @@ def cpu_time(args):
     import moe_layer
 
     from relaymoe_jax import memory
+
     s = memory.LayerShape(dtype="float32", **CPU_SHAPE)
     mesh = jax.make_mesh((s.ep,), ("expert",))
-    print(f"# {jax.device_count()} emulated CPU devices, ring (expert routing) fwd+bwd, "
-          f"gmm_impl xla, float32, E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} "
-          f"T{s.tokens_per_device}/dev; median of {args.runs} runs after a warm-up", flush=True)
+    print(
+        f"# {jax.device_count()} emulated CPU devices, ring (expert routing) fwd+bwd, "
+        f"gmm_impl xla, float32, E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} "
+        f"T{s.tokens_per_device}/dev; median of {args.runs} runs after a warm-up",
+        flush=True,
+    )
     print("| chunk | pairs | chunks per hop | fwd+bwd ms | x balanced share |")
     print("|---|---:|---:|---:|---:|")
     per_hop = chunk_of("balanced share", s)
     times = {}
     for label in ("balanced share", "default"):
         c = chunk_of(label, s)
-        times[label] = moe_layer.time_fwdbwd(dataclasses.replace(s, chunk=c), mesh,
-                                             "ring-expert", args.runs)
-        print(f"| {label} | {c:,} | {math.ceil(per_hop / c)} | {times[label] * 1e3:,.0f} | "
-              f"{times[label] / times['balanced share']:.2f}x |", flush=True)
+        times[label] = moe_layer.time_fwdbwd(
+            dataclasses.replace(s, chunk=c), mesh, "ring-expert", args.runs
+        )
+        print(
+            f"| {label} | {c:,} | {math.ceil(per_hop / c)} | {times[label] * 1e3:,.0f} | "
+            f"{times[label] / times['balanced share']:.2f}x |",
+            flush=True,
+        )
 
 
 def main(argv=None):
     args = parse_args(argv)
     from relaymoe_jax.devices import use_cpu_devices
+
     use_cpu_devices(CPU_SHAPE["ep"])
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-    cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/chunk.py",
-                                             *(sys.argv[1:] if argv is None else argv)])
+    cmd = " ".join(
+        shlex.quote(a)
+        for a in ["python", "benchmarks/chunk.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     print(f"# reproduce: {cmd}", flush=True)
     if not args.no_memory:
         memory_table(args)

@@ -40,18 +40,27 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     ids = jax.NamedSharding(mesh_, rules.fit(shape, "batch", "seq"))
     step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    jitted = jax.jit(step, in_shardings=(shardings, ids),
-                     out_shardings=(shardings, jax.NamedSharding(mesh_, jax.P())),
-                     donate_argnums=0)
-    lowered = jitted.trace(state, jax.ShapeDtypeStruct(shape, jax.numpy.int32,
-                                                       sharding=ids)).lower()
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, ids),
+        out_shardings=(shardings, jax.NamedSharding(mesh_, jax.P())),
+        donate_argnums=0,
+    )
+    lowered = jitted.trace(
+        state, jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=ids)
+    ).lower()
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
     hlo = compiled.as_text()
-    return {"state_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
-            "hlo_chars": len(hlo), "whiles": hlo.count(" while("),
-            "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
+    return {
+        "state_s": t1 - t0,
+        "lower_s": t2 - t1,
+        "compile_s": t3 - t2,
+        "hlo_chars": len(hlo),
+        "whiles": hlo.count(" while("),
+        "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+    }
 
 
 def main(argv=None) -> int:
@@ -63,34 +72,60 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if any(n < 1 for n in args.layers):
         raise SystemExit(f"--layers {args.layers}: expected positive layer counts")
-    if args.one:   # a child process: one row, as JSON
+    if args.one:  # a child process: one row, as JSON
         import jax
-        if "JAX_PLATFORMS" not in os.environ:     # jax is imported already: set its option
+
+        if "JAX_PLATFORMS" not in os.environ:  # jax is imported already: set its option
             jax.config.update("jax_platforms", "cpu")
         from relaymoe_jax.devices import use_cpu_devices
-        use_cpu_devices(8)      # before jax starts, unless XLA_FLAGS sets a device count
+
+        use_cpu_devices(8)  # before jax starts, unless XLA_FLAGS sets a device count
         print(json.dumps(measure(args.config, int(args.one[0]), args.one[1] == "1", args.mesh)))
         return 0
-    print("# reproduce: python benchmarks/compile_time.py " + shlex.join(
-        ["--config", args.config, "--layers", *map(str, args.layers), "--mesh", args.mesh]))
-    print(f"# {args.config}, mesh {args.mesh}, train step compiled from abstract shapes on 8 "
-          "emulated CPU devices; one fresh process per row", flush=True)
-    print("| layers | scan_layers | abstract state s | trace + lower s | compile s | total s | "
-          "HLO chars | while loops | temp MiB |")
+    print(
+        "# reproduce: python benchmarks/compile_time.py "
+        + shlex.join(
+            ["--config", args.config, "--layers", *map(str, args.layers), "--mesh", args.mesh]
+        )
+    )
+    print(
+        f"# {args.config}, mesh {args.mesh}, train step compiled from abstract shapes on 8 "
+        "emulated CPU devices; one fresh process per row",
+        flush=True,
+    )
+    print(
+        "| layers | scan_layers | abstract state s | trace + lower s | compile s | total s | "
+        "HLO chars | while loops | temp MiB |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for n in args.layers:
         for scan in (True, False):
             out = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--config", args.config, "--mesh",
-                 args.mesh, "--one", str(n), "1" if scan else "0"],
-                cwd=ROOT, capture_output=True, text=True)
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--config",
+                    args.config,
+                    "--mesh",
+                    args.mesh,
+                    "--one",
+                    str(n),
+                    "1" if scan else "0",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 raise SystemExit(f"layers={n} scan={scan} failed:\n{out.stderr[-2000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             total = r["state_s"] + r["lower_s"] + r["compile_s"]
-            print(f"| {n} | {scan} | {r['state_s']:.1f} | {r['lower_s']:.1f} | "
-                  f"{r['compile_s']:.1f} | {total:.1f} | {r['hlo_chars']:,} | {r['whiles']} | "
-                  f"{r['temp_mib']:.1f} |", flush=True)
+            print(
+                f"| {n} | {scan} | {r['state_s']:.1f} | {r['lower_s']:.1f} | "
+                f"{r['compile_s']:.1f} | {total:.1f} | {r['hlo_chars']:,} | {r['whiles']} | "
+                f"{r['temp_mib']:.1f} |",
+                flush=True,
+            )
     return 0
 
 

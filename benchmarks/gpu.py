@@ -72,17 +72,21 @@ from relaymoe_jax import costmodel
 from relaymoe_jax.argtypes import non_negative_int, positive_float, positive_int
 
 SCRIPT = "benchmarks/gpu.py"
-TOL = 2e-2   # bf16 tolerance of err (relative to max|reference|), as in tests/test_gmm_pallas.py
+TOL = 2e-2  # bf16 tolerance of err (relative to max|reference|), as in tests/test_gmm_pallas.py
 # (name, M, K, N, G) per device
-SHAPES = [("qwen3-30b-a3b gate/up", 65536, 2048, 768, 16),
-          ("qwen3-30b-a3b down", 65536, 768, 2048, 16),
-          ("e384 gate/up = down", 65536, 2048, 2048, 48)]
-TINY_SHAPES = [("qwen-like gate/up", 256, 64, 32, 4),
-               ("qwen-like down", 256, 32, 64, 4),
-               ("e384-like", 256, 64, 64, 8)]
+SHAPES = [
+    ("qwen3-30b-a3b gate/up", 65536, 2048, 768, 16),
+    ("qwen3-30b-a3b down", 65536, 768, 2048, 16),
+    ("e384 gate/up = down", 65536, 2048, 2048, 48),
+]
+TINY_SHAPES = [
+    ("qwen-like gate/up", 256, 64, 32, 4),
+    ("qwen-like down", 256, 32, 64, 4),
+    ("e384-like", 256, 64, 64, 8),
+]
 PATTERNS = ("balanced", "skewed")
 PASSES = ("fwd", "dx", "dW")
-SECTIONS = ("layer", "hop", "kernels")   # run in this order: see layer_section's doc
+SECTIONS = ("layer", "hop", "kernels")  # run in this order: see layer_section's doc
 # Pallas configs: "default" (api.gmm / api.tgmm impl="pallas") or
 # "block_m,block_n,block_k[,warps[,stages]]" in our kernel's terms; each is timed in every pass.
 # The sweep starts from the block configs tokamax's autotuner found fastest for its Pallas-Triton
@@ -125,37 +129,74 @@ PEAKS = (("nvl", None), ("h100 pcie", 756.0), ("h100", 989.4), ("h200", 989.4), 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes: runs anywhere")
-    p.add_argument("--interpret", action="store_true",
-                   help="kernels in their CPU interpreters (needs --tiny); runs=1 by default")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="kernels in their CPU interpreters (needs --tiny); runs=1 by default",
+    )
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--runs", type=positive_int, default=None,
-                   help="timed runs (default 10; 1 interpret)")
-    p.add_argument("--warmup", type=non_negative_int, default=None,
-                   help="warm-up calls (default 2; 1 interp.)")
-    p.add_argument("--inner", type=positive_int, default=None,
-                   help="back-to-back calls per timed run (default 5; 1 interpret)")
-    p.add_argument("--pallas-configs", nargs="+", default=None,
-                   help="Pallas block configs: 'default' or 'bm,bn,bk[,warps[,stages]]' (default: "
-                        + " ".join(PALLAS_CONFIGS) + ")")
-    p.add_argument("--check-rows", type=positive_int, default=2048,
-                   help="rows sampled for the error check (all rows when M is no larger)")
-    p.add_argument("--layer-tokens", type=positive_int, default=None,
-                   help=f"tokens of the layer section (default {LAYER['tokens']}; tiny "
-                        f"{TINY_LAYER['tokens']})")
-    p.add_argument("--peak-tflops", type=positive_float, default=None,
-                   help="dense bf16 peak for '%% peak' (default: from the device kind)")
-    p.add_argument("--budget-min", type=positive_float, default=6.5,
-                   help="skip the remaining cases after this many minutes")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the measurements to PATH (for the cost model: "
-                        "benchmarks/results/gpu.json)")
+    p.add_argument(
+        "--runs", type=positive_int, default=None, help="timed runs (default 10; 1 interpret)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=None, help="warm-up calls (default 2; 1 interp.)"
+    )
+    p.add_argument(
+        "--inner",
+        type=positive_int,
+        default=None,
+        help="back-to-back calls per timed run (default 5; 1 interpret)",
+    )
+    p.add_argument(
+        "--pallas-configs",
+        nargs="+",
+        default=None,
+        help="Pallas block configs: 'default' or 'bm,bn,bk[,warps[,stages]]' (default: "
+        + " ".join(PALLAS_CONFIGS)
+        + ")",
+    )
+    p.add_argument(
+        "--check-rows",
+        type=positive_int,
+        default=2048,
+        help="rows sampled for the error check (all rows when M is no larger)",
+    )
+    p.add_argument(
+        "--layer-tokens",
+        type=positive_int,
+        default=None,
+        help=f"tokens of the layer section (default {LAYER['tokens']}; tiny "
+        f"{TINY_LAYER['tokens']})",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        help="dense bf16 peak for '%% peak' (default: from the device kind)",
+    )
+    p.add_argument(
+        "--budget-min",
+        type=positive_float,
+        default=6.5,
+        help="skip the remaining cases after this many minutes",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the measurements to PATH (for the cost model: "
+        "benchmarks/results/gpu.json)",
+    )
     a = p.parse_args(argv)
     if a.interpret and not a.tiny:
-        p.error("--interpret runs the kernels in their CPU interpreters, which only handle tiny "
-                "shapes: add --tiny")
+        p.error(
+            "--interpret runs the kernels in their CPU interpreters, which only handle tiny "
+            "shapes: add --tiny"
+        )
     a.runs = a.runs or (1 if a.interpret else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.interpret else 2)
     a.inner = a.inner or (1 if a.interpret else 5)
@@ -175,7 +216,7 @@ def _why(e: BaseException, limit: int = 160) -> str:
     """Holds a one-line, table-safe description of an exception."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     text = f"{type(e).__name__}: {lines[0] if lines else ''}".replace("|", "/")
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _row(cells):
@@ -221,6 +262,7 @@ def timed(fn, args, opts, keep=True):
     Only one output is alive at a time while timing (with keep=False; else also the first).
     """
     import jax
+
     t0 = time.perf_counter()
     first = jax.block_until_ready(fn(*args))
     once = time.perf_counter() - t0
@@ -235,7 +277,7 @@ def timed(fn, args, opts, keep=True):
     for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(inner):
-            out = None   # drop the previous output before the next call allocates its own
+            out = None  # drop the previous output before the next call allocates its own
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
@@ -260,12 +302,13 @@ class Budget:
 def group_sizes(pattern: str, m: int, g: int):
     """Holds int32 [G] sizes summing to m: balanced, or skewed (see the module doc)."""
     import numpy as np
+
     sizes = np.zeros(g, np.int64)
     if pattern == "balanced":
         sizes[:] = m // g
         sizes[: m - sizes.sum()] += 1
         return sizes.astype(np.int32)
-    live = [i for i in range(1, g) if i % 4 != 3]   # every 4th group (3, 7, ...) stays empty
+    live = [i for i in range(1, g) if i % 4 != 3]  # every 4th group (3, 7, ...) stays empty
     sizes[0] = m // 2 if live else m
     if live:
         rest = m - sizes[0]
@@ -285,6 +328,7 @@ def _pattern_label(pattern, sizes):
 def _sample(m, n_check, sizes):
     """Holds sorted unique rows to check: evenly spaced plus each group's first and last row."""
     import numpy as np
+
     if m <= n_check:
         return np.arange(m)
     ends = np.cumsum(sizes)
@@ -295,6 +339,7 @@ def _sample(m, n_check, sizes):
 
 def _relerr(got, want):
     import numpy as np
+
     got = np.asarray(got, np.float64)
     scale = float(np.abs(want).max()) or 1.0
     return float(np.max(np.abs(got - want))) / scale
@@ -306,11 +351,11 @@ class Case:
     def __init__(self, m, k, n, g, check_rows, seed=0):
         import jax
         import jax.numpy as jnp
+
         kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
         self.m, self.k, self.n, self.g = m, k, n, g
         self.x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-        self.w = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(
-            jnp.bfloat16)
+        self.w = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
         self.dout = jax.random.normal(kd, (m, n), jnp.bfloat16)
         self.check_rows = check_rows
 
@@ -319,6 +364,7 @@ class Case:
         import numpy as np
 
         from relaymoe_jax.kernels.gmm import reference
+
         rows = _sample(self.m, self.check_rows, sizes)
         cols = np.unique(np.linspace(0, self.n - 1, min(self.n, 64)).astype(np.int64))
         ends = np.cumsum(sizes)
@@ -347,8 +393,10 @@ def _mgpu_cfg(cfg, m, k, n):
 
 
 def _mgpu_label(kw):
-    return (f"bm{kw['block_m']} bn{kw['block_n']} bk{kw['block_k']} "
-            f"steps{kw['max_concurrent_steps']} gbn{kw['grid_block_n']}")
+    return (
+        f"bm{kw['block_m']} bn{kw['block_n']} bk{kw['block_k']} "
+        f"steps{kw['max_concurrent_steps']} gbn{kw['grid_block_n']}"
+    )
 
 
 @contextlib.contextmanager
@@ -361,9 +409,10 @@ def _mgpu_context(interpret):
 
     import jax
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     real = jax.devices
 
-    class _Dev:   # CPU devices have no core_count; transposed_ragged_dot reads it
+    class _Dev:  # CPU devices have no core_count; transposed_ragged_dot reads it
         core_count = 8
 
         def __init__(self, dev):
@@ -372,8 +421,11 @@ def _mgpu_context(interpret):
         def __getattr__(self, name):
             return getattr(self._dev, name)
 
-    patch = (mock.patch.object(jax, "devices", lambda *a: [_Dev(d) for d in real(*a)])
-             if not hasattr(real()[0], "core_count") else contextlib.nullcontext())
+    patch = (
+        mock.patch.object(jax, "devices", lambda *a: [_Dev(d) for d in real(*a)])
+        if not hasattr(real()[0], "core_count")
+        else contextlib.nullcontext()
+    )
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()), patch:
         yield
 
@@ -383,25 +435,28 @@ def _reset_interpreter():
         from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
             reset_gpu_interpret_mode_state,
         )
+
         reset_gpu_interpret_mode_state()
-    except Exception:   # a private API: best effort only
+    except Exception:  # a private API: best effort only
         pass
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel under test: a jitted fn(x, w, gs, dout) per pass, or none and why not."""
-    name: str                # "pallas", "ragged_dot" or "mgpu"
-    config: str              # as given: a PALLAS_CONFIGS entry, or the Mosaic-GPU label
-    label: str               # as printed
-    fns: dict                # pass -> jitted fn; {} when the kernel is unavailable
-    fail: str                # what a failed cell starts with: "error", "n/a" or "n/a: why"
+
+    name: str  # "pallas", "ragged_dot" or "mgpu"
+    config: str  # as given: a PALLAS_CONFIGS entry, or the Mosaic-GPU label
+    label: str  # as printed
+    fns: dict  # pass -> jitted fn; {} when the kernel is unavailable
+    fail: str  # what a failed cell starts with: "error", "n/a" or "n/a: why"
     mgpu_interpret: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiming:
     """One pass of one kernel on one case (a JSON row); ms/tflops/err None when it failed."""
+
     shape: str
     m: int
     k: int
@@ -410,7 +465,7 @@ class KernelTiming:
     groups: str
     kernel: str
     config: str
-    op: str                  # a PASSES entry
+    op: str  # a PASSES entry
     ms: float | None
     tflops: float | None
     err: float | None
@@ -419,13 +474,16 @@ class KernelTiming:
 
 def _passes(gmm, tgmm, **kw):
     """Holds {pass: fn(x, w, gs, dout)}: fwd x @ w[g], dx dout @ w[g]^T, dW x_g^T @ dout_g."""
-    return {"fwd": lambda x, w, gs, dout: gmm(x, w, gs, **kw),
-            "dx": lambda x, w, gs, dout: gmm(dout, w, gs, transpose_rhs=True, **kw),
-            "dW": lambda x, w, gs, dout: tgmm(x, dout, gs, **kw)}
+    return {
+        "fwd": lambda x, w, gs, dout: gmm(x, w, gs, **kw),
+        "dx": lambda x, w, gs, dout: gmm(dout, w, gs, transpose_rhs=True, **kw),
+        "dW": lambda x, w, gs, dout: tgmm(x, dout, gs, **kw),
+    }
 
 
 def _jit_all(fns):
     import jax
+
     return {p: jax.jit(f) for p, f in fns.items()}
 
 
@@ -440,13 +498,24 @@ def pallas_kernel(spec: str, interpret: bool) -> Kernel:
     from relaymoe_jax.kernels.gmm import gmm as api_gmm
     from relaymoe_jax.kernels.gmm import pallas as gp
     from relaymoe_jax.kernels.gmm import tgmm as api_tgmm
+
     common = dict(preferred_element_type=jnp.bfloat16, interpret=interpret)
     cfg = _pallas_cfg(spec)
     if cfg is None:
-        return Kernel("pallas", spec, "default (api impl='pallas')",
-                      _jit_all(_passes(api_gmm, api_tgmm, impl="pallas", **common)), "error")
-    return Kernel("pallas", spec, _cfg_label(cfg),
-                  _jit_all(_passes(gp.gmm, gp.tgmm, **common, **cfg)), "error")
+        return Kernel(
+            "pallas",
+            spec,
+            "default (api impl='pallas')",
+            _jit_all(_passes(api_gmm, api_tgmm, impl="pallas", **common)),
+            "error",
+        )
+    return Kernel(
+        "pallas",
+        spec,
+        _cfg_label(cfg),
+        _jit_all(_passes(gp.gmm, gp.tgmm, **common, **cfg)),
+        "error",
+    )
 
 
 def ragged_dot_kernel() -> Kernel:
@@ -454,9 +523,11 @@ def ragged_dot_kernel() -> Kernel:
 
     from relaymoe_jax.kernels.gmm import gmm as api_gmm
     from relaymoe_jax.kernels.gmm import tgmm as api_tgmm
+
     fns = _passes(api_gmm, api_tgmm, impl="ragged_dot", preferred_element_type=jnp.bfloat16)
-    return Kernel("ragged_dot", "ragged_dot", "lax.ragged_dot (impl='ragged_dot')",
-                  _jit_all(fns), "error")
+    return Kernel(
+        "ragged_dot", "ragged_dot", "lax.ragged_dot (impl='ragged_dot')", _jit_all(fns), "error"
+    )
 
 
 def mgpu_kernels(case, opts) -> list[Kernel]:
@@ -466,18 +537,28 @@ def mgpu_kernels(case, opts) -> list[Kernel]:
     except Exception as e:
         return [Kernel("mgpu", "ragged_dot_mgpu", "ragged_dot_mgpu", {}, f"n/a: {_why(e)}")]
     out = []
-    for cfg in (TINY_MGPU_CONFIGS if opts.tiny else MGPU_CONFIGS):
+    for cfg in TINY_MGPU_CONFIGS if opts.tiny else MGPU_CONFIGS:
         kw_fwd = _mgpu_cfg(cfg, case.m, case.k, case.n)
-        kw_dx = _mgpu_cfg(cfg, case.m, case.n, case.k)   # [M,N] @ [G,K,N]^T: N contracted
+        kw_dx = _mgpu_cfg(cfg, case.m, case.n, case.k)  # [M,N] @ [G,K,N]^T: N contracted
         bm, bn = kw_fwd["block_m"], kw_fwd["block_n"]
         while bm > 8 and case.k % bm:
             bm //= 2
         # block_k is the row chunk; its swizzle tiles the (rows, K) and (rows, N) blocks in
         # block_k columns, so block_k must divide block_m and block_n.
-        kw_dw = dict(block_m=bm, block_n=bn, block_k=min(64, bm, bn),
-                     max_concurrent_steps=cfg[3], grid_block_n=1)
-        fns = _mgpu_passes(ragged_dot_mgpu.ragged_dot,
-                           transposed_ragged_dot_mgpu.transposed_ragged_dot, kw_fwd, kw_dx, kw_dw)
+        kw_dw = dict(
+            block_m=bm,
+            block_n=bn,
+            block_k=min(64, bm, bn),
+            max_concurrent_steps=cfg[3],
+            grid_block_n=1,
+        )
+        fns = _mgpu_passes(
+            ragged_dot_mgpu.ragged_dot,
+            transposed_ragged_dot_mgpu.transposed_ragged_dot,
+            kw_fwd,
+            kw_dx,
+            kw_dw,
+        )
         label = _mgpu_label(kw_fwd)
         out.append(Kernel("mgpu", label, label, _jit_all(fns), "n/a", opts.interpret))
     return out
@@ -485,15 +566,20 @@ def mgpu_kernels(case, opts) -> list[Kernel]:
 
 def _mgpu_passes(rd, trd, kw_fwd, kw_dx, kw_dw):
     """Holds {pass: fn(x, w, gs, dout)} of the Mosaic-GPU kernels, each with its own blocks."""
-    return {"fwd": lambda x, w, gs, dout: rd(x, w, group_sizes=gs, **kw_fwd),
-            "dx": lambda x, w, gs, dout: rd(dout, w, group_sizes=gs, transpose_rhs=True, **kw_dx),
-            "dW": lambda x, w, gs, dout: trd(x, dout, group_sizes=gs, **kw_dw)}
+    return {
+        "fwd": lambda x, w, gs, dout: rd(x, w, group_sizes=gs, **kw_fwd),
+        "dx": lambda x, w, gs, dout: rd(dout, w, group_sizes=gs, transpose_rhs=True, **kw_dx),
+        "dW": lambda x, w, gs, dout: trd(x, dout, group_sizes=gs, **kw_dw),
+    }
 
 
 def kernels(case, opts) -> list[Kernel]:
     """Every kernel timed on `case`: the Pallas configs, lax.ragged_dot, the Mosaic-GPU ones."""
-    return [*(pallas_kernel(s, opts.interpret) for s in opts.pallas_configs),
-            ragged_dot_kernel(), *mgpu_kernels(case, opts)]
+    return [
+        *(pallas_kernel(s, opts.interpret) for s in opts.pallas_configs),
+        ragged_dot_kernel(),
+        *mgpu_kernels(case, opts),
+    ]
 
 
 def _call(fn, args, opts, mgpu_interpret):
@@ -517,27 +603,47 @@ def _pass_error(op, got, ref):
 
 def time_pass(kernel, op, case, gs, ref, flops, opts):
     """Holds (ms, TFLOP/s, err) of one pass; raises what the kernel raised."""
-    got, secs = _call(kernel.fns[op], (case.x, case.w, gs, case.dout), opts,
-                      kernel.mgpu_interpret)
+    got, secs = _call(kernel.fns[op], (case.x, case.w, gs, case.dout), opts, kernel.mgpu_interpret)
     err = _pass_error(op, got, ref)
     return secs * 1e3, flops / secs / 1e12, err
 
 
-KERNEL_COLS = ("shape", "M", "K", "N", "G", "groups", "kernel", "config",
-               *(f"{p} {c}" for p in PASSES for c in ("ms", "TFLOP/s")),
-               "% peak fwd / dx / dW", *(f"err {p}" for p in PASSES), "check")
+KERNEL_COLS = (
+    "shape",
+    "M",
+    "K",
+    "N",
+    "G",
+    "groups",
+    "kernel",
+    "config",
+    *(f"{p} {c}" for p in PASSES for c in ("ms", "TFLOP/s")),
+    "% peak fwd / dx / dW",
+    *(f"err {p}" for p in PASSES),
+    "check",
+)
 
 
 def kernel_rows(kernel, name, case, sizes, pattern, ref, opts, peak):
     """Times the kernel's passes on one case: prints its row, holds its KernelTiming records."""
     import jax.numpy as jnp
+
     gs = jnp.asarray(sizes)
     flops = 2.0 * float(sizes.sum()) * case.k * case.n
     groups = _pattern_label(pattern, sizes)
     timings, cells, pct = [], [], []
     for op in PASSES:
-        rec = dict(shape=name, m=case.m, k=case.k, n=case.n, g=case.g, groups=pattern,
-                   kernel=kernel.name, config=kernel.config, op=op)
+        rec = dict(
+            shape=name,
+            m=case.m,
+            k=case.k,
+            n=case.n,
+            g=case.g,
+            groups=pattern,
+            kernel=kernel.name,
+            config=kernel.config,
+            op=op,
+        )
         if op not in kernel.fns:
             timings.append(KernelTiming(**rec, ms=None, tflops=None, err=None, error=kernel.fail))
             cells += [kernel.fail, ""]
@@ -555,8 +661,22 @@ def kernel_rows(kernel, name, case, sizes, pattern, ref, opts, peak):
             pct.append("-")
     errs = [t.err for t in timings if t.err is not None]
     check = "-" if not errs else ("ok" if all(e <= TOL for e in errs) else "ERR > tol")
-    _row([name, case.m, case.k, case.n, case.g, groups, kernel.name, kernel.label, *cells,
-          " / ".join(pct), *("-" if t.err is None else _num(t.err, 3) for t in timings), check])
+    _row(
+        [
+            name,
+            case.m,
+            case.k,
+            case.n,
+            case.g,
+            groups,
+            kernel.name,
+            kernel.label,
+            *cells,
+            " / ".join(pct),
+            *("-" if t.err is None else _num(t.err, 3) for t in timings),
+            check,
+        ]
+    )
     return timings
 
 
@@ -572,11 +692,14 @@ def _case_kernels(name, m, k, n, g, opts):
 
 def kernel_section(opts, peak, budget, results):
     print("\n## Grouped matmul kernels (bf16 in, f32 accumulation, bf16 out)\n")
-    print(f"# fwd = x @ W_g, dx = dout @ W_g^T, dW = x_g^T @ dout_g, each 2*M*K*N FLOPs; err: "
-          f"max|out - ref| / max|ref| vs float64 numpy; tolerance {TOL}; % peak: of "
-          + (f"{peak} TFLOP/s" if peak else "n/a (peak unknown)"), flush=True)
+    print(
+        f"# fwd = x @ W_g, dx = dout @ W_g^T, dW = x_g^T @ dout_g, each 2*M*K*N FLOPs; err: "
+        f"max|out - ref| / max|ref| vs float64 numpy; tolerance {TOL}; % peak: of "
+        + (f"{peak} TFLOP/s" if peak else "n/a (peak unknown)"),
+        flush=True,
+    )
     _head(KERNEL_COLS)
-    for name, m, k, n, g in (TINY_SHAPES if opts.tiny else SHAPES):
+    for name, m, k, n, g in TINY_SHAPES if opts.tiny else SHAPES:
         if budget.over():
             print(f"# skipped {name} and the rest: time budget of {budget.minutes} min reached")
             return
@@ -586,8 +709,10 @@ def kernel_section(opts, peak, budget, results):
         case, kerns = built
         for pattern in PATTERNS:
             if budget.over():
-                print(f"# skipped {name} {pattern} and the rest: time budget of "
-                      f"{budget.minutes} min reached")
+                print(
+                    f"# skipped {name} {pattern} and the rest: time budget of "
+                    f"{budget.minutes} min reached"
+                )
                 return
             sizes = group_sizes(pattern, m, g)
             try:
@@ -596,8 +721,7 @@ def kernel_section(opts, peak, budget, results):
                 print(f"# {name} {pattern}: reference failed: {_why(e)}", flush=True)
                 continue
             for kernel in kerns:
-                results.kernels += kernel_rows(kernel, name, case, sizes, pattern, ref, opts,
-                                               peak)
+                results.kernels += kernel_rows(kernel, name, case, sizes, pattern, ref, opts, peak)
 
 
 # ---------------------------------------------------------------- layer and hop
@@ -606,6 +730,7 @@ def kernel_section(opts, peak, budget, results):
 def _moe_impl(opts):
     """Holds the layer's gmm_impl: pallas (its interpreter with --interpret), else xla."""
     from relaymoe_jax.kernels.gmm import MOE_IMPLS
+
     impl = "pallas-interpret" if opts.interpret else "pallas"
     if impl not in MOE_IMPLS:
         print(f"# gmm_impl={impl!r} is not in MOE_IMPLS {MOE_IMPLS}: using 'xla' instead")
@@ -619,6 +744,7 @@ def _one_device():
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
     dev = jax.devices()[0]
     mesh = Mesh(np.array([dev]), ("expert",))
     return dev, mesh, NamedSharding(mesh, P("expert"))
@@ -630,17 +756,24 @@ def layer_inputs(shp, sharding):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k].astype(np.int32)
     keys = jax.random.split(jax.random.key(1), 5)
     wts = rng.uniform(0.1, 1.0, (t, k))
-    host = [jax.random.normal(keys[0], (t, h)), ids, wts / wts.sum(1, keepdims=True),
-            jax.random.normal(keys[1], (e, h, f)) / math.sqrt(h),
-            jax.random.normal(keys[2], (e, h, f)) / math.sqrt(h),
-            jax.random.normal(keys[3], (e, f, h)) / math.sqrt(f)]
-    return [jax.device_put(jnp.asarray(a, jnp.int32 if i == 1 else jnp.bfloat16), sharding)
-            for i, a in enumerate(host)]
+    host = [
+        jax.random.normal(keys[0], (t, h)),
+        ids,
+        wts / wts.sum(1, keepdims=True),
+        jax.random.normal(keys[1], (e, h, f)) / math.sqrt(h),
+        jax.random.normal(keys[2], (e, h, f)) / math.sqrt(h),
+        jax.random.normal(keys[3], (e, f, h)) / math.sqrt(f),
+    ]
+    return [
+        jax.device_put(jnp.asarray(a, jnp.int32 if i == 1 else jnp.bfloat16), sharding)
+        for i, a in enumerate(host)
+    ]
 
 
 def layer_fns(kw, stats=True):
@@ -650,12 +783,12 @@ def layer_fns(kw, stats=True):
     import jax.numpy as jnp
 
     from relaymoe_jax import moe_ffn
-    fwd = lambda x, ids, wts, wg, wu, wd: moe_ffn(x, ids, wts, wg, wu, wd, return_stats=stats,
-                                                  **kw)
+
+    fwd = lambda x, ids, wts, wg, wu, wd: moe_ffn(x, ids, wts, wg, wu, wd, return_stats=stats, **kw)
 
     def loss(x, wts, wg, wu, wd, ids):
         y = moe_ffn(x, ids, wts, wg, wu, wd, **kw).astype(jnp.float32)
-        return 0.5 * jnp.sum(y * y)   # dy = y: a real [T, H] cotangent
+        return 0.5 * jnp.sum(y * y)  # dy = y: a real [T, H] cotangent
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
     return fwd, lambda x, ids, wts, wg, wu, wd: grad(x, wts, wg, wu, wd, ids)
@@ -665,11 +798,20 @@ def _compile(fn, args):
     import jax
 
     from relaymoe_jax import XLA_OPTIONS
+
     return jax.jit(fn).lower(*args).compile(compiler_options=XLA_OPTIONS)
 
 
-LAYER_COLS = ("variant", "fwd temp MiB", "fwd+bwd temp MiB", "run peak MiB", "fwd+bwd ms",
-              "expert TFLOP/s", "dropped pairs", "y rel. diff vs ring-expert")
+LAYER_COLS = (
+    "variant",
+    "fwd temp MiB",
+    "fwd+bwd temp MiB",
+    "run peak MiB",
+    "fwd+bwd ms",
+    "expert TFLOP/s",
+    "dropped pairs",
+    "y rel. diff vs ring-expert",
+)
 
 
 def layer_section(opts, budget, results):
@@ -685,27 +827,34 @@ def layer_section(opts, budget, results):
     import numpy as np
 
     from relaymoe_jax import memory
+
     shp = dict(TINY_LAYER if opts.tiny else LAYER)
     shp["tokens"] = opts.layer_tokens or shp["tokens"]
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
     impl = "pallas-interpret" if opts.interpret else "pallas"
-    print(f"\n## MoE layer fwd+bwd on one device: E={e} k={k} H={h} F={f} T={t} bf16, "
-          f"gmm_impl={impl!r}\n")
+    print(
+        f"\n## MoE layer fwd+bwd on one device: E={e} k={k} H={h} F={f} T={t} bf16, "
+        f"gmm_impl={impl!r}\n"
+    )
     impl = _moe_impl(opts)
     dev, mesh, sharding = _one_device()
     args = layer_inputs(shp, sharding)
     stats = lambda: dev.memory_stats() or {}
-    print("# temp MiB: compiled.memory_analysis().temp_size_in_bytes (compile-only); run peak "
-          "MiB: memory_stats() peak_bytes_in_use during the variant's runs minus bytes in use "
-          "before (variants run in ascending temp order; '<= x': no new high-water mark, an "
-          "upper bound; n/a: no memory_stats on this backend); MiB = 2^20 bytes; expert "
-          "TFLOP/s = 18*T*k*H*F / time, every routed pair counted (a2a-cap1.0 computes fewer: "
-          "its dropped pairs)", flush=True)
+    print(
+        "# temp MiB: compiled.memory_analysis().temp_size_in_bytes (compile-only); run peak "
+        "MiB: memory_stats() peak_bytes_in_use during the variant's runs minus bytes in use "
+        "before (variants run in ascending temp order; '<= x': no new high-water mark, an "
+        "upper bound; n/a: no memory_stats on this backend); MiB = 2^20 bytes; expert "
+        "TFLOP/s = 18*T*k*H*F / time, every routed pair counted (a2a-cap1.0 computes fewer: "
+        "its dropped pairs)",
+        flush=True,
+    )
     compiled, errors = {}, {}
     for v in LAYER_VARIANTS:
         try:
-            fwd, fwdbwd = layer_fns(dict(memory.VARIANTS[v], mesh=mesh, expert_axis="expert",
-                                         gmm_impl=impl))
+            fwd, fwdbwd = layer_fns(
+                dict(memory.VARIANTS[v], mesh=mesh, expert_axis="expert", gmm_impl=impl)
+            )
             c_fwd, c_all = _compile(fwd, args), _compile(fwdbwd, args)
             compiled[v] = (c_fwd, c_all, c_fwd.memory_analysis(), c_all.memory_analysis())
         except Exception as ex:
@@ -716,8 +865,11 @@ def layer_section(opts, budget, results):
     flops, rows, ys = 18.0 * t * k * h * f, {}, {}
     for v in order:
         c_fwd, c_all, ma_fwd, ma_all = compiled[v]
-        cells = [v, _mib(temp(ma_fwd)) if ma_fwd else "n/a",
-                 _mib(temp(ma_all)) if ma_all else "n/a"]
+        cells = [
+            v,
+            _mib(temp(ma_fwd)) if ma_fwd else "n/a",
+            _mib(temp(ma_all)) if ma_all else "n/a",
+        ]
         if budget.over():
             rows[v] = [*cells, f"skipped: time budget of {budget.minutes} min", "", "", ""]
             continue
@@ -731,20 +883,28 @@ def layer_section(opts, budget, results):
             after = stats()
             if "peak_bytes_in_use" in after and "bytes_in_use" in before:
                 new_mark = after["peak_bytes_in_use"] > before["peak_bytes_in_use"]
-                peak_txt = (_mib(after["peak_bytes_in_use"] - before["bytes_in_use"]) if new_mark
-                            else f"<= {_mib(before['peak_bytes_in_use'] - before['bytes_in_use'])}")
+                peak_txt = (
+                    _mib(after["peak_bytes_in_use"] - before["bytes_in_use"])
+                    if new_mark
+                    else f"<= {_mib(before['peak_bytes_in_use'] - before['bytes_in_use'])}"
+                )
             else:
                 peak_txt = "n/a"
             rows[v] = [*cells, peak_txt, _num(secs * 1e3), _num(flops / secs / 1e12), dropped]
         except Exception as ex:
             rows[v] = [*cells, f"error: {_why(ex)}", "", "", ""]
-    for v in LAYER_VARIANTS:   # printed together: the last column needs ring-expert's output
+    for v in LAYER_VARIANTS:  # printed together: the last column needs ring-expert's output
         if v in errors:
             cells = [v, errors[v], "", "", "", "", "", ""]
         else:
             ref = ys.get("ring-expert")
-            diff = (_num(_relerr(ys[v], ref), 3) if v in ys and ref is not None
-                    else "n/a" if v in ys else "")
+            diff = (
+                _num(_relerr(ys[v], ref), 3)
+                if v in ys and ref is not None
+                else "n/a"
+                if v in ys
+                else ""
+            )
             cells = [*rows[v], diff]
         _row(cells)
         results.layer.append(dict(zip(LAYER_COLS, (str(c) for c in cells))))
@@ -753,8 +913,9 @@ def layer_section(opts, budget, results):
 @dataclasses.dataclass(frozen=True)
 class HopTiming:
     """One hop at one chunk size (a JSON row); the times None when it failed."""
+
     chunk: int
-    default_chunk: bool      # the ring's default chunk at the paper shape
+    default_chunk: bool  # the ring's default chunk at the paper shape
     pairs: int
     experts: int
     top_k: int
@@ -771,6 +932,7 @@ def hop_chunks(shp):
     """Holds [(chunk, is the default)]: the default chunk at the paper shape, then the balanced
     share (one chunk; the old default)."""
     from relaymoe_jax.dispatch.chunking import balanced_share, default_chunk
+
     ring_tokens, ep = shp["tokens"] * shp["ep"], shp["ep"]
     share = balanced_share(ring_tokens, shp["top_k"], ep)
     small = shp["chunk"] or default_chunk(ring_tokens, shp["top_k"], ep, shp["experts"] * ep)
@@ -779,16 +941,31 @@ def hop_chunks(shp):
 
 def time_hop(shp, chunk, mesh, args, impl, opts):
     """Holds (fwd s, fwd+bwd s) of the ring's one hop at `chunk` pairs per chunk."""
-    fwd, fwdbwd = layer_fns(dict(dispatcher="ring", routing="expert", mesh=mesh,
-                                 expert_axis="expert", gmm_impl=impl, chunk_size=chunk),
-                            stats=False)
+    fwd, fwdbwd = layer_fns(
+        dict(
+            dispatcher="ring",
+            routing="expert",
+            mesh=mesh,
+            expert_axis="expert",
+            gmm_impl=impl,
+            chunk_size=chunk,
+        ),
+        stats=False,
+    )
     _, t_fwd = timed(_compile(fwd, args), args, opts, keep=False)
     _, t_all = timed(_compile(fwdbwd, args), args, opts, keep=False)
     return t_fwd, t_all
 
 
-HOP_COLS = ("chunk (pairs)", "chunks per hop", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s",
-            "bwd TFLOP/s")
+HOP_COLS = (
+    "chunk (pairs)",
+    "chunks per hop",
+    "fwd ms",
+    "bwd ms",
+    "fwd+bwd ms",
+    "fwd TFLOP/s",
+    "bwd TFLOP/s",
+)
 
 
 def hop_section(opts, budget, results):
@@ -796,41 +973,72 @@ def hop_section(opts, budget, results):
     shp = TINY_HOP if opts.tiny else HOP
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
     pairs, impl = t * k, _moe_impl(opts)
-    print(f"\n## One ring hop: E_l={e} local experts (E={e * shp['ep']} over EP={shp['ep']}), "
-          f"k={k}, H={h}, F={f}, bf16, {pairs:,} pairs (T={t * shp['ep']:,} per device / EP; "
-          f"{t:,} tokens on one device), gmm_impl={impl!r}\n")
+    print(
+        f"\n## One ring hop: E_l={e} local experts (E={e * shp['ep']} over EP={shp['ep']}), "
+        f"k={k}, H={h}, F={f}, bf16, {pairs:,} pairs (T={t * shp['ep']:,} per device / EP; "
+        f"{t:,} tokens on one device), gmm_impl={impl!r}\n"
+    )
     flop_f, flop_b = costmodel.hop_flops(pairs, h, f)
-    print(f"# moe_ffn(dispatcher='ring', routing='expert', chunk_size=chunk) under jit on a "
-          f"1-device mesh; bwd = fwd+bwd - fwd; TFLOP/s: {costmodel.HOP_FWD_UNITS}*pairs*H*F / "
-          f"fwd, {costmodel.HOP_BWD_UNITS}*pairs*H*F / bwd (the recompute not counted)",
-          flush=True)
+    print(
+        f"# moe_ffn(dispatcher='ring', routing='expert', chunk_size=chunk) under jit on a "
+        f"1-device mesh; bwd = fwd+bwd - fwd; TFLOP/s: {costmodel.HOP_FWD_UNITS}*pairs*H*F / "
+        f"fwd, {costmodel.HOP_BWD_UNITS}*pairs*H*F / bwd (the recompute not counted)",
+        flush=True,
+    )
     _, mesh, sharding = _one_device()
     args = layer_inputs(shp, sharding)
     _head(HOP_COLS)
     for chunk, is_default in hop_chunks(shp):
-        rec = dict(chunk=chunk, default_chunk=is_default, pairs=pairs, experts=e, top_k=k,
-                   hidden=h, ffn=f)
+        rec = dict(
+            chunk=chunk, default_chunk=is_default, pairs=pairs, experts=e, top_k=k, hidden=h, ffn=f
+        )
         label = f"{chunk:,}" + (" (default)" if is_default else " (balanced share)")
         if budget.over():
             why = f"skipped: time budget of {budget.minutes} min"
-            results.hop.append(HopTiming(**rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None,
-                                         bwd_tflops=None, error=why))
+            results.hop.append(
+                HopTiming(
+                    **rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, error=why
+                )
+            )
             _row([label, "", why, "", "", "", ""])
             continue
         try:
             t_fwd, t_all = time_hop(shp, chunk, mesh, args, impl, opts)
         except Exception as ex:
-            results.hop.append(HopTiming(**rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None,
-                                         bwd_tflops=None, error=_why(ex)))
+            results.hop.append(
+                HopTiming(
+                    **rec,
+                    fwd_ms=None,
+                    bwd_ms=None,
+                    fwd_tflops=None,
+                    bwd_tflops=None,
+                    error=_why(ex),
+                )
+            )
             _row([label, "", f"error: {_why(ex)}", "", "", "", ""])
             continue
         t_bwd = t_all - t_fwd
         tf_b = flop_b / t_bwd / 1e12 if t_bwd > 0 else None
-        results.hop.append(HopTiming(**rec, fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3,
-                                     fwd_tflops=flop_f / t_fwd / 1e12, bwd_tflops=tf_b))
-        _row([label, -(-pairs // chunk), _num(t_fwd * 1e3), _num(t_bwd * 1e3),
-              _num(t_all * 1e3), _num(flop_f / t_fwd / 1e12),
-              _num(tf_b) if tf_b is not None else "n/a (fwd+bwd <= fwd)"])
+        results.hop.append(
+            HopTiming(
+                **rec,
+                fwd_ms=t_fwd * 1e3,
+                bwd_ms=t_bwd * 1e3,
+                fwd_tflops=flop_f / t_fwd / 1e12,
+                bwd_tflops=tf_b,
+            )
+        )
+        _row(
+            [
+                label,
+                -(-pairs // chunk),
+                _num(t_fwd * 1e3),
+                _num(t_bwd * 1e3),
+                _num(t_all * 1e3),
+                _num(flop_f / t_fwd / 1e12),
+                _num(tf_b) if tf_b is not None else "n/a (fwd+bwd <= fwd)",
+            ]
+        )
 
 
 # ---------------------------------------------------------------- results and main
@@ -839,15 +1047,20 @@ def hop_section(opts, budget, results):
 @dataclasses.dataclass
 class Results:
     """What the sections measured, for `--json`."""
-    kernels: list = dataclasses.field(default_factory=list)   # KernelTiming
-    hop: list = dataclasses.field(default_factory=list)       # HopTiming
-    layer: list = dataclasses.field(default_factory=list)     # {LAYER_COLS column: cell text}
+
+    kernels: list = dataclasses.field(default_factory=list)  # KernelTiming
+    hop: list = dataclasses.field(default_factory=list)  # HopTiming
+    layer: list = dataclasses.field(default_factory=list)  # {LAYER_COLS column: cell text}
 
 
 def write_json(path, header: dict, results: Results):
     """Writes the header (command, device, jax, date, ...) and every section's rows to path."""
-    doc = {**header, "kernels": [dataclasses.asdict(r) for r in results.kernels],
-           "hop": [dataclasses.asdict(r) for r in results.hop], "layer": results.layer}
+    doc = {
+        **header,
+        "kernels": [dataclasses.asdict(r) for r in results.kernels],
+        "hop": [dataclasses.asdict(r) for r in results.hop],
+        "layer": results.layer,
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -858,32 +1071,47 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(argv)
     import jax
+
     if jax.default_backend() != "gpu" and not opts.interpret:
-        raise SystemExit(f"{SCRIPT} needs a GPU (JAX's default backend here is "
-                         f"{jax.default_backend()!r}). On CPU, `python {SCRIPT} --tiny "
-                         "--interpret` runs it with the kernels in their interpreters.")
+        raise SystemExit(
+            f"{SCRIPT} needs a GPU (JAX's default backend here is "
+            f"{jax.default_backend()!r}). On CPU, `python {SCRIPT} --tiny "
+            "--interpret` runs it with the kernels in their interpreters."
+        )
     import logging
-    logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: counted
+
+    logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)  # capacity warnings: counted
     dev = jax.devices()[0]
     command = " ".join(shlex.quote(a) for a in ["python", SCRIPT, *argv])
     print("# reproduce: " + command)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"# jax {jax.__version__}; device: {dev.device_kind} ({dev.platform}, "
-          f"{jax.device_count()} visible, 1 used); {now}; host {os.cpu_count()} CPUs")
+    print(
+        f"# jax {jax.__version__}; device: {dev.device_kind} ({dev.platform}, "
+        f"{jax.device_count()} visible, 1 used); {now}; host {os.cpu_count()} CPUs"
+    )
     peak = opts.peak_tflops or assumed_peak(dev.device_kind)
     src = "--peak-tflops" if opts.peak_tflops else f"spec sheet for {dev.device_kind!r}"
-    print(f"# assumed dense bf16 peak: {peak} TFLOP/s ({src})" if peak else
-          f"# assumed dense bf16 peak: unknown for {dev.device_kind!r} (pass --peak-tflops); "
-          "'% peak' is n/a")
-    print(f"# time: median of {opts.runs} runs x {opts.inner} calls after {opts.warmup} "
-          "warm-up(s), block_until_ready (calls > 10 ms: 1 per run; > 0.2 s: <= 3 runs)")
+    print(
+        f"# assumed dense bf16 peak: {peak} TFLOP/s ({src})"
+        if peak
+        else f"# assumed dense bf16 peak: unknown for {dev.device_kind!r} (pass --peak-tflops); "
+        "'% peak' is n/a"
+    )
+    print(
+        f"# time: median of {opts.runs} runs x {opts.inner} calls after {opts.warmup} "
+        "warm-up(s), block_until_ready (calls > 10 ms: 1 per run; > 0.2 s: <= 3 runs)"
+    )
     if opts.interpret:
-        print("# --interpret: Pallas interpret=True, Mosaic GPU under force_gpu_interpret_mode, "
-              "layer and hop gmm_impl='pallas-interpret'; times only show that the code runs")
+        print(
+            "# --interpret: Pallas interpret=True, Mosaic GPU under force_gpu_interpret_mode, "
+            "layer and hop gmm_impl='pallas-interpret'; times only show that the code runs"
+        )
     budget, results = Budget(opts.budget_min), Results()
-    sections = {"layer": lambda: layer_section(opts, budget, results),
-                "hop": lambda: hop_section(opts, budget, results),
-                "kernels": lambda: kernel_section(opts, peak, budget, results)}
+    sections = {
+        "layer": lambda: layer_section(opts, budget, results),
+        "hop": lambda: hop_section(opts, budget, results),
+        "kernels": lambda: kernel_section(opts, peak, budget, results),
+    }
     for name in SECTIONS:
         if name not in opts.sections:
             continue
@@ -892,10 +1120,20 @@ def main(argv=None):
         except Exception as e:
             print(f"# {name} section failed: {_why(e)}", flush=True)
     if opts.json:
-        write_json(opts.json, dict(command=command, device=dev.device_kind,
-                                   platform=dev.platform, jax=jax.__version__, date=now,
-                                   tiny=opts.tiny, interpret=opts.interpret,
-                                   peak_tflops=peak), results)
+        write_json(
+            opts.json,
+            dict(
+                command=command,
+                device=dev.device_kind,
+                platform=dev.platform,
+                jax=jax.__version__,
+                date=now,
+                tiny=opts.tiny,
+                interpret=opts.interpret,
+                peak_tflops=peak,
+            ),
+            results,
+        )
     sys.stdout.flush()
 
 

@@ -16,56 +16,92 @@ import sys
 
 from relaymoe_jax.argtypes import positive_int
 
-VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")   # = memory.VARIANTS
+VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")  # = memory.VARIANTS
 # Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
 # experts at long sequence), with H, F and tokens scaled by 1/8 so they run on a CPU host: weights
 # shrink 64x, tokens 8x, so token routing's advantage at E384 shrinks 8x but keeps its side.
 MODES_PRESET = [(384, 12, 256, 256, 2560), (384, 16, 256, 256, 2560), (128, 8, 256, 96, 16384)]
 # --target's default shapes, full size: the paper shape (Qwen3-30B-A3B's experts, 61,440 tokens
 # per device) at k=8 and 16, and paper §4.5's 384-expert configs (H = F = 2048, 20K tokens).
-GPU_PRESET = [(128, 8, 2048, 768, 61440), (128, 16, 2048, 768, 61440),
-              (384, 12, 2048, 2048, 20480), (384, 16, 2048, 2048, 20480)]
+GPU_PRESET = [
+    (128, 8, 2048, 768, 61440),
+    (128, 16, 2048, 768, 61440),
+    (384, 12, 2048, 2048, 20480),
+    (384, 16, 2048, 2048, 20480),
+]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", "-E", type=positive_int, nargs="+", default=None,
-                   help="default 64")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--experts", "-E", type=positive_int, nargs="+", default=None, help="default 64")
     p.add_argument("--top-k", "-k", type=positive_int, nargs="+", default=None, help="default 8")
     p.add_argument("--hidden", "-H", type=positive_int, default=None, help="default 512")
     p.add_argument("--ffn", "-F", type=positive_int, default=None, help="default 256")
-    p.add_argument("--tokens-per-device", "-T", type=positive_int, nargs="+", default=None,
-                   help="default 2048")
-    p.add_argument("--ep", type=positive_int, default=8,
-                   help="expert-parallel size = devices (default 8)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=None,
-                   help="default float32 (bfloat16 with --target)")
-    p.add_argument("--target", choices=["h100", "h200"], default=None,
-                   help="compile for abstract GPUs (XLA:GPU, no GPU needed; implies "
-                        "--compile-only). Without shape flags: the full-size shapes "
-                        + ", ".join(str(c) for c in GPU_PRESET) + " (E, k, H, F, T/dev)")
-    p.add_argument("--chunk", type=positive_int, default=None,
-                   help="ring chunk (default: balanced share)")
-    p.add_argument("--paper", action="store_true",
-                   help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
-                        "(implies --compile-only)")
-    p.add_argument("--modes", action="store_true",
-                   help="routing-mode configs (E, k, H, F, T/dev): " + ", ".join(
-                       str(c) for c in MODES_PRESET) + "; paper §4.5 scaled by 1/8")
-    p.add_argument("--compile-only", action="store_true",
-                   help="compile from abstract shapes, allocate nothing (paper-size shapes)")
-    p.add_argument("--time", action="store_true",
-                   help="also time fwd+bwd: median of --runs runs after warm-up, as ratios; a "
-                        "variant whose memory would not fit this host is skipped")
+    p.add_argument(
+        "--tokens-per-device", "-T", type=positive_int, nargs="+", default=None, help="default 2048"
+    )
+    p.add_argument(
+        "--ep", type=positive_int, default=8, help="expert-parallel size = devices (default 8)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        nargs="+",
+        default=None,
+        help="default float32 (bfloat16 with --target)",
+    )
+    p.add_argument(
+        "--target",
+        choices=["h100", "h200"],
+        default=None,
+        help="compile for abstract GPUs (XLA:GPU, no GPU needed; implies "
+        "--compile-only). Without shape flags: the full-size shapes "
+        + ", ".join(str(c) for c in GPU_PRESET)
+        + " (E, k, H, F, T/dev)",
+    )
+    p.add_argument(
+        "--chunk", type=positive_int, default=None, help="ring chunk (default: balanced share)"
+    )
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
+        "(implies --compile-only)",
+    )
+    p.add_argument(
+        "--modes",
+        action="store_true",
+        help="routing-mode configs (E, k, H, F, T/dev): "
+        + ", ".join(str(c) for c in MODES_PRESET)
+        + "; paper §4.5 scaled by 1/8",
+    )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile from abstract shapes, allocate nothing (paper-size shapes)",
+    )
+    p.add_argument(
+        "--time",
+        action="store_true",
+        help="also time fwd+bwd: median of --runs runs after warm-up, as ratios; a "
+        "variant whose memory would not fit this host is skipped",
+    )
     p.add_argument("--runs", type=positive_int, default=5, help="timed runs (default 5)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     a = p.parse_args(argv)
     shape_flags = (a.experts, a.top_k, a.hidden, a.ffn, a.tokens_per_device)
-    a.gpu_preset = a.target is not None and all(v is None for v in shape_flags) and not (
-        a.paper or a.modes)
-    for name, default in (("experts", [64]), ("top_k", [8]), ("hidden", 512), ("ffn", 256),
-                          ("tokens_per_device", [2048])):
+    a.gpu_preset = (
+        a.target is not None and all(v is None for v in shape_flags) and not (a.paper or a.modes)
+    )
+    for name, default in (
+        ("experts", [64]),
+        ("top_k", [8]),
+        ("hidden", 512),
+        ("ffn", 256),
+        ("tokens_per_device", [2048]),
+    ):
         if getattr(a, name) is None:
             setattr(a, name, default)
     a.dtype = a.dtype or (["bfloat16"] if a.target else ["float32"])
@@ -84,13 +120,16 @@ def parse_args(argv=None):
         if s.top_k > s.experts:
             p.error(f"--top-k {s.top_k} is more than --experts {s.experts}")
         if s.experts % s.ep:
-            p.error(f"--experts {s.experts} does not split over --ep {s.ep} devices (expected a "
-                    f"multiple of {s.ep})")
+            p.error(
+                f"--experts {s.experts} does not split over --ep {s.ep} devices (expected a "
+                f"multiple of {s.ep})"
+            )
     return a
 
 
 def shapes(args):
     from relaymoe_jax.memory import LayerShape
+
     for dtype in args.dtype:
         if args.modes or args.gpu_preset:
             for e, k, h, f, t in MODES_PRESET if args.modes else GPU_PRESET:
@@ -114,7 +153,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
     _, fwdbwd = memory.layer_fns(shape, mesh, variant)
     rng = np.random.default_rng(0)
     t = shape.tokens_per_device * shape.ep
-    ids = np.argsort(rng.random((t, shape.experts)), axis=1)[:, :shape.top_k].astype(np.int32)
+    ids = np.argsort(rng.random((t, shape.experts)), axis=1)[:, : shape.top_k].astype(np.int32)
     abstract = memory.abstract_args(shape, mesh)
     arrays = [rng.standard_normal(a.shape) * 0.05 for a in abstract]
     arrays[1], arrays[2] = ids, rng.uniform(0.1, 1.0, ids.shape)
@@ -132,6 +171,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
 def fits_host(shape, measured, ep):
     """Emulated devices share this host's memory: time only what fits in 70% of it."""
     from relaymoe_jax import memory
+
     args = sum(a.size * a.dtype.itemsize for a in memory.abstract_args_unsharded(shape))
     need = ep * measured["fwdbwd"] + 3 * args
     return need <= 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -144,15 +184,16 @@ def main(argv=None):
     import warnings
 
     import jax
-    if jax.config.jax_platforms in (None, ""):   # jax is imported already (relaymoe_jax):
-        jax.config.update("jax_platforms", "cpu")   # the env var above came too late
+
+    if jax.config.jax_platforms in (None, ""):  # jax is imported already (relaymoe_jax):
+        jax.config.update("jax_platforms", "cpu")  # the env var above came too late
 
     from relaymoe_jax import gpu_mesh, memory
     from relaymoe_jax.devices import use_cpu_devices
 
-    use_cpu_devices(args.ep)     # --ep emulated devices, unless XLA_FLAGS sets a device count
+    use_cpu_devices(args.ep)  # --ep emulated devices, unless XLA_FLAGS sets a device count
 
-    logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)   # capacity warnings: we know
+    logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)  # capacity warnings: we know
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
     cmd = " ".join(shlex.quote(a) for a in ["python", sys.argv[0], *(argv or sys.argv[1:])])
     print(f"# reproduce: {cmd}", flush=True)
@@ -162,27 +203,50 @@ def main(argv=None):
         except (gpu_mesh.PluginMissing, ValueError) as e:
             sys.exit(f"moe_layer.py: {e}")
         gib = gpu_mesh.device_memory(args.target) / 2**30
-        print(f"# jax {jax.__version__}, XLA:GPU compiler for {args.ep} abstract "
-              f"{gpu_mesh.device_kind(args.target)} ({gib:,.1f} "
-              "GiB each), no GPU: buffer assignment only, no timing; gmm_impl='auto' = the Pallas "
-              "kernel; per-device temp_size_in_bytes from compiled.memory_analysis(); "
-              "MiB = 2^20 bytes")
+        print(
+            f"# jax {jax.__version__}, XLA:GPU compiler for {args.ep} abstract "
+            f"{gpu_mesh.device_kind(args.target)} ({gib:,.1f} "
+            "GiB each), no GPU: buffer assignment only, no timing; gmm_impl='auto' = the Pallas "
+            "kernel; per-device temp_size_in_bytes from compiled.memory_analysis(); "
+            "MiB = 2^20 bytes"
+        )
         wire = "as the GPU program sends them: bf16 stays bf16"
     else:
         if jax.device_count() < args.ep:
-            sys.exit(f"moe_layer.py: error: --ep {args.ep} needs {args.ep} devices, jax has "
-                     f"{jax.device_count()} (XLA_FLAGS sets another device count?)")
+            sys.exit(
+                f"moe_layer.py: error: --ep {args.ep} needs {args.ep} devices, jax has "
+                f"{jax.device_count()} (XLA_FLAGS sets another device count?)"
+            )
         mesh = jax.make_mesh((args.ep,), ("expert",))
-        print(f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
-              "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes")
+        print(
+            f"# jax {jax.__version__}, {jax.device_count()} emulated CPU devices; per-device "
+            "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes"
+        )
         wire = "XLA:CPU sends bf16 as f32"
-    print(f"# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
-          f"permutes ({wire}); Table 2: the paper's prediction. "
-          "'x auto': this row / the ring mode routing='auto' picks (listed under the table)",
-          flush=True)
-    head = ("E", "k", "H", "F", "T/dev", "dtype", "variant", "fwd MiB", "fwd+bwd MiB", "x auto",
-            "[T*k,H] units", "x floor", "hop fwd KiB", "Table 2 fwd", "hop bwd KiB",
-            "Table 2 bwd")
+    print(
+        f"# hop KiB: bytes one device sends per ring hop, from the compiled HLO's collective "
+        f"permutes ({wire}); Table 2: the paper's prediction. "
+        "'x auto': this row / the ring mode routing='auto' picks (listed under the table)",
+        flush=True,
+    )
+    head = (
+        "E",
+        "k",
+        "H",
+        "F",
+        "T/dev",
+        "dtype",
+        "variant",
+        "fwd MiB",
+        "fwd+bwd MiB",
+        "x auto",
+        "[T*k,H] units",
+        "x floor",
+        "hop fwd KiB",
+        "Table 2 fwd",
+        "hop bwd KiB",
+        "Table 2 bwd",
+    )
     if args.time:
         head += ("fwd+bwd ms", "time x auto")
     if args.target:
@@ -193,11 +257,16 @@ def main(argv=None):
     notes = []
     for s in shapes(args):
         vol = memory.table2(s)
-        notes.append(f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
-                     f"{s.dtype}: auto picks {vol.explain()}")
+        notes.append(
+            f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
+            f"{s.dtype}: auto picks {vol.explain()}"
+        )
         got = {v: memory.measure_layer(s, mesh, v) for v in args.variants}
-        secs = {v: time_fwdbwd(s, mesh, v, args.runs) for v in args.variants
-                if args.time and fits_host(s, got[v], args.ep)}
+        secs = {
+            v: time_fwdbwd(s, mesh, v, args.runs)
+            for v in args.variants
+            if args.time and fits_host(s, got[v], args.ep)
+        }
         auto = f"ring-{vol.choice}"
         kib = lambda b: f"{b / 2**10:,.1f}"
         unit = memory.expanded_bytes(s)
@@ -205,15 +274,29 @@ def main(argv=None):
             mode = v.removeprefix("ring-") if v.startswith("ring") else None
             floor = memory.ring_floor_bytes(s, routing=mode) if mode else None
             pred = (getattr(vol, f"{mode}_fwd"), getattr(vol, f"{mode}_bwd")) if mode else None
-            cells = [s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.dtype, v,
-                     f"{memory.mib(m['fwd']):,.1f}", f"{memory.mib(m['fwdbwd']):,.1f}",
-                     f"{m['fwdbwd'] / got[auto]['fwdbwd']:.2f}" if auto in got else "-",
-                     f"{m['fwdbwd'] / unit:.2f}", f"{m['fwdbwd'] / floor:.2f}" if floor else "",
-                     kib(m["hop_fwd"]) if mode else "", kib(pred[0]) if mode else "",
-                     kib(m["hop_bwd"]) if mode else "", kib(pred[1]) if mode else ""]
+            cells = [
+                s.experts,
+                s.top_k,
+                s.hidden,
+                s.ffn,
+                s.tokens_per_device,
+                s.dtype,
+                v,
+                f"{memory.mib(m['fwd']):,.1f}",
+                f"{memory.mib(m['fwdbwd']):,.1f}",
+                f"{m['fwdbwd'] / got[auto]['fwdbwd']:.2f}" if auto in got else "-",
+                f"{m['fwdbwd'] / unit:.2f}",
+                f"{m['fwdbwd'] / floor:.2f}" if floor else "",
+                kib(m["hop_fwd"]) if mode else "",
+                kib(pred[0]) if mode else "",
+                kib(m["hop_bwd"]) if mode else "",
+                kib(pred[1]) if mode else "",
+            ]
             if args.time:
-                cells += [f"{secs[v] * 1e3:,.1f}" if v in secs else "(too big)",
-                          f"{secs[v] / secs[auto]:.2f}" if v in secs and auto in secs else "-"]
+                cells += [
+                    f"{secs[v] * 1e3:,.1f}" if v in secs else "(too big)",
+                    f"{secs[v] / secs[auto]:.2f}" if v in secs and auto in secs else "-",
+                ]
             if args.target:
                 cells.append(f"{100 * m['fwdbwd'] / device_bytes:,.1f}")
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
@@ -223,5 +306,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as e:        # a shape the op refuses: its message, not a traceback
+    except ValueError as e:  # a shape the op refuses: its message, not a traceback
         sys.exit(f"moe_layer.py: error: {e}")

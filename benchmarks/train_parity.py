@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's train/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's train/
 
 from relaymoe_jax.argtypes import positive_int
 from relaymoe_jax.devices import use_cpu_devices
@@ -31,8 +31,19 @@ def run(out: Path, steps: int, extra: list[str]) -> dict[str, Path]:
     runs = {}
     for name, over in DISPATCHERS.items():
         d = out / name
-        cli.main(["--config", "configs/tiny.yaml", "--steps", str(steps), "--out", str(d),
-                  "--quiet", *over, *extra])
+        cli.main(
+            [
+                "--config",
+                "configs/tiny.yaml",
+                "--steps",
+                str(steps),
+                "--out",
+                str(d),
+                "--quiet",
+                *over,
+                *extra,
+            ]
+        )
         runs[name] = d / "metrics.jsonl"
     return runs
 
@@ -45,28 +56,39 @@ def differences(runs: dict[str, Path]) -> dict[str, float]:
         raise ValueError(f"the runs logged different steps: {s_r} vs {s_a}")
     rel = np.abs(ring - a2a) / np.abs(a2a)
     half = max(1, len(rel) // 2)
-    return {"steps": len(rel), "max_rel_first_half": float(rel[:half].max()),
-            "max_rel_all": float(rel.max()), "ring_first": float(ring[0]),
-            "ring_last": float(ring[-1]), "alltoall_last": float(a2a[-1])}
+    return {
+        "steps": len(rel),
+        "max_rel_first_half": float(rel[:half].max()),
+        "max_rel_all": float(rel.max()),
+        "ring_first": float(ring[0]),
+        "ring_last": float(ring[-1]),
+        "alltoall_last": float(a2a[-1]),
+    }
 
 
 def main(argv=None) -> dict:
-    use_cpu_devices(8)      # the emulated mesh, unless XLA_FLAGS sets a device count
+    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--out", type=Path, default=Path("runs/parity"))
     p.add_argument("extra", nargs="*", help="trainer key=value overrides (seq_len=32 ...)")
     args = p.parse_args(argv)
-    print("# reproduce: python benchmarks/train_parity.py "
-          + shlex.join([f"--steps={args.steps}", f"--out={args.out}", *args.extra]), flush=True)
+    print(
+        "# reproduce: python benchmarks/train_parity.py "
+        + shlex.join([f"--steps={args.steps}", f"--out={args.out}", *args.extra]),
+        flush=True,
+    )
     runs = run(args.out, args.steps, args.extra)
     d = differences(runs)
-    png = plot.plot_losses(runs, args.out / "parity.png",
-                           title=f"tiny: ring vs all-to-all, {args.steps} steps")
-    print(f"| steps | loss step 1 | ring last | alltoall last | max rel diff, first "
-          f"{max(1, d['steps'] // 2)} | max rel diff, all |\n|---:|---:|---:|---:|---:|---:|\n"
-          f"| {d['steps']} | {d['ring_first']:.4f} | {d['ring_last']:.4f} | "
-          f"{d['alltoall_last']:.4f} | {d['max_rel_first_half']:.1e} | {d['max_rel_all']:.1e} |")
+    png = plot.plot_losses(
+        runs, args.out / "parity.png", title=f"tiny: ring vs all-to-all, {args.steps} steps"
+    )
+    print(
+        f"| steps | loss step 1 | ring last | alltoall last | max rel diff, first "
+        f"{max(1, d['steps'] // 2)} | max rel diff, all |\n|---:|---:|---:|---:|---:|---:|\n"
+        f"| {d['steps']} | {d['ring_first']:.4f} | {d['ring_last']:.4f} | "
+        f"{d['alltoall_last']:.4f} | {d['max_rel_first_half']:.1e} | {d['max_rel_all']:.1e} |"
+    )
     print(f"plot: {png}")
     return d
 

@@ -6,5 +6,14 @@ from relaymoe_jax.op import moe_ffn, moe_ffn_local, routing_plan
 from relaymoe_jax.validate import DISPATCHERS
 from relaymoe_jax.xla_options import XLA_FLAGS, XLA_OPTIONS
 
-__all__ = ["DISPATCHERS", "XLA_FLAGS", "XLA_OPTIONS", "RoutingVolumes", "moe_ffn", "moe_ffn_local",
-           "poison_unwritten", "routing_plan", "routing_volumes"]
+__all__ = [
+    "DISPATCHERS",
+    "XLA_FLAGS",
+    "XLA_OPTIONS",
+    "RoutingVolumes",
+    "moe_ffn",
+    "moe_ffn_local",
+    "poison_unwritten",
+    "routing_plan",
+    "routing_volumes",
+]

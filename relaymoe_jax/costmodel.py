@@ -86,12 +86,13 @@ NVLINK_GBS = 450.0
 NIC_GBS = 50.0
 H100_BF16_TFLOPS = 989.4
 EFFICIENCY = 0.35
-DEFAULT_TFLOPS = round(EFFICIENCY * H100_BF16_TFLOPS, 1)   # 346.3
+DEFAULT_TFLOPS = round(EFFICIENCY * H100_BF16_TFLOPS, 1)  # 346.3
 
 
 @dataclasses.dataclass(frozen=True)
 class Links:
     """Per-direction bandwidth of one GPU's links, bytes per second."""
+
     nvlink: float = NVLINK_GBS * 1e9
     nic: float = NIC_GBS * 1e9
 
@@ -101,6 +102,7 @@ class Level:
     """One ring: `n` positions; of each transfer, the GPU that sends most sends the share `intra`
     to its own host's GPUs and `inter` to other hosts (0..1 each; both 1 for a flat ring over
     several hosts: the boundary GPU sends all across, the others all over NVLink)."""
+
     n: int
     intra: float
     inter: float
@@ -134,8 +136,9 @@ def relay_time(compute: float, transfers, tail: float = 0.0) -> float:
     return sum(max(compute, t) for t in transfers) + tail
 
 
-def pass_time(levels, compute: float, payload: float, acc: float, links: Links,
-              tail: float | None = None) -> float:
+def pass_time(
+    levels, compute: float, payload: float, acc: float, links: Links, tail: float | None = None
+) -> float:
     """One pass over nested rings, outermost first: each hop of an outer ring is a whole pass of
     the inner ones (a round), with its own payload transfer overlapping the round. `tail`: the
     outermost ring's final return (default `acc`); an inner ring returns its round's partial
@@ -143,12 +146,20 @@ def pass_time(levels, compute: float, payload: float, acc: float, links: Links,
     level, *inner = levels
     c = pass_time(inner, compute, payload, acc, links) if inner else compute
     sends, last = relay_sends(level.n, payload, acc, tail)
-    return relay_time(c, [transfer_time(b, level, links) for b in sends],
-                      transfer_time(last, level, links))
+    return relay_time(
+        c, [transfer_time(b, level, links) for b in sends], transfer_time(last, level, links)
+    )
 
 
-def ring_layer_time(levels, c_fwd: float, c_bwd: float, payload: float, acc: float,
-                    links: Links, tail: float | None = None) -> dict:
+def ring_layer_time(
+    levels,
+    c_fwd: float,
+    c_bwd: float,
+    payload: float,
+    acc: float,
+    links: Links,
+    tail: float | None = None,
+) -> dict:
     """Forward (payload only) + backward (payload + trailing accumulator) of expert routing, s.
     `c_fwd` / `c_bwd`: one hop's compute (backward: recompute + gradients); `tail`: the dW's
     final return (default `acc`)."""
@@ -168,14 +179,14 @@ def hier_levels(hosts: int, gpus_per_host: int):
     return [inner] if hosts == 1 else [Level(hosts, 0.0, 1.0), inner]
 
 
-def alltoall_time(flops: float, intra_bytes: float, inter_bytes: float, flops_per_s: float,
-                  links: Links) -> dict:
+def alltoall_time(
+    flops: float, intra_bytes: float, inter_bytes: float, flops_per_s: float, links: Links
+) -> dict:
     """Compute, then the all-to-alls at the slower of the two link classes; nothing overlaps."""
     return alltoall_time_s(flops / flops_per_s, intra_bytes, inter_bytes, links)
 
 
-def alltoall_time_s(compute_s: float, intra_bytes: float, inter_bytes: float,
-                    links: Links) -> dict:
+def alltoall_time_s(compute_s: float, intra_bytes: float, inter_bytes: float, links: Links) -> dict:
     """`alltoall_time` with the compute given in seconds."""
     comm = max(intra_bytes / links.nvlink, inter_bytes / links.nic)
     return {"compute": compute_s, "comm": comm, "total": compute_s + comm}
@@ -194,6 +205,7 @@ def bound(c: float, t: float) -> bool:
 
 
 # ------------------------------------------------------------------ from the compiled figures
+
 
 def _per_device(row, prog, kind="permute"):
     intra, inter = row[f"{prog}_{kind}_intra"], row[f"{prog}_{kind}_inter"]
@@ -214,10 +226,14 @@ def flat_ring_bytes(row) -> dict:
     tot = max(bt)
     bwd_total = max(x - y for x, y in zip(bt, ft))
     sends, _ = relay_sends(n, p, a)
-    return {"payload": p, "acc": a, "tail": bwd_total - sum(sends),
-            "share_intra": max(bi) / tot if tot else 0.0,
-            "share_inter": max(be) / tot if tot else 0.0,
-            "fwd_resid": max(ft) - (n - 1) * p}
+    return {
+        "payload": p,
+        "acc": a,
+        "tail": bwd_total - sum(sends),
+        "share_intra": max(bi) / tot if tot else 0.0,
+        "share_inter": max(be) / tot if tot else 0.0,
+        "fwd_resid": max(ft) - (n - 1) * p,
+    }
 
 
 def hier_ring_check(row, payload: float, acc: float, tail: float) -> dict:
@@ -235,11 +251,18 @@ def hier_ring_check(row, payload: float, acc: float, tail: float) -> dict:
     out_b, out_tail = relay_sends(m, payload, acc, tail)
     # a round returns its f32 partial; on one host the round is the whole (flat) ring
     in_b, in_tail = relay_sends(local, payload, acc, tail if m == 1 else None)
-    expect = {"fwd_inter": sum(out_f), "fwd_intra": m * sum(in_f),
-              "bwd_inter": sum(out_b) + out_tail, "bwd_intra": m * (sum(in_b) + in_tail)}
-    got = {"fwd_inter": max(fe), "fwd_intra": max(fi),
-           "bwd_inter": max(x - y for x, y in zip(be, fe)),
-           "bwd_intra": max(x - y for x, y in zip(bi, fi))}
+    expect = {
+        "fwd_inter": sum(out_f),
+        "fwd_intra": m * sum(in_f),
+        "bwd_inter": sum(out_b) + out_tail,
+        "bwd_intra": m * (sum(in_b) + in_tail),
+    }
+    got = {
+        "fwd_inter": max(fe),
+        "fwd_intra": max(fi),
+        "bwd_inter": max(x - y for x, y in zip(be, fe)),
+        "bwd_intra": max(x - y for x, y in zip(bi, fi)),
+    }
     return {k: (got[k] - expect[k]) / payload for k in expect}
 
 
@@ -252,6 +275,7 @@ def alltoall_bytes(row, tokens: int) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------ FLOPs: the stand-in
+
 
 def pairs_per_expert(tokens: int, top_k: int, experts: int) -> int:
     """Balanced routing: each expert sees T*k/E of one device's pairs (rounded up)."""
@@ -291,8 +315,13 @@ def _standin_flops(e_local, pairs, hidden, ffn, dtype):
 
     sds, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
     e, n, h, f = e_local, pairs, hidden, ffn
-    args = (sds((e, n, h), dt), sds((e, h, f), dt), sds((e, h, f), dt), sds((e, f, h), dt),
-            sds((e, n), dt))
+    args = (
+        sds((e, n, h), dt),
+        sds((e, h, f), dt),
+        sds((e, h, f), dt),
+        sds((e, f, h), dt),
+        sds((e, n), dt),
+    )
     dy = sds((e, n, h), f32)
     cpu = jax.devices("cpu")[0]
 
@@ -303,26 +332,31 @@ def _standin_flops(e_local, pairs, hidden, ffn, dtype):
         return float(cost["flops"])
 
     residuals = jax.eval_shape(lambda *a: jax.vjp(swiglu, *a)[1], *args)
-    out = {"fwd": flops(swiglu, *args), "vjp": flops(fwd_bwd, *args, dy),
-           "bwd": flops(lambda vjp_fn, dy: vjp_fn(dy), residuals, dy)}
+    out = {
+        "fwd": flops(swiglu, *args),
+        "vjp": flops(fwd_bwd, *args, dy),
+        "bwd": flops(lambda vjp_fn, dy: vjp_fn(dy), residuals, dy),
+    }
     _CACHE[key] = out
     return out
 
 
 # ------------------------------------------------------------------ measured compute rates
 
-HOP_FWD_UNITS = 6     # FLOPs per pair per H*F the GPU run counts for a hop's forward: 3 matmuls
-HOP_BWD_UNITS = 12    # and for its backward: the 6 gradient matmuls (a recompute not counted)
-RING_BWD_UNITS = 16   # what the ring's backward hop computes: 2 recomputed matmuls + those 6
+HOP_FWD_UNITS = 6  # FLOPs per pair per H*F the GPU run counts for a hop's forward: 3 matmuls
+HOP_BWD_UNITS = 12  # and for its backward: the 6 gradient matmuls (a recompute not counted)
+RING_BWD_UNITS = 16  # what the ring's backward hop computes: 2 recomputed matmuls + those 6
 REPO = Path(__file__).resolve().parents[1]
-MEASUREMENTS = REPO / "benchmarks" / "results" / "gpu.json"   # `benchmarks/gpu.py --json` writes it
+MEASUREMENTS = REPO / "benchmarks" / "results" / "gpu.json"  # `benchmarks/gpu.py --json` writes it
 Origin = Literal["hop", "kernels", "assumed"]
 
 
 def hop_flops(pairs: int, hidden: int, ffn: int) -> tuple[float, float]:
     """(forward, backward) FLOPs of a hop of `pairs` pairs as the GPU run counts them."""
-    return (float(HOP_FWD_UNITS) * pairs * hidden * ffn,
-            float(HOP_BWD_UNITS) * pairs * hidden * ffn)
+    return (
+        float(HOP_FWD_UNITS) * pairs * hidden * ffn,
+        float(HOP_BWD_UNITS) * pairs * hidden * ffn,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +364,7 @@ class Rate:
     """One grouped-matmul throughput, TFLOP/s, and where it comes from: "hop" (the GPU run's
     ring hop, whose backward also recomputes), "kernels" (its kernel section: the default Pallas
     config, balanced groups; no recompute) or "assumed" (no measurement)."""
+
     tflops: float
     origin: Origin
     source: str
@@ -345,6 +380,7 @@ class ComputeRates:
 
     Measured rates count FLOPs as the GPU run does (`hop_flops`), so a measured time scales with
     pairs * H * F; assumed ones apply to the stand-in's FLOPs (`standin_flops`), as before."""
+
     fwd: Rate
     bwd: Rate
 
@@ -353,8 +389,9 @@ class ComputeRates:
         flops = hop_flops(pairs, hidden, ffn)[0] if self.fwd.measured else standin
         return flops / (self.fwd.tflops * 1e12)
 
-    def backward_s(self, standin: float, pairs: int, hidden: int, ffn: int,
-                   recompute: bool) -> float:
+    def backward_s(
+        self, standin: float, pairs: int, hidden: int, ffn: int, recompute: bool
+    ) -> float:
         """Seconds of a backward over `pairs` pairs, with the forward's gate and up recomputed
         (the ring's) or not (the all-to-all's); `standin`: its stand-in FLOPs. A rate measured
         on the ring's hop covers RING_BWD_UNITS of work per HOP_BWD_UNITS counted, the kernels'
@@ -367,8 +404,10 @@ class ComputeRates:
 
     def report(self) -> list[str]:
         """One line per figure: what it is and where it comes from."""
-        return [f"forward compute: {self.fwd.tflops:,.4g} TFLOP/s, {self.fwd.source}",
-                f"backward compute: {self.bwd.tflops:,.4g} TFLOP/s, {self.bwd.source}"]
+        return [
+            f"forward compute: {self.fwd.tflops:,.4g} TFLOP/s, {self.fwd.source}",
+            f"backward compute: {self.bwd.tflops:,.4g} TFLOP/s, {self.bwd.source}",
+        ]
 
 
 class MeasurementError(ValueError):
@@ -376,12 +415,17 @@ class MeasurementError(ValueError):
 
 
 def assumed_rate(tflops: float = DEFAULT_TFLOPS) -> Rate:
-    return Rate(tflops, "assumed", f"assumed ({tflops / H100_BF16_TFLOPS:.3f} x the H100 SXM "
-                                   f"dense bf16 peak {H100_BF16_TFLOPS})")
+    return Rate(
+        tflops,
+        "assumed",
+        f"assumed ({tflops / H100_BF16_TFLOPS:.3f} x the H100 SXM "
+        f"dense bf16 peak {H100_BF16_TFLOPS})",
+    )
 
 
-def load_rates(path=None, *, assumed_tflops: float = DEFAULT_TFLOPS, hidden: int = 2048,
-               ffn: int = 768) -> ComputeRates:
+def load_rates(
+    path=None, *, assumed_tflops: float = DEFAULT_TFLOPS, hidden: int = 2048, ffn: int = 768
+) -> ComputeRates:
     """The compute rates from a `benchmarks/gpu.py --json` file: each of forward and backward
     from its hop section (the default-chunk row), else from its kernel section (the default
     Pallas config on balanced groups at K, N = hidden, ffn or ffn, hidden: total FLOPs / total
@@ -399,9 +443,11 @@ def load_rates(path=None, *, assumed_tflops: float = DEFAULT_TFLOPS, hidden: int
     picked = []
     for i in (0, 1):
         got = hop[i] or kern[i]
-        picked.append(assumed_rate(assumed_tflops) if got is None else
-                      Rate(got[0], "hop" if hop[i] else "kernels",
-                           f"measured ({where}; {got[1]})"))
+        picked.append(
+            assumed_rate(assumed_tflops)
+            if got is None
+            else Rate(got[0], "hop" if hop[i] else "kernels", f"measured ({where}; {got[1]})")
+        )
     return ComputeRates(*picked)
 
 
@@ -416,18 +462,27 @@ def _read_json(path: Path) -> dict:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise MeasurementError(f"{path}: no such file (write it with `python benchmarks/gpu.py "
-                               f"--json {path}` on a GPU)") from None
+        raise MeasurementError(
+            f"{path}: no such file (write it with `python benchmarks/gpu.py "
+            f"--json {path}` on a GPU)"
+        ) from None
     except json.JSONDecodeError as e:
         raise MeasurementError(f"{path}: not JSON: {e}") from None
     if not isinstance(doc, dict):
-        raise MeasurementError(f"{path}: expected a JSON object at the top, got "
-                               f"{type(doc).__name__}")
+        raise MeasurementError(
+            f"{path}: expected a JSON object at the top, got {type(doc).__name__}"
+        )
     return doc
 
 
-_KINDS = {str: "a string", bool: "true or false", list: "a list", int: "an integer",
-          float: "a number", dict: "an object"}
+_KINDS = {
+    str: "a string",
+    bool: "true or false",
+    list: "a list",
+    int: "an integer",
+    float: "a number",
+    dict: "an object",
+}
 
 
 def _field(obj: dict, key: str, kind, path, where: str = "", optional: bool = False):
@@ -440,12 +495,18 @@ def _field(obj: dict, key: str, kind, path, where: str = "", optional: bool = Fa
     value = obj[key]
     if value is None and optional:
         return None
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-          else isinstance(value, int) and not isinstance(value, bool) if kind is int
-          else isinstance(value, kind))
+    ok = (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is float
+        else isinstance(value, int) and not isinstance(value, bool)
+        if kind is int
+        else isinstance(value, kind)
+    )
     if not ok:
-        raise MeasurementError(f"{path}: {name}: expected {_KINDS[kind]}"
-                               f"{' or null' if optional else ''}, got {value!r}")
+        raise MeasurementError(
+            f"{path}: {name}: expected {_KINDS[kind]}"
+            f"{' or null' if optional else ''}, got {value!r}"
+        )
     return value
 
 
@@ -463,9 +524,11 @@ def _hop_rates(rows: list, path) -> list:
         r, w = _row(rows, i, path, "hop")
         if not _field(r, "default_chunk", bool, path, w):
             continue
-        note = (f"hop section: {_field(r, 'pairs', int, path, w):,} pairs, "
-                f"H={_field(r, 'hidden', int, path, w)}, F={_field(r, 'ffn', int, path, w)}, "
-                f"chunk {_field(r, 'chunk', int, path, w):,}")
+        note = (
+            f"hop section: {_field(r, 'pairs', int, path, w):,} pairs, "
+            f"H={_field(r, 'hidden', int, path, w)}, F={_field(r, 'ffn', int, path, w)}, "
+            f"chunk {_field(r, 'chunk', int, path, w):,}"
+        )
         for j, key in enumerate(("fwd_tflops", "bwd_tflops")):
             value = _field(r, key, float, path, w, optional=True)
             if value is not None and value > 0:
@@ -484,14 +547,26 @@ def _kernel_rates(rows: list, path, hidden: int, ffn: int) -> list:
         shape = (_field(r, "k", int, path, w), _field(r, "n", int, path, w))
         ms = _field(r, "ms", float, path, w, optional=True)
         tflops = _field(r, "tflops", float, path, w, optional=True)
-        if (_field(r, "kernel", str, path, w), _field(r, "config", str, path, w),
-                _field(r, "groups", str, path, w)) != ("pallas", "default", "balanced") \
-                or shape not in ((hidden, ffn), (ffn, hidden)) or not ms or not tflops:
+        if (
+            (
+                _field(r, "kernel", str, path, w),
+                _field(r, "config", str, path, w),
+                _field(r, "groups", str, path, w),
+            )
+            != ("pallas", "default", "balanced")
+            or shape not in ((hidden, ffn), (ffn, hidden))
+            or not ms
+            or not tflops
+        ):
             continue
         j = 0 if op == "fwd" else 1
         flops[j] += tflops * 1e12 * ms * 1e-3
         secs[j] += ms * 1e-3
-    note = (f"kernel section: default Pallas config, balanced groups, K,N = {hidden},{ffn} and "
-            f"{ffn},{hidden}")
-    return [(flops[j] / secs[j] / 1e12, note + (" (dx and dW)" if j else ""))
-            if secs[j] else None for j in (0, 1)]
+    note = (
+        f"kernel section: default Pallas config, balanced groups, K,N = {hidden},{ffn} and "
+        f"{ffn},{hidden}"
+    )
+    return [
+        (flops[j] / secs[j] / 1e12, note + (" (dx and dW)" if j else "")) if secs[j] else None
+        for j in (0, 1)
+    ]

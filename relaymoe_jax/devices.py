@@ -13,7 +13,7 @@ import jax
 from jax._src import xla_bridge
 
 _FLAG = "xla_force_host_platform_device_count"
-_ours: int | None = None            # the jax_num_cpu_devices value use_cpu_devices set
+_ours: int | None = None  # the jax_num_cpu_devices value use_cpu_devices set
 
 
 def user_set_cpu_devices() -> bool:
@@ -38,14 +38,15 @@ def use_cpu_devices(n: int) -> None:
     if xla_bridge.backends_are_initialized():
         try:
             have = len(jax.local_devices(backend="cpu"))
-        except RuntimeError:         # backends started without a CPU backend
+        except RuntimeError:  # backends started without a CPU backend
             have = None
         if have == n or (have is not None and user_set_cpu_devices()):
             return
         raise RuntimeError(
             f"use_cpu_devices({n}): jax's backends are already initialised with "
             f"{have if have is not None else 'no'} CPU devices; call it before jax's first "
-            f"operation, or set XLA_FLAGS=--{_FLAG}={n} before starting Python")
+            f"operation, or set XLA_FLAGS=--{_FLAG}={n} before starting Python"
+        )
     if user_set_cpu_devices():
         return
     global _ours

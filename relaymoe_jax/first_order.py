@@ -10,9 +10,11 @@ loop. First-order `jax.grad` / `jax.vjp` never differentiate a backward, so they
 import jax
 import jax.numpy as jnp
 
-MESSAGE = ("relaymoe_jax's MoE op (and its grouped matmul) is differentiable once, in reverse "
-           "mode (jax.grad, jax.vjp, jax.value_and_grad): its backward pass cannot be "
-           "differentiated again (grad-of-grad, hessian, jvp of a gradient)")
+MESSAGE = (
+    "relaymoe_jax's MoE op (and its grouped matmul) is differentiable once, in reverse "
+    "mode (jax.grad, jax.vjp, jax.value_and_grad): its backward pass cannot be "
+    "differentiated again (grad-of-grad, hessian, jvp of a gradient)"
+)
 
 
 @jax.custom_jvp
@@ -28,4 +30,5 @@ def _mark_jvp(primals, tangents):
 def first_order(tree):
     """`tree` unchanged; differentiating through it raises NotImplementedError(MESSAGE)."""
     return jax.tree.map(
-        lambda a: _mark(a) if jnp.issubdtype(jnp.result_type(a), jnp.inexact) else a, tree)
+        lambda a: _mark(a) if jnp.issubdtype(jnp.result_type(a), jnp.inexact) else a, tree
+    )

@@ -47,6 +47,7 @@ def ptxas() -> str | None:
     """Where XLA finds `ptxas`: jax's CUDA path (nvidia-cuda-nvcc-cu12, or $CUDA_ROOT), else PATH,
     else /usr/local/cuda; None when there is none."""
     from jax._src import lib
+
     for root in (lib.cuda_path, "/usr/local/cuda"):
         if root and os.access(path := os.path.join(root, "bin", "ptxas"), os.X_OK):
             return path
@@ -69,7 +70,8 @@ def require_plugin() -> None:
         raise PluginMissing(
             f"deviceless GPU compiles need jax's CUDA plugin and ptxas: pip install "
             f"'relaymoe-jax[{EXTRA}]' (jax-cuda12-plugin and jax-cuda12-pjrt =={jax.__version__} "
-            f"and nvidia-cuda-nvcc-cu12; no GPU or CUDA libraries needed)")
+            f"and nvidia-cuda-nvcc-cu12; no GPU or CUDA libraries needed)"
+        )
 
 
 def _check_target(target: str) -> str:
@@ -100,13 +102,16 @@ def _hosts(num_devices: int, gpus_per_host: int) -> tuple[int, int]:
     if num_devices <= gpus_per_host:
         return 1, num_devices
     if num_devices % gpus_per_host:
-        raise ValueError(f"{num_devices} devices do not fill whole hosts of {gpus_per_host} GPUs; "
-                         f"use a multiple of {gpus_per_host} or set gpus_per_host")
+        raise ValueError(
+            f"{num_devices} devices do not fill whole hosts of {gpus_per_host} GPUs; "
+            f"use a multiple of {gpus_per_host} or set gpus_per_host"
+        )
     return num_devices // gpus_per_host, gpus_per_host
 
 
-def topology(num_devices: int = GPUS_PER_HOST, *, target: str = "h100",
-             gpus_per_host: int = GPUS_PER_HOST):
+def topology(
+    num_devices: int = GPUS_PER_HOST, *, target: str = "h100", gpus_per_host: int = GPUS_PER_HOST
+):
     """The abstract topology of `num_devices` GPUs, `gpus_per_host` per host ("1xHxG")."""
     for name, v in (("num_devices", num_devices), ("gpus_per_host", gpus_per_host)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -115,18 +120,27 @@ def topology(num_devices: int = GPUS_PER_HOST, *, target: str = "h100",
     require_plugin()
     hosts, per_host = _hosts(num_devices, gpus_per_host)
     from jax.experimental import topologies
+
     try:
-        return topologies.get_topology_desc(platform="cuda", target_config=text,
-                                            topology=f"1x{hosts}x{per_host}")
-    except NotImplementedError as e:   # jax tried to start CUDA first, failed, dropped the plugin
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=text, topology=f"1x{hosts}x{per_host}"
+        )
+    except NotImplementedError as e:  # jax tried to start CUDA first, failed, dropped the plugin
         raise PluginMissing(
             "deviceless GPU compiles need JAX_PLATFORMS=cpu in the environment before jax is "
             "imported (without it jax tries to start CUDA, fails for lack of a GPU and drops "
-            f"the CUDA plugin): {e}") from e
+            f"the CUDA plugin): {e}"
+        ) from e
 
 
-def mesh(axis_sizes, axis_names, *, target: str = "h100", gpus_per_host: int = GPUS_PER_HOST,
-         axis_types=None) -> Mesh:
+def mesh(
+    axis_sizes,
+    axis_names,
+    *,
+    target: str = "h100",
+    gpus_per_host: int = GPUS_PER_HOST,
+    axis_types=None,
+) -> Mesh:
     """An abstract GPU `Mesh` of shape `axis_sizes`, devices filling hosts of `gpus_per_host`.
 
     Devices are laid out host-major: with (2, 8) on 2 hosts of 8, axis 0 is the host. Axis types
@@ -139,6 +153,7 @@ def mesh(axis_sizes, axis_names, *, target: str = "h100", gpus_per_host: int = G
         raise ValueError(f"axis_sizes must be positive ints, got {axis_sizes}")
     topo = topology(math.prod(axis_sizes), target=target, gpus_per_host=gpus_per_host)
     from jax.experimental import topologies
+
     devices = topologies.make_mesh(topo, axis_sizes, axis_names).devices
     types = axis_types or (AxisType.Explicit,) * len(axis_names)
     return Mesh(devices, axis_names, axis_types=tuple(types))

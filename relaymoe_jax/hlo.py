@@ -38,7 +38,7 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BITS = {"pred": 8, "token": 0}
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(
-    r"replica_groups=(\{\}|\{\{[\d,{}]*\}\}"     # {} (all), {{0,1},{2,3}}
+    r"replica_groups=(\{\}|\{\{[\d,{}]*\}\}"  # {} (all), {{0,1},{2,3}}
     r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"  # iota: [2,4]<=[4,2]T(1,0)
     r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))? \{[^}]*\})"  # mesh['a'=2,'b'=4] {'b'}
 )
@@ -59,6 +59,7 @@ class AllToAll:
     member of its replica group, itself included: XLA splits the array form's operand into
     group-size equal slices along its split dimension (slice j to member j), and the tuple form
     sends its j-th operand to member j."""
+
     computation: str
     name: str
     bytes: int  # bytes one device passes in: the operand sizes, summed
@@ -100,15 +101,18 @@ def _collectives(hlo_text: str, opcodes):
     trips = {comp: 1}
     for caller, callee, n in reversed(calls):
         trips[callee] = trips.get(callee, 0) + trips.get(caller, 0) * n
-    return [(c, name, [shape_bytes(shapes[o]) for o in ops], attrs, trips.get(c, 0))
-            for c, name, ops, attrs in found]
+    return [
+        (c, name, [shape_bytes(shapes[o]) for o in ops], attrs, trips.get(c, 0))
+        for c, name, ops, attrs in found
+    ]
 
 
 def collective_permutes(hlo_text: str) -> list[Permute]:
     """Every collective permute in the module, in text order."""
     out = []
     for c, name, sizes, attrs, trips in _collectives(
-            hlo_text, ("collective-permute", "collective-permute-start")):
+        hlo_text, ("collective-permute", "collective-permute-start")
+    ):
         out.append(Permute(c, name, sum(sizes), trips, source_target_pairs(attrs)))
     return out
 
@@ -141,16 +145,18 @@ class LoopSchedule:
     Positions are instruction indices in the body's scheduled order (`as_text()` of a compiled,
     scheduled module prints each computation in its schedule's order).
     """
-    computation: str            # the while body
-    starts: tuple[int, ...]     # positions of its collective-permute-starts
-    dones: tuple[int, ...]      # positions of their -dones
-    loops: tuple[int, ...]      # positions of the while loops it runs (a ring hop's chunk loop)
+
+    computation: str  # the while body
+    starts: tuple[int, ...]  # positions of its collective-permute-starts
+    dones: tuple[int, ...]  # positions of their -dones
+    loops: tuple[int, ...]  # positions of the while loops it runs (a ring hop's chunk loop)
 
     @property
     def overlapped(self) -> bool:
         """Every transfer starts before the body's first loop and ends after its last one."""
         return bool(self.loops and self.starts) and (
-            max(self.starts) < min(self.loops) and min(self.dones) > max(self.loops))
+            max(self.starts) < min(self.loops) and min(self.dones) > max(self.loops)
+        )
 
 
 def loop_schedules(hlo_text: str) -> list[LoopSchedule]:
@@ -161,7 +167,7 @@ def loop_schedules(hlo_text: str) -> list[LoopSchedule]:
     `collective-permute` (XLA:CPU) has no start/done pair and is not listed.
     """
     bodies = set(re.findall(r"\bwhile\(.*?\bbody=%([^\s,]+)", hlo_text))
-    order: dict[str, list[tuple[str, str, str]]] = {}   # computation -> (name, opcode, operands)
+    order: dict[str, list[tuple[str, str, str]]] = {}  # computation -> (name, opcode, operands)
     comp = ""
     for line in hlo_text.splitlines():
         if (m := _COMP.match(line)) and line.rstrip().endswith("{"):
@@ -176,8 +182,11 @@ def loop_schedules(hlo_text: str) -> list[LoopSchedule]:
         if not starts:
             continue
         start_names = {instrs[i][0] for i in starts}
-        dones = [i for i, (_, op, ops) in enumerate(instrs) if op == "collective-permute-done"
-                 and re.findall(r"%([^\s,]+)", ops)[0] in start_names]
+        dones = [
+            i
+            for i, (_, op, ops) in enumerate(instrs)
+            if op == "collective-permute-done" and re.findall(r"%([^\s,]+)", ops)[0] in start_names
+        ]
         loops = [pos[name] for name, op, _ in instrs if op == "while"]
         out.append(LoopSchedule(comp, tuple(starts), tuple(dones), tuple(loops)))
     return out
@@ -210,7 +219,7 @@ def replica_groups(text: str, num_partitions: int | None = None) -> tuple[tuple[
     axes = re.findall(r"'?([^'=,]+)'?=(\d+)", m[1])
     names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
     ids = np.array(ints(m[2]) if m[2] else range(math.prod(sizes))).reshape(sizes)
-    refs = []   # (mesh axis, pre-size, size) of each grouped axis, in the listed order
+    refs = []  # (mesh axis, pre-size, size) of each grouped axis, in the listed order
     for ref in filter(None, m[3].split(",")):
         a = re.fullmatch(r"'?([^':]+)'?(?::\((\d+)\)(\d+))?", ref.strip())
         axis = names.index(a[1])
@@ -220,8 +229,9 @@ def replica_groups(text: str, num_partitions: int | None = None) -> tuple[tuple[
     dims, grouped = [], [0] * len(refs)
     for axis, full in enumerate(sizes):
         prefix = 1
-        for r in sorted((r for r in range(len(refs)) if refs[r][0] == axis),
-                        key=lambda r: refs[r][1]):
+        for r in sorted(
+            (r for r in range(len(refs)) if refs[r][0] == axis), key=lambda r: refs[r][1]
+        ):
             _, pre, size = refs[r]
             if pre != prefix:
                 dims.append(pre // prefix)
@@ -254,6 +264,7 @@ class LinkBytes:
     `intra[i]` from partition i to other devices of its host, `inter[i]` to devices of other
     hosts. What a device sends itself (a self pair, its own all-to-all slice) crosses no link
     and is not counted."""
+
     intra: tuple[int, ...]
     inter: tuple[int, ...]
 
@@ -266,8 +277,10 @@ class LinkBytes:
         return max(self.inter, default=0)
 
     def __add__(self, other: "LinkBytes") -> "LinkBytes":
-        return LinkBytes(tuple(map(sum, zip(self.intra, other.intra))),
-                         tuple(map(sum, zip(self.inter, other.inter))))
+        return LinkBytes(
+            tuple(map(sum, zip(self.intra, other.intra))),
+            tuple(map(sum, zip(self.inter, other.inter))),
+        )
 
 
 def host_of(mesh) -> tuple[int, ...]:
@@ -280,8 +293,9 @@ def _split(sends, host_of) -> LinkBytes:
     intra, inter = [0] * len(host_of), [0] * len(host_of)
     for src, dst, nbytes in sends:
         if max(src, dst) >= len(host_of):
-            raise ValueError(f"partition {max(src, dst)} has no host: host_of has "
-                             f"{len(host_of)} entries")
+            raise ValueError(
+                f"partition {max(src, dst)} has no host: host_of has {len(host_of)} entries"
+            )
         if src != dst:
             (intra if host_of[src] == host_of[dst] else inter)[src] += nbytes
     return LinkBytes(tuple(intra), tuple(inter))
@@ -290,12 +304,22 @@ def _split(sends, host_of) -> LinkBytes:
 def link_bytes(hlo_text: str, host_of) -> LinkBytes:
     """Collective-permute bytes per device over one program execution (as `total_permute_bytes`,
     trips-weighted), split into same-host and cross-host. `host_of[i]`: partition i's host."""
-    return _split(((s, t, p.bytes * p.trips) for p in collective_permutes(hlo_text)
-                   for s, t in p.pairs), host_of)
+    return _split(
+        ((s, t, p.bytes * p.trips) for p in collective_permutes(hlo_text) for s, t in p.pairs),
+        host_of,
+    )
 
 
 def all_to_all_link_bytes(hlo_text: str, host_of) -> LinkBytes:
     """All-to-all bytes per device over one program execution, split as `link_bytes`: each device
     sends `member_bytes[j]` to the j-th member of its group."""
-    return _split(((s, t, b * a.trips) for a in all_to_alls(hlo_text) for g in a.groups
-                   for s in g for t, b in zip(g, a.member_bytes)), host_of)
+    return _split(
+        (
+            (s, t, b * a.trips)
+            for a in all_to_alls(hlo_text)
+            for g in a.groups
+            for s in g
+            for t, b in zip(g, a.member_bytes)
+        ),
+        host_of,
+    )

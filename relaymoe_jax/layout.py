@@ -29,14 +29,14 @@ from jax.sharding import PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
-    lead: tuple[tuple[str, ...], ...]   # the mesh axes of each leading dimension of x
-    split: tuple[str, ...]              # expert axes the op splits each block over
-    split_size: int                     # their size product
-    local_tokens: int                   # tokens in one device's block of x
-    ring_tokens: int                    # tokens one ring member works on (split share, padded,
-                                        # gathered over the expert-tensor axis when sharded there)
-    gather_etp: bool                    # tokens sharded over the expert-tensor axis
-    known: NamedSharding | None         # x's own sharding, when known
+    lead: tuple[tuple[str, ...], ...]  # the mesh axes of each leading dimension of x
+    split: tuple[str, ...]  # expert axes the op splits each block over
+    split_size: int  # their size product
+    local_tokens: int  # tokens in one device's block of x
+    ring_tokens: int  # tokens one ring member works on (split share, padded,
+    # gathered over the expert-tensor axis when sharded there)
+    gather_etp: bool  # tokens sharded over the expert-tensor axis
+    known: NamedSharding | None  # x's own sharding, when known
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -71,11 +71,15 @@ def known_sharding(a, mesh) -> NamedSharding | None:
     if isinstance(a, jax.core.Tracer):
         s = getattr(jax.typeof(a), "sharding", None)
         explicit = s is not None and all(
-            t == jax.sharding.AxisType.Explicit for t in s.mesh.axis_types)
+            t == jax.sharding.AxisType.Explicit for t in s.mesh.axis_types
+        )
         return s if explicit and tuple(s.mesh.axis_names) == names else None
     s = getattr(a, "sharding", None)
-    if isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == names and tuple(
-            s.mesh.axis_sizes) == tuple(mesh.axis_sizes):
+    if (
+        isinstance(s, NamedSharding)
+        and tuple(s.mesh.axis_names) == names
+        and tuple(s.mesh.axis_sizes) == tuple(mesh.axis_sizes)
+    ):
         return s
     return None
 
@@ -102,7 +106,7 @@ def resolve(x, mesh, expert_axes, etp, token_axes, known=None) -> TokenLayout:
         lead = fit(lead_shape, tuple(token_axes), mesh)
     elif known is not None:
         spec = tuple(known.spec) + (None,) * len(x.shape)
-        lead = tuple(_axes(e) for e in spec[:len(lead_shape)])
+        lead = tuple(_axes(e) for e in spec[: len(lead_shape)])
     else:
         lead = fit(lead_shape, tuple(mesh.axis_names), mesh)
     used = {a for d in lead for a in d}

@@ -18,7 +18,7 @@ from relaymoe_jax.dispatch.mode import routing_volumes
 from relaymoe_jax.op import moe_ffn
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
-VARIANTS = {   # name -> moe_ffn keyword arguments
+VARIANTS = {  # name -> moe_ffn keyword arguments
     "ring-expert": dict(dispatcher="ring", routing="expert"),
     "ring-token": dict(dispatcher="ring", routing="token"),
     "a2a-dropless": dict(dispatcher="alltoall"),
@@ -39,8 +39,9 @@ class LayerShape:
 
     @property
     def chunk_rows(self):
-        return self.chunk or default_chunk(self.tokens_per_device, self.top_k, self.ep,
-                                           self.experts)
+        return self.chunk or default_chunk(
+            self.tokens_per_device, self.top_k, self.ep, self.experts
+        )
 
 
 def expanded_bytes(s: LayerShape) -> int:
@@ -86,25 +87,39 @@ def ring_floor_bytes(s: LayerShape, backward: bool = True, routing: str = "exper
 
 def table2(s: LayerShape):
     """Paper Table 2's per-hop volumes for this shape (router weights in the layer dtype)."""
-    return routing_volumes(experts=s.experts, top_k=s.top_k, hidden=s.hidden, ffn=s.ffn, ep=s.ep,
-                           tokens_per_device=s.tokens_per_device, act_dtype=s.dtype,
-                           router_dtype=s.dtype)
+    return routing_volumes(
+        experts=s.experts,
+        top_k=s.top_k,
+        hidden=s.hidden,
+        ffn=s.ffn,
+        ep=s.ep,
+        tokens_per_device=s.tokens_per_device,
+        act_dtype=s.dtype,
+        router_dtype=s.dtype,
+    )
 
 
 def abstract_args_unsharded(s: LayerShape):
     """Global (x, ids, wts, w_gate, w_up, w_down) shapes and dtypes."""
     dt, t = jnp.dtype(s.dtype), s.tokens_per_device * s.ep
     sds = jax.ShapeDtypeStruct
-    return (sds((t, s.hidden), dt), sds((t, s.top_k), jnp.int32), sds((t, s.top_k), dt),
-            sds((s.experts, s.hidden, s.ffn), dt), sds((s.experts, s.hidden, s.ffn), dt),
-            sds((s.experts, s.ffn, s.hidden), dt))
+    return (
+        sds((t, s.hidden), dt),
+        sds((t, s.top_k), jnp.int32),
+        sds((t, s.top_k), dt),
+        sds((s.experts, s.hidden, s.ffn), dt),
+        sds((s.experts, s.hidden, s.ffn), dt),
+        sds((s.experts, s.ffn, s.hidden), dt),
+    )
 
 
 def abstract_args(s: LayerShape, mesh, axis="expert"):
     """`abstract_args_unsharded` placed as moe_ffn wants them: everything split over `axis`."""
     sharding = NamedSharding(mesh, P(axis))
-    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-                 for a in abstract_args_unsharded(s))
+    return tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        for a in abstract_args_unsharded(s)
+    )
 
 
 def layer_fns(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
@@ -120,7 +135,7 @@ def layer_fns(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
 
     def loss(x, wts, wg, wu, wd, ids):
         y = fwd(x, ids, wts, wg, wu, wd).astype(jnp.float32)
-        return 0.5 * jnp.sum(y * y)      # dy = y: a real [T, H] cotangent buffer
+        return 0.5 * jnp.sum(y * y)  # dy = y: a real [T, H] cotangent buffer
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
     return fwd, lambda x, ids, wts, wg, wu, wd: grad(x, wts, wg, wu, wd, ids)
@@ -139,18 +154,23 @@ def measure_layer(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
     all-to-all, which has no ring. `extra`: as `layer_fns`."""
     fwd, fwdbwd = layer_fns(s, mesh, variant, axis, extra)
     args = abstract_args(s, mesh, axis)
-    with jax.set_mesh(mesh):   # an abstract GPU mesh (`gpu_mesh`): Pallas needs the context
-        c_fwd, c_all = (jax.jit(f).trace(*args).lower().compile(compiler_options=XLA_OPTIONS)
-                        for f in (fwd, fwdbwd))
+    with jax.set_mesh(mesh):  # an abstract GPU mesh (`gpu_mesh`): Pallas needs the context
+        c_fwd, c_all = (
+            jax.jit(f).trace(*args).lower().compile(compiler_options=XLA_OPTIONS)
+            for f in (fwd, fwdbwd)
+        )
     return read_compiled(c_fwd, c_all)
 
 
 def read_compiled(c_fwd, c_all):
     """`measure_layer`'s figures from the compiled forward and forward+backward."""
     hop_fwd = sum(hlo.loop_permute_bytes(c_fwd.as_text()))
-    return {"fwd": c_fwd.memory_analysis().temp_size_in_bytes,
-            "fwdbwd": c_all.memory_analysis().temp_size_in_bytes,
-            "hop_fwd": hop_fwd, "hop_bwd": sum(hlo.loop_permute_bytes(c_all.as_text())) - hop_fwd}
+    return {
+        "fwd": c_fwd.memory_analysis().temp_size_in_bytes,
+        "fwdbwd": c_all.memory_analysis().temp_size_in_bytes,
+        "hop_fwd": hop_fwd,
+        "hop_bwd": sum(hlo.loop_permute_bytes(c_all.as_text())) - hop_fwd,
+    }
 
 
 def mib(nbytes):

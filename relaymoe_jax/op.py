@@ -30,10 +30,27 @@ log = logging.getLogger("relaymoe_jax")
 MANUAL = jax.sharding.AxisType.Manual
 
 
-def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert_axis="expert",
-            expert_tensor_axis=None, dispatcher="ring", routing="auto", ring="auto",
-            capacity_factor=None, chunk_size=None, token_axes=None, gmm_impl="auto",
-            out_sharding=None, return_stats=False):
+def moe_ffn(
+    x,
+    expert_ids,
+    expert_weights,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    mesh,
+    expert_axis="expert",
+    expert_tensor_axis=None,
+    dispatcher="ring",
+    routing="auto",
+    ring="auto",
+    capacity_factor=None,
+    chunk_size=None,
+    token_axes=None,
+    gmm_impl="auto",
+    out_sharding=None,
+    return_stats=False,
+):
     """Routed SwiGLU experts: y[t] = sum_j expert_weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]).
 
     Takes global arrays (call it under `jax.jit`, or eagerly); inside a `jax.shard_map` use
@@ -87,15 +104,32 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
     """
     manual = _manual_axes()
     if manual:
-        raise ValueError(f"moe_ffn takes global arrays, but it is called inside a jax.shard_map "
-                         f"(manual mesh axes {manual}); there, call "
-                         "relaymoe_jax.moe_ffn_local with each device's shards")
-    vd.check_options(dispatcher=dispatcher, routing=routing, capacity_factor=capacity_factor,
-                     chunk_size=chunk_size, gmm_impl=gmm_impl)
+        raise ValueError(
+            f"moe_ffn takes global arrays, but it is called inside a jax.shard_map "
+            f"(manual mesh axes {manual}); there, call "
+            "relaymoe_jax.moe_ffn_local with each device's shards"
+        )
+    vd.check_options(
+        dispatcher=dispatcher,
+        routing=routing,
+        capacity_factor=capacity_factor,
+        chunk_size=chunk_size,
+        gmm_impl=gmm_impl,
+    )
     ea, token_axes, _, _, _ = vd.check_global(
-        x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
-        expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher=dispatcher,
-        gmm_impl=gmm_impl)
+        x,
+        expert_ids,
+        expert_weights,
+        w_gate,
+        w_up,
+        w_down,
+        mesh=mesh,
+        expert_axis=expert_axis,
+        expert_tensor_axis=expert_tensor_axis,
+        token_axes=token_axes,
+        dispatcher=dispatcher,
+        gmm_impl=gmm_impl,
+    )
     topology.check_ring(ring, dispatcher, ea)
     etp = expert_tensor_axis
     out_sharding = _out_sharding(out_sharding, mesh, x)
@@ -103,23 +137,35 @@ def moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert
     known = lay.known_sharding(x, mesh)
     # One jitted program per static configuration: eager calls reuse their compile, and under
     # an outer jit (or jax.grad outside one) it is an ordinary nested call.
-    program = _program(mesh=mesh, expert_axes=ea, etp=etp, dispatcher=dispatcher,
-                       routing=routing, ring=ring, capacity_factor=capacity_factor,
-                       chunk_size=chunk_size,
-                       token_axes=token_axes, gmm_impl=gmm_impl, out_sharding=out_sharding,
-                       x_spec=None if known is None else known.spec, poison=plan.poisoning(),
-                       return_stats=bool(return_stats))
+    program = _program(
+        mesh=mesh,
+        expert_axes=ea,
+        etp=etp,
+        dispatcher=dispatcher,
+        routing=routing,
+        ring=ring,
+        capacity_factor=capacity_factor,
+        chunk_size=chunk_size,
+        token_axes=token_axes,
+        gmm_impl=gmm_impl,
+        out_sharding=out_sharding,
+        x_spec=None if known is None else known.spec,
+        poison=plan.poisoning(),
+        return_stats=bool(return_stats),
+    )
     args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
     if jax.sharding.get_abstract_mesh().axis_names or not lay.is_explicit(mesh):
         y, stats = program(*args)
-    elif _eager():   # concrete arrays: the program runs on the mesh's devices
+    elif _eager():  # concrete arrays: the program runs on the mesh's devices
         with jax.set_mesh(mesh):
             y, stats = program(*args)
     elif not _under_jit():
-        raise ValueError("moe_ffn is transformed eagerly (jax.grad or jax.vmap outside jax.jit) "
-                         "on an Explicit mesh with no mesh context, where jax cannot place the "
-                         "cotangents: wrap the computation in jax.jit, or run it under "
-                         "`with jax.set_mesh(mesh):`")
+        raise ValueError(
+            "moe_ffn is transformed eagerly (jax.grad or jax.vmap outside jax.jit) "
+            "on an Explicit mesh with no mesh context, where jax cannot place the "
+            "cotangents: wrap the computation in jax.jit, or run it under "
+            "`with jax.set_mesh(mesh):`"
+        )
     else:
         y, stats = program(*args)
     return (y, stats) if return_stats else y
@@ -140,9 +186,29 @@ def _program(**static):
     return jax.jit(functools.partial(_moe_ffn, **static))
 
 
-def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, expert_axes, etp,
-             dispatcher, routing, ring, capacity_factor, chunk_size, token_axes, gmm_impl,
-             out_sharding, x_spec, poison, return_stats):
+def _moe_ffn(
+    x,
+    expert_ids,
+    expert_weights,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    mesh,
+    expert_axes,
+    etp,
+    dispatcher,
+    routing,
+    ring,
+    capacity_factor,
+    chunk_size,
+    token_axes,
+    gmm_impl,
+    out_sharding,
+    x_spec,
+    poison,
+    return_stats,
+):
     """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
     ea = expert_axes
     _, _, h, k, e, f = vd.check_arrays(x, expert_ids, expert_weights, w_gate, w_up, w_down)
@@ -152,33 +218,56 @@ def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, exper
     known = None if x_spec is None else NamedSharding(mesh, x_spec)
     layout = lay.resolve(x, mesh, ea, etp, token_axes, known=known)
     tok = layout.spec(None)
-    if dispatcher == "reference":   # every device computes everything, then keeps its tokens
+    if dispatcher == "reference":  # every device computes everything, then keeps its tokens
         y = _reference(mesh, x, expert_ids, expert_weights, w_gate, w_up, w_down)
         return _place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     hierarchical = _hierarchical(dispatcher, ring, mesh, ea, "moe_ffn")
     chunk, vol, mode = vd.ring_plan(
-        routing=routing, chunk_size=chunk_size, ring_tokens=layout.ring_tokens, num_experts=e,
-        top_k=k, hidden=h, ffn=f, ep=ep, etp_size=etp_size, x_dtype=x.dtype,
-        w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype,
-        hosts=topology.ring_hosts(mesh, ea), hierarchical=hierarchical)
+        routing=routing,
+        chunk_size=chunk_size,
+        ring_tokens=layout.ring_tokens,
+        num_experts=e,
+        top_k=k,
+        hidden=h,
+        ffn=f,
+        ep=ep,
+        etp_size=etp_size,
+        x_dtype=x.dtype,
+        w_dtype=w_gate.dtype,
+        wts_dtype=expert_weights.dtype,
+        hosts=topology.ring_hosts(mesh, ea),
+        hierarchical=hierarchical,
+    )
     if dispatcher == "ring" and routing == "auto":
         log.info("moe_ffn(routing='auto'): %s", vol.explain())
     reduce_axes = tuple(a for a in layout.token_axes if a not in (*ea, etp))
-    cfg = _Plan(dispatcher=dispatcher, expert_axes=ea, etp=etp, gather_etp=layout.gather_etp,
-                etp_size=etp_size, reduce_axes=reduce_axes, num_experts=e, chunk=chunk,
-                routing=mode, capacity_factor=capacity_factor,
-                gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
-                poison=poison, return_stats=return_stats, hierarchical=hierarchical,
-                check_vma=gmm_impl != "pallas-interpret")
+    cfg = _Plan(
+        dispatcher=dispatcher,
+        expert_axes=ea,
+        etp=etp,
+        gather_etp=layout.gather_etp,
+        etp_size=etp_size,
+        reduce_axes=reduce_axes,
+        num_experts=e,
+        chunk=chunk,
+        routing=mode,
+        capacity_factor=capacity_factor,
+        gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
+        poison=poison,
+        return_stats=return_stats,
+        hierarchical=hierarchical,
+        check_vma=gmm_impl != "pallas-interpret",
+    )
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
     specs = (tok, tok, tok, w_in, w_in, w_out)
     args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
     args = tuple(_place(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
     body = functools.partial(_split_body, cfg, layout)
     # jax 0.12's Pallas interpreter fails under check_vma (a JAX limitation, see kernels/gmm).
-    y, dropped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()),
-                               check_vma=cfg.check_vma)(*args)
+    y, dropped = jax.shard_map(
+        body, mesh=mesh, in_specs=specs, out_specs=(tok, P()), check_vma=cfg.check_vma
+    )(*args)
     target = out_sharding or layout.known
     if target is not None and _spec(target.spec, y.ndim) != _spec(tok, y.ndim):
         y = _place(y, target)
@@ -186,10 +275,25 @@ def _moe_ffn(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh, exper
     return y, stats
 
 
-def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert_axis,
-                  expert_tensor_axis=None, tokens_sharded_over_etp=None, dispatcher="ring",
-                  routing="auto", ring="auto", capacity_factor=None, chunk_size=None,
-                  gmm_impl="auto", return_stats=False):
+def moe_ffn_local(
+    x,
+    expert_ids,
+    expert_weights,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    expert_axis,
+    expert_tensor_axis=None,
+    tokens_sharded_over_etp=None,
+    dispatcher="ring",
+    routing="auto",
+    ring="auto",
+    capacity_factor=None,
+    chunk_size=None,
+    gmm_impl="auto",
+    return_stats=False,
+):
     """`moe_ffn` for one device, inside the caller's `jax.shard_map`: the drop-in for a
     codebase that already shards its expert step by hand.
 
@@ -217,53 +321,102 @@ def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert
 
     Returns y like x (this device's tokens), or (y, stats) with return_stats=True.
     """
-    vd.check_options(dispatcher=dispatcher, routing=routing, capacity_factor=capacity_factor,
-                     chunk_size=chunk_size, gmm_impl=gmm_impl)
+    vd.check_options(
+        dispatcher=dispatcher,
+        routing=routing,
+        capacity_factor=capacity_factor,
+        chunk_size=chunk_size,
+        gmm_impl=gmm_impl,
+    )
     if dispatcher == "reference":
-        raise ValueError("dispatcher='reference' is not available per device: use moe_ffn, or "
-                         "relaymoe_jax.dispatch.reference.reference_moe on gathered arrays")
+        raise ValueError(
+            "dispatcher='reference' is not available per device: use moe_ffn, or "
+            "relaymoe_jax.dispatch.reference.reference_moe on gathered arrays"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     names, manual = tuple(mesh.axis_names), _manual_axes()
     etp = expert_tensor_axis
     wanted = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
     outside = [a for a in (*wanted, *((etp,) if etp else ())) if a not in manual]
     if outside:
-        raise ValueError(f"moe_ffn_local runs inside jax.shard_map over {outside}, but those axes "
-                         f"are not manual here (manual: {manual}); with global arrays call "
-                         "relaymoe_jax.moe_ffn")
-    ea = vd.check_axes(names, expert_axis, expert_tensor_axis, dispatcher=dispatcher,
-                       gmm_impl=gmm_impl)
+        raise ValueError(
+            f"moe_ffn_local runs inside jax.shard_map over {outside}, but those axes "
+            f"are not manual here (manual: {manual}); with global arrays call "
+            "relaymoe_jax.moe_ffn"
+        )
+    ea = vd.check_axes(
+        names, expert_axis, expert_tensor_axis, dispatcher=dispatcher, gmm_impl=gmm_impl
+    )
     topology.check_ring(ring, dispatcher, ea)
-    _, t, h, k, e_local, f_local = vd.check_arrays(x, expert_ids, expert_weights, w_gate,
-                                                       w_up, w_down)
+    _, t, h, k, e_local, f_local = vd.check_arrays(
+        x, expert_ids, expert_weights, w_gate, w_up, w_down
+    )
     ep = math.prod(mesh.shape[a] for a in ea)
     etp_size = mesh.shape[etp] if etp is not None else 1
     e = e_local * ep
-    vd.check_sizes(num_experts=e, top_k=k, ep=ep, expert_axis=expert_axis, ffn=f_local, etp=etp,
-                   etp_size=etp_size, local=True)
-    gather, reduce_axes, typed = _infer_axes(x, w_gate, ea, etp, manual,
-                                             tokens_sharded_over_etp)
+    vd.check_sizes(
+        num_experts=e,
+        top_k=k,
+        ep=ep,
+        expert_axis=expert_axis,
+        ffn=f_local,
+        etp=etp,
+        etp_size=etp_size,
+        local=True,
+    )
+    gather, reduce_axes, typed = _infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp)
     concrete = topology.concrete_mesh()
     if concrete is not None and not set(ea) <= set(concrete.axis_names):
         concrete = None
-    hierarchical = (_hierarchical(dispatcher, ring, concrete, ea, "moe_ffn_local")
-                    if concrete is not None else ring == "hierarchical")
+    hierarchical = (
+        _hierarchical(dispatcher, ring, concrete, ea, "moe_ffn_local")
+        if concrete is not None
+        else ring == "hierarchical"
+    )
     chunk, vol, mode = vd.ring_plan(
-        routing=routing, chunk_size=chunk_size, ring_tokens=t * (etp_size if gather else 1),
-        num_experts=e, top_k=k, hidden=h, ffn=f_local * etp_size, ep=ep, etp_size=etp_size,
-        x_dtype=x.dtype, w_dtype=w_gate.dtype, wts_dtype=expert_weights.dtype,
+        routing=routing,
+        chunk_size=chunk_size,
+        ring_tokens=t * (etp_size if gather else 1),
+        num_experts=e,
+        top_k=k,
+        hidden=h,
+        ffn=f_local * etp_size,
+        ep=ep,
+        etp_size=etp_size,
+        x_dtype=x.dtype,
+        w_dtype=w_gate.dtype,
+        wts_dtype=expert_weights.dtype,
         hosts=topology.ring_hosts(concrete, ea) if concrete is not None else 1,
-        hierarchical=hierarchical)
+        hierarchical=hierarchical,
+    )
     if dispatcher == "ring" and routing == "auto":
         log.info("moe_ffn_local(routing='auto'): %s", vol.explain())
-    cfg = _Plan(dispatcher=dispatcher, expert_axes=ea, etp=etp, gather_etp=gather,
-                etp_size=etp_size, reduce_axes=reduce_axes, num_experts=e, chunk=chunk,
-                routing=mode, capacity_factor=capacity_factor,
-                gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
-                poison=plan.poisoning(), return_stats=return_stats, check_vma=typed,
-                hierarchical=hierarchical)
-    y_th, dropped = _local(cfg, x.reshape(t, h), expert_ids.reshape(t, k),
-                           expert_weights.reshape(t, k), w_gate, w_up, w_down)
+    cfg = _Plan(
+        dispatcher=dispatcher,
+        expert_axes=ea,
+        etp=etp,
+        gather_etp=gather,
+        etp_size=etp_size,
+        reduce_axes=reduce_axes,
+        num_experts=e,
+        chunk=chunk,
+        routing=mode,
+        capacity_factor=capacity_factor,
+        gmm_impl=resolve_impl("auto", mesh=mesh) if gmm_impl == "auto" else gmm_impl,
+        poison=plan.poisoning(),
+        return_stats=return_stats,
+        check_vma=typed,
+        hierarchical=hierarchical,
+    )
+    y_th, dropped = _local(
+        cfg,
+        x.reshape(t, h),
+        expert_ids.reshape(t, k),
+        expert_weights.reshape(t, k),
+        w_gate,
+        w_up,
+        w_down,
+    )
     y = y_th.reshape(x.shape)
     if not return_stats:
         return y
@@ -274,12 +427,13 @@ def moe_ffn_local(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, expert
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Everything static one device's body needs."""
+
     dispatcher: str
     expert_axes: tuple
     etp: str | None
     gather_etp: bool
     etp_size: int
-    reduce_axes: tuple       # token axes other than the expert and expert-tensor ones
+    reduce_axes: tuple  # token axes other than the expert and expert-tensor ones
     num_experts: int
     chunk: int
     routing: str
@@ -287,8 +441,8 @@ class _Plan:
     gmm_impl: str
     poison: bool
     return_stats: bool
-    check_vma: bool = True   # False: shard_map's transpose sums the weight gradients itself
-    hierarchical: bool = False   # the ring: rounds of an inner ring over expert_axes[-1]
+    check_vma: bool = True  # False: shard_map's transpose sums the weight gradients itself
+    hierarchical: bool = False  # the ring: rounds of an inner ring over expert_axes[-1]
 
 
 def _hierarchical(dispatcher, ring, mesh, ea, who):
@@ -297,8 +451,12 @@ def _hierarchical(dispatcher, ring, mesh, ea, who):
         return False
     hier = topology.choose_ring(ring, mesh, ea)
     if ring == "auto" and hier:
-        log.info("%s(ring='auto'): hierarchical ring, inner %r within each host, outer %r across "
-                 "hosts", who, ea[-1], ea[:-1] if len(ea) > 2 else ea[0])
+        log.info(
+            "%s(ring='auto'): hierarchical ring, inner %r within each host, outer %r across hosts",
+            who,
+            ea[-1],
+            ea[:-1] if len(ea) > 2 else ea[0],
+        )
     return hier
 
 
@@ -320,30 +478,47 @@ def _local(cfg: _Plan, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
     etp, gather = cfg.etp, cfg.gather_etp
     if etp is not None:
         if gather:
-            x_th, ids_tk, wts_tk = (lax.all_gather(a, etp, axis=0, tiled=True)
-                                    for a in (x_th, ids_tk, wts_tk))
-        else:   # mark them varying over ETP: the transpose sums the partial dx / d weights
+            x_th, ids_tk, wts_tk = (
+                lax.all_gather(a, etp, axis=0, tiled=True) for a in (x_th, ids_tk, wts_tk)
+            )
+        else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
             x_th, wts_tk = (plan.vary_like(a, w_gate) for a in (x_th, wts_tk))
     ea = cfg.expert_axes
     if cfg.dispatcher == "ring":
-        ring = RingConfig(axis=ea, num_experts=cfg.num_experts, chunk=cfg.chunk,
-                          reduce_axes=cfg.reduce_axes if cfg.check_vma else (),
-                          routing=cfg.routing, gmm_impl=cfg.gmm_impl, poison=cfg.poison,
-                          hierarchical=cfg.hierarchical)
+        ring = RingConfig(
+            axis=ea,
+            num_experts=cfg.num_experts,
+            chunk=cfg.chunk,
+            reduce_axes=cfg.reduce_axes if cfg.check_vma else (),
+            routing=cfg.routing,
+            gmm_impl=cfg.gmm_impl,
+            poison=cfg.poison,
+            hierarchical=cfg.hierarchical,
+        )
         y_th, dropped = ring_moe(ring, x_th, ids_tk, wts_tk, w_gate, w_up, w_down), jnp.int32(0)
     else:
         if cfg.capacity_factor is not None and not cfg.return_stats:
-            log.warning("moe_ffn(dispatcher='alltoall', capacity_factor=%s) may drop pairs; "
-                        "pass return_stats=True to get stats['dropped_pairs']",
-                        cfg.capacity_factor)
-        a2a = AllToAllConfig(axis=ea, num_experts=cfg.num_experts,
-                             capacity_factor=cfg.capacity_factor, stat_axes=_stat_axes(cfg),
-                             gmm_impl=cfg.gmm_impl, poison=cfg.poison)
+            log.warning(
+                "moe_ffn(dispatcher='alltoall', capacity_factor=%s) may drop pairs; "
+                "pass return_stats=True to get stats['dropped_pairs']",
+                cfg.capacity_factor,
+            )
+        a2a = AllToAllConfig(
+            axis=ea,
+            num_experts=cfg.num_experts,
+            capacity_factor=cfg.capacity_factor,
+            stat_axes=_stat_axes(cfg),
+            gmm_impl=cfg.gmm_impl,
+            poison=cfg.poison,
+        )
         y_th, dropped = alltoall_moe(a2a, x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
-        dropped = dropped // (cfg.etp_size if gather else 1)   # each ETP rank counted the same
+        dropped = dropped // (cfg.etp_size if gather else 1)  # each ETP rank counted the same
     if etp is not None:
-        y_th = (lax.psum_scatter(y_th, etp, scatter_dimension=0, tiled=True) if gather
-                else lax.psum(y_th, etp))
+        y_th = (
+            lax.psum_scatter(y_th, etp, scatter_dimension=0, tiled=True)
+            if gather
+            else lax.psum(y_th, etp)
+        )
     return y_th, dropped
 
 
@@ -358,12 +533,12 @@ def _split_body(cfg: _Plan, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, 
         pad = share * layout.split_size - t
         fill = float("nan") if cfg.poison else 0.0
         x_th = jnp.concatenate([x_th, jnp.full((pad, h), fill, x_th.dtype)]) if pad else x_th
-        ids_tk = jnp.concatenate([ids_tk, jnp.full((pad, k), -1, ids_tk.dtype)]) if pad \
-            else ids_tk
+        ids_tk = jnp.concatenate([ids_tk, jnp.full((pad, k), -1, ids_tk.dtype)]) if pad else ids_tk
         wts_tk = jnp.concatenate([wts_tk, jnp.zeros((pad, k), wts_tk.dtype)]) if pad else wts_tk
         start = lax.axis_index(split) * share
-        x_th, ids_tk, wts_tk = (lax.dynamic_slice_in_dim(a, start, share, 0)
-                                for a in (x_th, ids_tk, wts_tk))
+        x_th, ids_tk, wts_tk = (
+            lax.dynamic_slice_in_dim(a, start, share, 0) for a in (x_th, ids_tk, wts_tk)
+        )
     y_th, dropped = _local(cfg, x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
     if split:
         y_th = lax.all_gather(y_th, split, axis=0, tiled=True, to="invarying")[:t]
@@ -375,13 +550,15 @@ def _infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp):
     `moe_ffn_local`, from x's and w_gate's varying axes when the shard_map checks them."""
     vx = set(jax.typeof(x).manual_axis_type.varying)
     vw = set(jax.typeof(w_gate).manual_axis_type.varying)
-    typed = bool(vx or vw)   # under check_vma the experts vary over the expert axes; without it
-                             # nothing varies
+    typed = bool(vx or vw)  # under check_vma the experts vary over the expert axes; without it
+    # nothing varies
     missing = [a for a in ea if a not in vx]
     if typed and missing:
-        raise ValueError(f"moe_ffn_local: x does not vary over the expert axes {missing}: each "
-                         "device must hold its own tokens there (tokens replicated over an expert "
-                         "axis would have their weight gradients counted once per copy)")
+        raise ValueError(
+            f"moe_ffn_local: x does not vary over the expert axes {missing}: each "
+            "device must hold its own tokens there (tokens replicated over an expert "
+            "axis would have their weight gradients counted once per copy)"
+        )
     if tokens_sharded_over_etp is not None:
         gather = bool(tokens_sharded_over_etp) and etp is not None
     elif etp is None:
@@ -389,9 +566,11 @@ def _infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp):
     elif typed:
         gather = etp in vx
     else:
-        raise ValueError(f"moe_ffn_local(expert_tensor_axis={etp!r}) under "
-                         "shard_map(check_vma=False): pass tokens_sharded_over_etp=True or False "
-                         "(whether each expert-tensor rank holds other tokens)")
+        raise ValueError(
+            f"moe_ffn_local(expert_tensor_axis={etp!r}) under "
+            "shard_map(check_vma=False): pass tokens_sharded_over_etp=True or False "
+            "(whether each expert-tensor rank holds other tokens)"
+        )
     others = [a for a in manual if a not in (*ea, etp)]
     if typed:
         return gather, tuple(a for a in others if a in vx and a not in vw), True
@@ -419,8 +598,9 @@ def _reference(mesh, x, ids, wts, w_gate, w_up, w_down):
     t, h, k = math.prod(x.shape[:-1]), x.shape[-1], ids.shape[-1]
 
     def body(x, ids, wts, w_gate, w_up, w_down):
-        y = reference_moe(x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), w_gate, w_up,
-                          w_down)
+        y = reference_moe(
+            x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), w_gate, w_up, w_down
+        )
         return y.reshape(x.shape)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 6, out_specs=P())(*args)
@@ -431,8 +611,10 @@ def _out_sharding(out_sharding, mesh, x):
         return out_sharding
     if isinstance(out_sharding, P):
         return NamedSharding(mesh, out_sharding)
-    raise ValueError(f"out_sharding: expected a NamedSharding or a PartitionSpec, got "
-                     f"{type(out_sharding).__name__} (x has shape {x.shape})")
+    raise ValueError(
+        f"out_sharding: expected a NamedSharding or a PartitionSpec, got "
+        f"{type(out_sharding).__name__} (x has shape {x.shape})"
+    )
 
 
 _warned: set = set()
@@ -448,22 +630,38 @@ def _warn_gathered(mesh, ea, etp, **weights):
         if s is None:
             continue
         spec = tuple(s.spec) + (None,) * 3
-        extra = tuple(sorted({a for entry, ok in zip(spec[:3], want[name])
-                              for a in lay._axes(entry) if a not in ok}))
+        extra = tuple(
+            sorted(
+                {
+                    a
+                    for entry, ok in zip(spec[:3], want[name])
+                    for a in lay._axes(entry)
+                    if a not in ok
+                }
+            )
+        )
         if extra:
             found.append((name, tuple(w.shape), tuple(s.spec), extra))
-            kept = math.prod(w.shape) // math.prod(mesh.shape[a] for a in ea) // (
-                mesh.shape[etp] if etp else 1)
+            kept = (
+                math.prod(w.shape)
+                // math.prod(mesh.shape[a] for a in ea)
+                // (mesh.shape[etp] if etp else 1)
+            )
             nbytes += kept * jnp.dtype(w.dtype).itemsize
     key = (tuple(found), ea, etp)
     if not found or key in _warned:
         return
     _warned.add(key)
     what = ", ".join(f"{n} {shape} over {list(axes)}" for n, shape, _, axes in found)
-    log.warning("moe_ffn: weights sharded over axes the op does not use there (%s; "
-                "expert_axis=%r, expert_tensor_axis=%r) are all-gathered: %s bytes per device at "
-                "each call. If an ffn split is meant, pass its axis as expert_tensor_axis.",
-                what, ea if len(ea) > 1 else ea[0], etp, f"{nbytes:,}")
+    log.warning(
+        "moe_ffn: weights sharded over axes the op does not use there (%s; "
+        "expert_axis=%r, expert_tensor_axis=%r) are all-gathered: %s bytes per device at "
+        "each call. If an ffn split is meant, pass its axis as expert_tensor_axis.",
+        what,
+        ea if len(ea) > 1 else ea[0],
+        etp,
+        f"{nbytes:,}",
+    )
 
 
 def _place(a, sharding):
@@ -472,8 +670,20 @@ def _place(a, sharding):
     return jax.lax.with_sharding_constraint(a, sharding)
 
 
-def routing_plan(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh,
-                 expert_axis="expert", expert_tensor_axis=None, token_axes=None, ring="auto"):
+def routing_plan(
+    x,
+    expert_ids,
+    expert_weights,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    mesh,
+    expert_axis="expert",
+    expert_tensor_axis=None,
+    token_axes=None,
+    ring="auto",
+):
     """The per-hop volumes of both routing modes for this exact `moe_ffn` call, and the mode
     `routing="auto"` picks (a `RoutingVolumes`; see `relaymoe_jax.routing_volumes`).
 
@@ -484,14 +694,35 @@ def routing_plan(x, expert_ids, expert_weights, w_gate, w_up, w_down, *, mesh,
     gives the bytes per link class (`RoutingVolumes.link_bytes`) of the ring `ring` resolves to.
     """
     ea, token_axes, ep, etp_size, (h, k, e, f) = vd.check_global(
-        x, expert_ids, expert_weights, w_gate, w_up, w_down, mesh=mesh, expert_axis=expert_axis,
-        expert_tensor_axis=expert_tensor_axis, token_axes=token_axes, dispatcher="ring",
-        gmm_impl="auto")
+        x,
+        expert_ids,
+        expert_weights,
+        w_gate,
+        w_up,
+        w_down,
+        mesh=mesh,
+        expert_axis=expert_axis,
+        expert_tensor_axis=expert_tensor_axis,
+        token_axes=token_axes,
+        dispatcher="ring",
+        gmm_impl="auto",
+    )
     etp = expert_tensor_axis
     topology.check_ring(ring, "ring", ea)
     layout = lay.resolve(x, mesh, ea, etp, token_axes)
-    return vd.ring_plan(routing="auto", chunk_size=None, ring_tokens=layout.ring_tokens,
-                        num_experts=e, top_k=k, hidden=h, ffn=f, ep=ep, etp_size=etp_size,
-                        x_dtype=x.dtype, w_dtype=w_gate.dtype,
-                        wts_dtype=expert_weights.dtype, hosts=topology.ring_hosts(mesh, ea),
-                        hierarchical=topology.choose_ring(ring, mesh, ea))[1]
+    return vd.ring_plan(
+        routing="auto",
+        chunk_size=None,
+        ring_tokens=layout.ring_tokens,
+        num_experts=e,
+        top_k=k,
+        hidden=h,
+        ffn=f,
+        ep=ep,
+        etp_size=etp_size,
+        x_dtype=x.dtype,
+        w_dtype=w_gate.dtype,
+        wts_dtype=expert_weights.dtype,
+        hosts=topology.ring_hosts(mesh, ea),
+        hierarchical=topology.choose_ring(ring, mesh, ea),
+    )[1]

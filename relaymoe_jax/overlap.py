@@ -24,8 +24,10 @@ from relaymoe_jax.hlo import _COMP, _TRIPS
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\((.*?)\)(, .*)?$")
 _BODY = re.compile(r"\bbody=%([^\s,]+)")
 _CALLS = re.compile(r"\b(?:calls|to_apply)=%([^\s,]+)")
-_BRANCHES = re.compile(r"\b(?:true_computation|false_computation)=%([^\s,]+)|"
-                       r"branch_computations=\{([^}]*)\}")
+_BRANCHES = re.compile(
+    r"\b(?:true_computation|false_computation)=%([^\s,]+)|"
+    r"branch_computations=\{([^}]*)\}"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _NAMES = re.compile(r"%([^\s,()]+)")
 HOP_SCOPES = ("ring_fwd_hop", "ring_bwd_hop")
@@ -33,15 +35,15 @@ HOP_SCOPES = ("ring_fwd_hop", "ring_bwd_hop")
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    computation: str   # the computation holding the start and done
-    name: str          # the collective-permute-start
-    start: int         # its position in the computation's schedule
-    done: int          # the position of its collective-permute-done
-    hops: int          # ring hops of compute scheduled between them
-    free: int          # hops of the computation independent of it (could run beside it)
-    bytes: int         # bytes one device sends
-    pairs: tuple       # its (source, target) partition ids that cross hosts
-    op_name: str       # jax's name for it (metadata)
+    computation: str  # the computation holding the start and done
+    name: str  # the collective-permute-start
+    start: int  # its position in the computation's schedule
+    done: int  # the position of its collective-permute-done
+    hops: int  # ring hops of compute scheduled between them
+    free: int  # hops of the computation independent of it (could run beside it)
+    bytes: int  # bytes one device sends
+    pairs: tuple  # its (source, target) partition ids that cross hosts
+    op_name: str  # jax's name for it (metadata)
 
 
 def _parse(text):
@@ -78,8 +80,9 @@ class _Hops:
             trips, body = _TRIPS.search(attrs), _BODY.search(attrs)
             return (int(trips[1]) if trips else 1) * (self.comp(body[1]) if body else 0)
         if opcode == "conditional":
-            branches = [b for a, bs in _BRANCHES.findall(attrs)
-                        for b in ([a] if a else _NAMES.findall(bs))]
+            branches = [
+                b for a, bs in _BRANCHES.findall(attrs) for b in ([a] if a else _NAMES.findall(bs))
+            ]
             return max((self.comp(b) for b in branches), default=0)
         return sum(self.comp(c) for c in _CALLS.findall(attrs))
 
@@ -114,13 +117,26 @@ def cross_host_transfers(hlo_text: str, host_of) -> list[Transfer]:
             cross = tuple((s, t) for s, t in pairs if host_of[s] != host_of[t])
             if not cross:
                 continue
-            done = i if opcode == "collective-permute" else next(
-                j for j in users[i] if instrs[j][2] == "collective-permute-done")
+            done = (
+                i
+                if opcode == "collective-permute"
+                else next(j for j in users[i] if instrs[j][2] == "collective-permute-done")
+            )
             tied = closure(i, operands) | closure(done, users)
             free = sum(hops.instr(ins) for j, ins in enumerate(instrs) if j not in tied)
             nbytes = sum(hlo.shape_bytes(instrs[o][1]) for o in operands[i])
             op = _OP_NAME.search(attrs)
-            out.append(Transfer(comp, name, i, done,
-                                sum(hops.instr(ins) for ins in instrs[i + 1:done]), free,
-                                nbytes, cross, op[1] if op else ""))
+            out.append(
+                Transfer(
+                    comp,
+                    name,
+                    i,
+                    done,
+                    sum(hops.instr(ins) for ins in instrs[i + 1 : done]),
+                    free,
+                    nbytes,
+                    cross,
+                    op[1] if op else "",
+                )
+            )
     return out

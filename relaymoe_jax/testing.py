@@ -31,9 +31,19 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax.devices import use_cpu_devices
 from relaymoe_jax.dispatch.plan import poison_unwritten
 
-__all__ = ["CASES", "DEFAULT_RTOL", "MoeInputs", "MoeRun", "assert_moe_parity",
-           "assert_parity_detects", "moe_inputs", "moe_value_and_grads", "routing_case",
-           "routing_cases", "use_cpu_devices"]
+__all__ = [
+    "CASES",
+    "DEFAULT_RTOL",
+    "MoeInputs",
+    "MoeRun",
+    "assert_moe_parity",
+    "assert_parity_detects",
+    "moe_inputs",
+    "moe_value_and_grads",
+    "routing_case",
+    "routing_cases",
+    "use_cpu_devices",
+]
 
 # ---------------------------------------------------------------------------------------------
 # routing cases
@@ -44,16 +54,16 @@ CASES = {
     "uniform": "k distinct ids per token, uniformly at random",
     "one_expert": "slot 0 of every token is expert E // 3; the other slots distinct, random",
     "one_partition": "every pair in partition (P - 1) // 2, k distinct ids per token "
-                     "(only when k <= E_l)",
+    "(only when k <= E_l)",
     "all_experts": "k == E: every token a random permutation of all experts (only when k == E)",
     "ragged": "expert 0 and, when P > 1, the whole last partition get no pair; the others are "
-              "drawn with probabilities halving from one to the next (shuffled order), k distinct "
-              "per token (only when k <= the experts left)",
+    "drawn with probabilities halving from one to the next (shuffled order), k distinct "
+    "per token (only when k <= the experts left)",
     "ties": "repeated ids within a token (ties in the pairs' sort key): slot 1 repeats slot 0, "
-            "and every third token sends all k slots to expert min(E // 2 + 1, E - 1) "
-            "(only when k >= 2)",
+    "and every third token sends all k slots to expert min(E // 2 + 1, E - 1) "
+    "(only when k >= 2)",
     "out_of_range": "uniform, then up to three pairs (tokens ~T/6, T/2, 5T/6) get the ids -1, E "
-                    "and 2**31 - 1, which every dispatcher ignores",
+    "and 2**31 - 1, which every dispatcher ignores",
 }
 
 
@@ -87,8 +97,10 @@ def routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed=0):
     if name not in CASES:
         raise ValueError(f"routing_case({name!r}): unknown case; one of {list(CASES)}")
     if not (t >= 1 and 1 <= k <= e and n >= 1 and e % n == 0):
-        raise ValueError(f"routing_case: need tokens >= 1, 1 <= top_k <= num_experts and "
-                         f"num_experts % num_partitions == 0; got T={t} k={k} E={e} P={n}")
+        raise ValueError(
+            f"routing_case: need tokens >= 1, 1 <= top_k <= num_experts and "
+            f"num_experts % num_partitions == 0; got T={t} k={k} E={e} P={n}"
+        )
     why = _not_applicable(name, t, k, e, n)
     if why:
         raise ValueError(f"routing_case({name!r}) does not apply: {why}")
@@ -101,8 +113,9 @@ def routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed=0):
                 ids[(2 * i + 1) * t // 6, i % k] = bad
     elif name == "one_expert":
         hot = e // 3
-        ids = np.concatenate([np.full((t, 1), hot), _distinct(rng, t, k - 1, np.delete(
-            np.arange(e), hot))], axis=1)
+        ids = np.concatenate(
+            [np.full((t, 1), hot), _distinct(rng, t, k - 1, np.delete(np.arange(e), hot))], axis=1
+        )
     elif name == "one_partition":
         p = (n - 1) // 2
         ids = _distinct(rng, t, k, np.arange(p * e_local, (p + 1) * e_local))
@@ -110,8 +123,7 @@ def routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed=0):
         empty = {0, *(range(e - e_local, e) if n > 1 else ())}
         busy = rng.permutation([i for i in range(e) if i not in empty])
         prob = 0.5 ** np.arange(len(busy))
-        ids = np.stack([rng.choice(busy, k, replace=False, p=prob / prob.sum())
-                        for _ in range(t)])
+        ids = np.stack([rng.choice(busy, k, replace=False, p=prob / prob.sum()) for _ in range(t)])
     else:  # ties
         ids = _distinct(rng, t, k, np.arange(e))
         ids[:, 1] = ids[:, 0]
@@ -122,13 +134,16 @@ def routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed=0):
 def routing_cases(num_tokens, top_k, num_experts, num_partitions, seed=0):
     """{case name: int32 expert_ids [num_tokens, top_k]} for every case in `CASES` that applies
     to this shape (the others are left out; `routing_case` says why)."""
-    return {name: routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed)
-            for name in CASES
-            if not _not_applicable(name, num_tokens, top_k, num_experts, num_partitions)}
+    return {
+        name: routing_case(name, num_tokens, top_k, num_experts, num_partitions, seed)
+        for name in CASES
+        if not _not_applicable(name, num_tokens, top_k, num_experts, num_partitions)
+    }
 
 
 class MoeInputs(NamedTuple):
     """moe_ffn's six positional arguments and a cotangent r for y (float32 [T, H])."""
+
     x: jax.Array
     expert_ids: jax.Array
     expert_weights: jax.Array
@@ -142,8 +157,9 @@ class MoeInputs(NamedTuple):
         return tuple(self[:6])
 
 
-def moe_inputs(ids_tk, num_experts, hidden=16, ffn=24, dtype=np.float32, seed=0,
-               equal_weights=False):
+def moe_inputs(
+    ids_tk, num_experts, hidden=16, ffn=24, dtype=np.float32, seed=0, equal_weights=False
+):
     """Random inputs for `ids_tk`: x ~ N(0, 1); router weights U(0.1, 1), not normalised, so a
     misweighted pair shows (equal_weights: all 1/k, weight ties); SwiGLU weights scaled by
     1/sqrt(fan-in); r ~ N(0, 1), the cotangent of y, so every output entry matters."""
@@ -151,20 +167,30 @@ def moe_inputs(ids_tk, num_experts, hidden=16, ffn=24, dtype=np.float32, seed=0,
     t, k = np.shape(ids_tk)
     x_th = rng.standard_normal((t, hidden))
     wts_tk = np.full((t, k), 1 / k) if equal_weights else rng.uniform(0.1, 1.0, (t, k))
-    w_gate_ehf, w_up_ehf = (rng.standard_normal((num_experts, hidden, ffn)) / np.sqrt(hidden)
-                            for _ in range(2))
+    w_gate_ehf, w_up_ehf = (
+        rng.standard_normal((num_experts, hidden, ffn)) / np.sqrt(hidden) for _ in range(2)
+    )
     w_down_efh = rng.standard_normal((num_experts, ffn, hidden)) / np.sqrt(ffn)
     r_th = rng.standard_normal((t, hidden))
     cast = functools.partial(jnp.asarray, dtype=dtype)
-    return MoeInputs(cast(x_th), jnp.asarray(ids_tk, jnp.int32), cast(wts_tk), cast(w_gate_ehf),
-                     cast(w_up_ehf), cast(w_down_efh), jnp.asarray(r_th, jnp.float32))
+    return MoeInputs(
+        cast(x_th),
+        jnp.asarray(ids_tk, jnp.int32),
+        cast(wts_tk),
+        cast(w_gate_ehf),
+        cast(w_up_ehf),
+        cast(w_down_efh),
+        jnp.asarray(r_th, jnp.float32),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # values and gradients
 
+
 class MoeRun(NamedTuple):
     """One function's output y, {argument name: gradient of sum(y * r)}, and its aux output."""
+
     y: jax.Array
     grads: dict
     aux: Any
@@ -201,8 +227,9 @@ def _random_cotangent(fn, args, has_aux, seed):
     on that mesh)."""
     out = jax.eval_shape(fn, *args)
     rng = np.random.default_rng(seed)
-    r = jax.tree.map(lambda y: rng.standard_normal(y.shape).astype(np.float32),
-                     out[0] if has_aux else out)
+    r = jax.tree.map(
+        lambda y: rng.standard_normal(y.shape).astype(np.float32), out[0] if has_aux else out
+    )
     for a in jax.tree.leaves(args):
         sharding = getattr(a, "sharding", None)
         if isinstance(sharding, NamedSharding):
@@ -222,8 +249,9 @@ def _value_and_grads_fn(fn, argnums, has_aux, jit, poison):
             full[i] = a
         out = fn(*full)
         y, aux = out if has_aux else (out, None)
-        dots = jax.tree.map(lambda a, b: jnp.sum(a.astype(jnp.promote_types(a.dtype, b.dtype))
-                                                 * b), y, r)
+        dots = jax.tree.map(
+            lambda a, b: jnp.sum(a.astype(jnp.promote_types(a.dtype, b.dtype)) * b), y, r
+        )
         return sum(jax.tree.leaves(dots)), (y, aux)
 
     def run(r, *args):
@@ -231,15 +259,15 @@ def _value_and_grads_fn(fn, argnums, has_aux, jit, poison):
             out = fn(*args)
             return (*(out if has_aux else (out, None)), ())
         diff = tuple(args[i] for i in argnums)
-        (_, (y, aux)), grads = jax.value_and_grad(loss, has_aux=True, allow_int=True)(
-            diff, r, args)
+        (_, (y, aux)), grads = jax.value_and_grad(loss, has_aux=True, allow_int=True)(diff, r, args)
         return y, aux, grads
 
     return jax.jit(run) if jit else run
 
 
-def moe_value_and_grads(f, *args, argnums=None, cotangent=None, has_aux=False, poison=True,
-                        jit=True, seed=0, names=None):
+def moe_value_and_grads(
+    f, *args, argnums=None, cotangent=None, has_aux=False, poison=True, jit=True, seed=0, names=None
+):
     """f(*args) and the gradients of sum(f(*args) * cotangent) w.r.t. args[argnums], a `MoeRun`.
 
     args may be arrays or pytrees (e.g. an nnx.State of parameters), y an array or a pytree.
@@ -257,7 +285,7 @@ def moe_value_and_grads(f, *args, argnums=None, cotangent=None, has_aux=False, p
     names = names or _arg_names([f], len(args))
     try:
         run = _value_and_grads_fn(f, argnums, has_aux, jit, poison)
-    except TypeError:                                   # an unhashable f: no cache
+    except TypeError:  # an unhashable f: no cache
         run = _value_and_grads_fn.__wrapped__(f, argnums, has_aux, jit, poison)
     with poison_unwritten() if poison else contextlib.nullcontext():
         y, aux, grads = run(cotangent, *args)
@@ -273,8 +301,11 @@ DEFAULT_RTOL = {"float64": 1e-9, "float32": 1e-5, "float16": 5e-3, "bfloat16": 2
 
 def _default_rtol(args, dtype):
     """DEFAULT_RTOL of `dtype`, else of the least precise floating-point argument."""
-    dtypes = [jnp.dtype(dtype)] if dtype is not None else [
-        jnp.result_type(a) for a in jax.tree.leaves(args) if _inexact(a)]
+    dtypes = (
+        [jnp.dtype(dtype)]
+        if dtype is not None
+        else [jnp.result_type(a) for a in jax.tree.leaves(args) if _inexact(a)]
+    )
     return max((DEFAULT_RTOL.get(jnp.dtype(d).name, 1e-5) for d in dtypes), default=1e-5)
 
 
@@ -283,8 +314,10 @@ def _require_chex_asserts():
         chex.assert_trees_all_close(np.zeros(1), np.ones(1))
     except AssertionError:
         return
-    raise RuntimeError("chex assertions are disabled (chex.disable_asserts()), so the parity "
-                       "check would pass whatever the functions compute; chex.enable_asserts()")
+    raise RuntimeError(
+        "chex assertions are disabled (chex.disable_asserts()), so the parity "
+        "check would pass whatever the functions compute; chex.enable_asserts()"
+    )
 
 
 def _assert_runs_close(got, want, rtol, atol):
@@ -292,15 +325,17 @@ def _assert_runs_close(got, want, rtol, atol):
     max |got - want| <= rtol * max |want| + atol."""
     chex.assert_trees_all_equal_structs(got.y, want.y)
     chex.assert_trees_all_equal_structs(got.grads, want.grads)
-    named = lambda what, tree: [(what + jax.tree_util.keystr(k), a)
-                                for k, a in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    named = lambda what, tree: [
+        (what + jax.tree_util.keystr(k), a)
+        for k, a in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
     got_leaves = named("output y", got.y)
     want_leaves = named("output y", want.y)
     for n in want.grads:
         got_leaves += named(f"gradient w.r.t. {n}", got.grads[n])
         want_leaves += named(f"gradient w.r.t. {n}", want.grads[n])
     for (what, a), (_, b) in zip(got_leaves, want_leaves):
-        if getattr(b, "dtype", None) == jax.dtypes.float0:   # an integer leaf's "gradient"
+        if getattr(b, "dtype", None) == jax.dtypes.float0:  # an integer leaf's "gradient"
             continue
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         scale = float(np.max(np.abs(b), initial=0.0))
@@ -308,19 +343,33 @@ def _assert_runs_close(got, want, rtol, atol):
         try:
             chex.assert_equal_shape([a, b])
             chex.assert_tree_all_finite(b, custom_message="in the reference")
-            chex.assert_tree_all_finite(a, custom_message=(
-                "(with poisoning on, NaN means a padding row was read)"))
+            chex.assert_tree_all_finite(
+                a, custom_message=("(with poisoning on, NaN means a padding row was read)")
+            )
             chex.assert_trees_all_close(a, b, rtol=0.0, atol=tol)
         except AssertionError as e:
             err = float(np.max(np.abs(a - b), initial=0.0)) if a.shape == b.shape else np.nan
             raise AssertionError(
                 f"MoE parity: {what} differs from the reference: max |got - want| = {err:.3g} "
                 f"= {err / max(scale, 1e-30):.3g} x max |want| ({scale:.3g}); allowed "
-                f"{rtol:.1g} x max |want| + {atol:.1g}.\n{e}") from None
+                f"{rtol:.1g} x max |want| + {atol:.1g}.\n{e}"
+            ) from None
 
 
-def assert_moe_parity(f, g, *args, argnums=None, cotangent=None, rtol=None, atol=0.0,
-                      dtype=None, has_aux=False, poison=True, jit=True, seed=0):
+def assert_moe_parity(
+    f,
+    g,
+    *args,
+    argnums=None,
+    cotangent=None,
+    rtol=None,
+    atol=0.0,
+    dtype=None,
+    has_aux=False,
+    poison=True,
+    jit=True,
+    seed=0,
+):
     """Asserts f (under test) and g (the reference) agree on y and on every gradient.
 
     Both are called as f(*args) (same signature; jitted or not; args may be sharded arrays or
@@ -342,8 +391,14 @@ def assert_moe_parity(f, g, *args, argnums=None, cotangent=None, rtol=None, atol
     argnums = _argnums(args, argnums)
     if cotangent is None and argnums:
         cotangent = _random_cotangent(g, args, has_aux, seed)
-    kw = dict(argnums=argnums, cotangent=cotangent, has_aux=has_aux, poison=poison, jit=jit,
-              names=_arg_names([f, g], len(args)))
+    kw = dict(
+        argnums=argnums,
+        cotangent=cotangent,
+        has_aux=has_aux,
+        poison=poison,
+        jit=jit,
+        names=_arg_names([f, g], len(args)),
+    )
     want = moe_value_and_grads(g, *args, **kw)
     got = moe_value_and_grads(f, *args, **kw)
     rtol = _default_rtol(args, dtype) if rtol is None else rtol
@@ -354,13 +409,16 @@ def assert_moe_parity(f, g, *args, argnums=None, cotangent=None, rtol=None, atol
 # ---------------------------------------------------------------------------------------------
 # the negative control
 
+
 @functools.lru_cache(maxsize=64)
 def _perturbed(f):
     """f with three extra trailing arguments that change its routing:
     f(x, where(id_mask, new_ids, ids), weights * weight_scale, *rest)."""
+
     def bad(x, ids, wts, *rest_and_perturbation):
         *rest, scale_tk, mask_tk, new_ids_tk = rest_and_perturbation
         return f(x, jnp.where(mask_tk, new_ids_tk, ids), wts * scale_tk, *rest)
+
     return bad
 
 
@@ -381,14 +439,24 @@ def _perturbations(ids_tk, wts_tk, num_experts):
     scale[tok, slot] = 1.5
     drop = no.copy()
     drop[tok, slot] = True
-    out = {"none": ("nothing", ones, no, ids_tk),
-           "misweight": (f"pair (token {tok}, slot {slot}, expert {e}) weighted x1.5", scale, no,
-                         ids_tk),
-           "drop": (f"pair (token {tok}, slot {slot}, expert {e}) dropped (id -1)", ones, drop,
-                    np.full_like(ids_tk, -1))}
+    out = {
+        "none": ("nothing", ones, no, ids_tk),
+        "misweight": (
+            f"pair (token {tok}, slot {slot}, expert {e}) weighted x1.5",
+            scale,
+            no,
+            ids_tk,
+        ),
+        "drop": (
+            f"pair (token {tok}, slot {slot}, expert {e}) dropped (id -1)",
+            ones,
+            drop,
+            np.full_like(ids_tk, -1),
+        ),
+    }
     # duplicate: another slot of the same token takes the pair's expert (an ignored slot first,
     # so the pair is simply added twice; else the slot's own pair is replaced).
-    for i in order[:int(valid.sum())]:
+    for i in order[: int(valid.sum())]:
         tok, slot = np.unravel_index(i, (t, k))
         others = [j for j in range(k) if ids_tk[tok, j] != ids_tk[tok, slot]]
         if others:
@@ -396,8 +464,13 @@ def _perturbations(ids_tk, wts_tk, num_experts):
             dup = no.copy()
             dup[tok, j] = True
             e = int(ids_tk[tok, slot])
-            out["duplicate"] = (f"pair (token {tok}, expert {e}) duplicated into slot {j} "
-                                f"(was id {ids_tk[tok, j]})", ones, dup, np.full_like(ids_tk, e))
+            out["duplicate"] = (
+                f"pair (token {tok}, expert {e}) duplicated into slot {j} "
+                f"(was id {ids_tk[tok, j]})",
+                ones,
+                dup,
+                np.full_like(ids_tk, e),
+            )
             break
     return out
 
@@ -437,18 +510,21 @@ def assert_parity_detects(f, g, *args, num_experts=None, **parity_kw):
     names = _arg_names([f, g], len(args))
     want = moe_value_and_grads(g, *args, argnums=argnums, names=names, **pkw)
     caught = {}
-    for kind, (what, scale, mask, new_ids) in _perturbations(args[1], args[2],
-                                                             num_experts).items():
-        extra = (_like(scale.astype(jnp.result_type(args[2])), args[2]),
-                 _like(mask, args[1]), _like(new_ids.astype(jnp.result_type(args[1])), args[1]))
-        got = moe_value_and_grads(_perturbed(f), *args, *extra, argnums=argnums, names=names,
-                                  **pkw)
+    for kind, (what, scale, mask, new_ids) in _perturbations(args[1], args[2], num_experts).items():
+        extra = (
+            _like(scale.astype(jnp.result_type(args[2])), args[2]),
+            _like(mask, args[1]),
+            _like(new_ids.astype(jnp.result_type(args[1])), args[1]),
+        )
+        got = moe_value_and_grads(_perturbed(f), *args, *extra, argnums=argnums, names=names, **pkw)
         try:
             _assert_runs_close(got, want, rtol, atol)
         except AssertionError as err:
             if kind == "none":
-                raise AssertionError("assert_parity_detects: f and g do not match even "
-                                     f"unperturbed, so the control proves nothing: {err}") from err
+                raise AssertionError(
+                    "assert_parity_detects: f and g do not match even "
+                    f"unperturbed, so the control proves nothing: {err}"
+                ) from err
             caught[kind] = err
             continue
         if kind != "none":

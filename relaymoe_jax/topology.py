@@ -27,11 +27,15 @@ def check_ring(ring, dispatcher, expert_axes):
     if ring not in RINGS:
         raise ValueError(f"ring={ring!r}: expected one of {RINGS}")
     if ring != "auto" and dispatcher != "ring":
-        raise ValueError(f"ring={ring!r} applies to dispatcher='ring' only (got {dispatcher!r}); "
-                         "leave it at 'auto'")
+        raise ValueError(
+            f"ring={ring!r} applies to dispatcher='ring' only (got {dispatcher!r}); "
+            "leave it at 'auto'"
+        )
     if ring == "hierarchical" and len(expert_axes) < 2:
-        raise ValueError(f"ring='hierarchical' needs expert_axis as a tuple of >= 2 mesh axes "
-                         f"(outer..., inner), e.g. ('node', 'local'); got {expert_axes!r}")
+        raise ValueError(
+            f"ring='hierarchical' needs expert_axis as a tuple of >= 2 mesh axes "
+            f"(outer..., inner), e.g. ('node', 'local'); got {expert_axes!r}"
+        )
 
 
 def hosts(mesh) -> np.ndarray | None:
@@ -54,7 +58,8 @@ def spans(mesh, expert_axes) -> tuple[bool, bool] | None:
     local = bool((lines == lines[:, :1]).all())
     outer = [names.index(a) for a in expert_axes[:-1]]
     by_outer = np.moveaxis(proc, outer, range(len(outer))).reshape(
-        math.prod(proc.shape[i] for i in outer), -1)
+        math.prod(proc.shape[i] for i in outer), -1
+    )
     return local, bool((by_outer != by_outer[:1]).any())
 
 
@@ -67,7 +72,8 @@ def ring_hosts(mesh, expert_axes) -> int:
     names = list(mesh.axis_names)
     axes = [names.index(a) for a in expert_axes]
     rings = np.moveaxis(proc, axes, range(-len(axes), 0)).reshape(
-        -1, math.prod(proc.shape[i] for i in axes))
+        -1, math.prod(proc.shape[i] for i in axes)
+    )
     return max(len(set(r)) for r in rings.tolist())
 
 
@@ -87,5 +93,6 @@ def choose_ring(ring, mesh, expert_axes) -> bool:
 def concrete_mesh():
     """The mesh of `jax.set_mesh`, with its devices (also inside jit and shard_map), or None."""
     from jax._src import mesh as mesh_lib  # jax.sharding.get_mesh refuses to run under jit
+
     mesh = mesh_lib.get_concrete_mesh()
     return None if mesh is None or mesh.empty else mesh

@@ -21,7 +21,8 @@ import re
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 _NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 _OPERANDS = re.compile(
-    r"operand_layout_constraints=\{(.*?)\}, (?:output_to_operand_aliasing|api_version)")
+    r"operand_layout_constraints=\{(.*?)\}, (?:output_to_operand_aliasing|api_version)"
+)
 _ALIASED = re.compile(r"output_to_operand_aliasing=\{(.*?)\}, api_version")
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -31,10 +32,10 @@ WGMMA = "wgmma.mma_async"
 
 @dataclasses.dataclass(frozen=True)
 class TritonCall:
-    name: str                                        # the HLO instruction
+    name: str  # the HLO instruction
     operands: tuple[tuple[str, tuple[int, ...]], ...]  # (HLO element type, shape) per operand
-    op_name: str                                     # the JAX source path (metadata op_name)
-    aliased: tuple[int, ...] = ()                    # operands the output is written into
+    op_name: str  # the JAX source path (metadata op_name)
+    aliased: tuple[int, ...] = ()  # operands the output is written into
 
     @property
     def kernel(self) -> str:
@@ -46,8 +47,11 @@ class TritonCall:
     def wide_floats(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The operands of a float type wider than 16 bits (f32, f64) that the kernel multiplies:
         an operand aliased to the output (an in-place accumulator, `tgmm(acc=)`) is not one."""
-        return tuple(o for i, o in enumerate(self.operands)
-                     if _FLOAT_BITS.get(o[0], 0) > 16 and i not in self.aliased)
+        return tuple(
+            o
+            for i, o in enumerate(self.operands)
+            if _FLOAT_BITS.get(o[0], 0) > 16 and i not in self.aliased
+        )
 
 
 def triton_calls(hlo_text: str) -> list[TritonCall]:
@@ -59,12 +63,19 @@ def triton_calls(hlo_text: str) -> list[TritonCall]:
         name, ops = _NAME.match(line), _OPERANDS.search(line)
         if name is None or ops is None:
             raise ValueError(f"a Triton custom call without operand types: {line[:200]}")
-        operands = tuple((t, tuple(int(d) for d in dims.split(",") if d))
-                         for t, dims in _ARRAY.findall(ops.group(1)))
+        operands = tuple(
+            (t, tuple(int(d) for d in dims.split(",") if d))
+            for t, dims in _ARRAY.findall(ops.group(1))
+        )
         op_name, aliased = _OP_NAME.search(line), _ALIASED.search(line)
-        calls.append(TritonCall(
-            name.group(1), operands, op_name.group(1) if op_name else "",
-            tuple(int(i) for i in re.findall(r"\((\d+),", aliased.group(1))) if aliased else ()))
+        calls.append(
+            TritonCall(
+                name.group(1),
+                operands,
+                op_name.group(1) if op_name else "",
+                tuple(int(i) for i in re.findall(r"\((\d+),", aliased.group(1))) if aliased else (),
+            )
+        )
     return calls
 
 

@@ -15,7 +15,7 @@ MESHES = {
     "dp2_ep4": ((2, 4), ("data", "expert")),
     "ep4_tp2": ((4, 2), ("expert", "tensor")),
     "ep4_etp2": ((4, 2), ("expert", "expert_tensor")),
-    "dp2_cp4": ((2, 4), ("data", "context")),      # attention's layout; MoE folds it into EP=8
+    "dp2_cp4": ((2, 4), ("data", "context")),  # attention's layout; MoE folds it into EP=8
 }
 KEYS = ("x", "ids", "wts", "wg", "wu", "wd", "r")  # make_inputs' keys, moe_ffn's argument order
 
@@ -50,14 +50,16 @@ def moe_fn(dispatcher, mesh_, **kw):
 
 @functools.cache
 def _moe_fn(dispatcher, mesh_, kw):
-    return functools.partial(moe_ffn, mesh=mesh_, dispatcher=dispatcher, return_stats=True,
-                             **dict(kw))
+    return functools.partial(
+        moe_ffn, mesh=mesh_, dispatcher=dispatcher, return_stats=True, **dict(kw)
+    )
 
 
 def run(dispatcher, inp, mesh_, poison=True, **kw):
     """(y, stats, grads {x, wts, wg, wu, wd}) of one dispatcher, NaN-poisoned padding by default."""
-    out = testing.moe_value_and_grads(moe_fn(dispatcher, mesh_, **kw), *args(inp),
-                                      cotangent=inp["r"], has_aux=True, poison=poison)
+    out = testing.moe_value_and_grads(
+        moe_fn(dispatcher, mesh_, **kw), *args(inp), cotangent=inp["r"], has_aux=True, poison=poison
+    )
     return out.y, out.aux, dict(zip(("x", "wts", "wg", "wu", "wd"), out.grads.values()))
 
 
@@ -66,16 +68,24 @@ def check_parity(dispatcher, inp, mesh_, rtol=1e-5, ref_kw=None, ref=None, **kw)
     y and the five gradients, the cotangent inp["r"], padding NaN-poisoned. ref_kw: the reference's
     moe_ffn options (the mesh plumbing). Returns (got, want) `MoeRun`s; aux holds the stats."""
     ref = ref or moe_fn("reference", mesh_, **(ref_kw or {}))
-    return testing.assert_moe_parity(moe_fn(dispatcher, mesh_, **kw), ref, *args(inp),
-                                     cotangent=inp["r"], has_aux=True, rtol=rtol)
+    return testing.assert_moe_parity(
+        moe_fn(dispatcher, mesh_, **kw),
+        ref,
+        *args(inp),
+        cotangent=inp["r"],
+        has_aux=True,
+        rtol=rtol,
+    )
 
 
 def place(inp, mesh_, token_axes, expert_axis="expert", etp=None):
     """Put the inputs where moe_ffn wants them: tokens over token_axes, experts over expert_axis,
     ffn over etp."""
     tok = NamedSharding(mesh_, P(token_axes))
-    w_in, w_out = NamedSharding(mesh_, P(expert_axis, None, etp)), NamedSharding(
-        mesh_, P(expert_axis, etp, None))
+    w_in, w_out = (
+        NamedSharding(mesh_, P(expert_axis, None, etp)),
+        NamedSharding(mesh_, P(expert_axis, etp, None)),
+    )
     out = dict(inp)
     for n in ("x", "ids", "wts", "r"):
         out[n] = jax.device_put(inp[n], tok)

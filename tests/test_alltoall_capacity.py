@@ -29,15 +29,16 @@ def expected_kept(ids, n, capacity_factor):
 def test_capacity_drops_exactly_the_overflow_and_counts_it():
     rng = np.random.default_rng(0)
     ids = uniform_ids(rng, 128, E, K)
-    ids[rng.random(128) < 0.5, 0] = 3                       # skew: expert 3 is popular
+    ids[rng.random(128) < 0.5, 0] = 3  # skew: expert 3 is popular
     kept = expected_kept(ids, N, 1.0)
     assert (~kept).sum() > 0
     m = mesh("ep8")
     inp = place(make_inputs(ids, E), m, ("expert",))
     # The reference with the dropped pairs' weights at zero is what capacity 1.0 computes (and
     # those pairs get no weight gradient: the chain rule through `* kept` zeroes it).
-    got, _ = check_parity("alltoall", inp, m, ref=_without(kept, moe_fn("reference", m)),
-                          capacity_factor=1.0)
+    got, _ = check_parity(
+        "alltoall", inp, m, ref=_without(kept, moe_fn("reference", m)), capacity_factor=1.0
+    )
     assert int(got.aux["dropped_pairs"]) == int((~kept).sum())
 
 
@@ -56,14 +57,14 @@ def test_large_capacity_drops_nothing():
 
 def test_dropless_overflow_from_repeated_ids_is_counted():
     """k > E/EP with a token repeating an id exceeds the T*min(k, E/EP) block: counted, not lost."""
-    e = 8                                                     # one expert per device
-    ids = np.full((64, 2), 3)                                 # every token: expert 3 twice
+    e = 8  # one expert per device
+    ids = np.full((64, 2), 3)  # every token: expert 3 twice
     m = mesh("ep8")
     inp = place(make_inputs(ids, e), m, ("expert",))
     _, stats, _ = run("alltoall", inp, m)
     # Each device sends 16 pairs to device 3 through a block of 8 rows: 8 dropped per device.
     assert int(stats["dropped_pairs"]) == 8 * 8
-    got, _ = check_parity("ring", inp, m)                   # the ring: all of them, exactly
+    got, _ = check_parity("ring", inp, m)  # the ring: all of them, exactly
     assert int(got.aux["dropped_pairs"]) == 0
 
 
@@ -79,6 +80,5 @@ def test_capacity_with_expert_tensor_parallelism_counts_each_drop_once():
     ta, etp = ("expert", "expert_tensor"), "expert_tensor"
     inp = place(make_inputs(ids, E), m, ta, etp=etp)
     ref = _without(kept, moe_fn("reference", m, expert_tensor_axis=etp))
-    got, _ = check_parity("alltoall", inp, m, ref=ref, capacity_factor=1.0,
-                          expert_tensor_axis=etp)
+    got, _ = check_parity("alltoall", inp, m, ref=ref, capacity_factor=1.0, expert_tensor_axis=etp)
     assert int(got.aux["dropped_pairs"]) == int((~kept).sum())

@@ -29,8 +29,12 @@ def _inputs(b, s, n, k, d, dtype, q_gain=1.0, seed=0):
     rng = np.random.default_rng(seed)
     draw = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
     q = jnp.asarray(q_gain * draw(b, s, n, d), dtype)
-    return q, jnp.asarray(draw(b, s, k, d), dtype), jnp.asarray(draw(b, s, k, d), dtype), \
-        jnp.asarray(draw(b, s, n, d))
+    return (
+        q,
+        jnp.asarray(draw(b, s, k, d), dtype),
+        jnp.asarray(draw(b, s, k, d), dtype),
+        jnp.asarray(draw(b, s, n, d)),
+    )
 
 
 def reference_np(q_bsnd, k_bskd, v_bskd, scale):
@@ -65,10 +69,11 @@ def _all_finite(tree):
 def test_values_and_gradients(case):
     b, s, n, kv, d, block_k, dtype, scale, q_gain = CASES[case]
     q, k, v, w = _inputs(b, s, n, kv, d, dtype, q_gain)
-    scale_or_default = d ** -0.5 if scale is None else scale
+    scale_or_default = d**-0.5 if scale is None else scale
     attn = lambda q, k, v: chunked_causal_attention(q, k, v, block_k=block_k, scale=scale)
-    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale_or_default,
-                                                       is_causal=True)
+    ref = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale_or_default, is_causal=True
+    )
     o = jax.jit(attn)(q, k, v)
     grads = jax.jit(lambda q, k, v, w: _loss_grads(attn, q, k, v, w))(q, k, v, w)
     up = lambda x: x.astype(F32)
@@ -95,37 +100,40 @@ def _temp_bytes(attn, b, s, n, kv, d):
     """Compiled (CPU) temp bytes of the value and q/k/v-gradients of sum(attn(q, k, v) * w)."""
     sds = lambda heads: jax.ShapeDtypeStruct((b, s, heads, d), F32)
     fn = lambda q, k, v, w: jax.value_and_grad(
-        lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+        lambda q, k, v: jnp.sum(attn(q, k, v) * w), argnums=(0, 1, 2)
+    )(q, k, v)
     compiled = jax.jit(fn).lower(sds(n), sds(kv), sds(kv), sds(n)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
 def test_memory_is_linear_in_block_not_quadratic():
     b, s, n, kv, d, block_k = 1, 4096, 4, 2, 32, 512
-    chunked = lambda bk: (lambda q, k, v: chunked_causal_attention(q, k, v, block_k=bk))
+    chunked = lambda bk: lambda q, k, v: chunked_causal_attention(q, k, v, block_k=bk)
     ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     temp = _temp_bytes(chunked(block_k), b, s, n, kv, d)
     temp_half = _temp_bytes(chunked(block_k // 2), b, s, n, kv, d)
     temp_ref = _temp_bytes(ref, b, s, n, kv, d)
     block_bytes, scores_bytes = s * block_k * n * 4, b * n * s * s * 4
-    print(f"\nfwd+bwd temp bytes at B={b} S={s} N={n} K={kv} D={d} f32: chunked(block_k="
-          f"{block_k}) {temp} = {temp / block_bytes:.2f} x S*block_k*N*4; chunked(block_k="
-          f"{block_k // 2}) {temp_half}; dot_product_attention {temp_ref} = "
-          f"{temp_ref / scores_bytes:.2f} x B*N*S*S*4")
+    print(
+        f"\nfwd+bwd temp bytes at B={b} S={s} N={n} K={kv} D={d} f32: chunked(block_k="
+        f"{block_k}) {temp} = {temp / block_bytes:.2f} x S*block_k*N*4; chunked(block_k="
+        f"{block_k // 2}) {temp_half}; dot_product_attention {temp_ref} = "
+        f"{temp_ref / scores_bytes:.2f} x B*N*S*S*4"
+    )
     assert temp < 8 * block_bytes
     assert temp < scores_bytes / 1.5 and temp * 5 < temp_ref
-    assert temp_half < 0.6 * temp   # the temporaries scale with block_k
+    assert temp_half < 0.6 * temp  # the temporaries scale with block_k
 
 
 @pytest.mark.parametrize("under_set_mesh", [False, True])
 def test_context_parallel_sharding_matches_unsharded(under_set_mesh):
-    b, s, n, kv, d, block_k = 2, 56, 4, 2, 8, 16   # 56 = 4 * 14 rows per context shard, padded
+    b, s, n, kv, d, block_k = 2, 56, 4, 2, 8, 16  # 56 = 4 * 14 rows per context shard, padded
     q, k, v, w = _inputs(b, s, n, kv, d, F32, seed=1)
     attn = lambda q, k, v: chunked_causal_attention(q, k, v, block_k=block_k)
     fn = jax.jit(lambda q, k, v, w: (attn(q, k, v), _loss_grads(attn, q, k, v, w)))
     want = fn(q, k, v, w)
 
-    mesh = jax.make_mesh((2, 4), ("data", "context"))   # Explicit axis types
+    mesh = jax.make_mesh((2, 4), ("data", "context"))  # Explicit axis types
     q_spec, kv_spec = P("data", "context", None, None), P("data", None, None, None)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     args = (put(q, q_spec), put(k, kv_spec), put(v, kv_spec), put(w, q_spec))
@@ -150,12 +158,15 @@ def test_no_mask_residuals_in_a_rematerialised_layer_scan():
     b, s, n, kv, d, block = 2, 64, 4, 2, 8, 16
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for h in (n, kv, kv))
-    attn = jax.checkpoint(lambda q, k, v: chunked_causal_attention(q, k, v, block_k=block),
-                          policy=jax.checkpoint_policies.nothing_saveable)
+    attn = jax.checkpoint(
+        lambda q, k, v: chunked_causal_attention(q, k, v, block_k=block),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
 
     def layers(q, k, v):
         def body(x, _):
             return x + attn(q + x, k + x[..., :kv, :], v), None
+
         return jnp.sum(jax.lax.scan(body, jnp.zeros_like(q), None, length=3)[0] ** 2)
 
     jaxpr = jax.make_jaxpr(jax.grad(layers, argnums=(0, 1, 2)))(q, k, v)
@@ -174,6 +185,6 @@ def test_no_mask_residuals_in_a_rematerialised_layer_scan():
                         walk(getattr(inner, "jaxpr", inner))
 
     walk(jaxpr.jaxpr)
-    assert (b, s, kv, n // kv, block) in shapes, shapes   # the walk sees the per-block masks
+    assert (b, s, kv, n // kv, block) in shapes, shapes  # the walk sees the per-block masks
     stacked = [sh for sh in shapes if len(sh) == 6 and sh[0] == s // block]
     assert not stacked, stacked

@@ -16,8 +16,14 @@ def test_tiny_table_with_time(table, capsys):
     assert out[0].startswith("# reproduce: python ") and "-E 16" in out[0]
     head = next(line for line in out if line.startswith("| E |"))
     cols = [c.strip() for c in head.strip("|").split("|")]
-    rows = {r["variant"]: r for r in (dict(zip(cols, (c.strip() for c in line.strip("|").split(
-        "|")))) for line in out if line.startswith("| 16 |"))}
+    rows = {
+        r["variant"]: r
+        for r in (
+            dict(zip(cols, (c.strip() for c in line.strip("|").split("|"))))
+            for line in out
+            if line.startswith("| 16 |")
+        )
+    }
     assert set(rows) == {"ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0"}
     # float32: what the expert ring sends forward is exactly Table 2's E/EP * W.
     assert rows["ring-expert"]["hop fwd KiB"] == rows["ring-expert"]["Table 2 fwd"]
@@ -39,17 +45,30 @@ def test_capacity_table_reads_the_search_probes(capacity):
     (MiB peaks, capacity 250 MiB); a ring search that stopped at its limit reads ">=" ."""
     mib, search = capacity.MIB, capacity.planner.search.Search
     probes = lambda *pairs: [(s, p * mib) for s, p in pairs]
-    found = {"ring": (4096, search(256, 8192, probes((256, 10), (512, 20), (1024, 40),
-                                                      (2048, 80), (4096, 160), (8192, 320)))),
-             "alltoall dropless": (None, search(256, 8192, probes((256, 500)))),
-             "alltoall cap1.0": (1024, search(256, 8192, probes((256, 50), (512, 100),
-                                                                 (1024, 200), (2048, 400),
-                                                                 (1536, 300))))}
-    rows = [[c.strip() for c in line.strip("|").split("|")]
-            for line in capacity.capacity_table(found, 250 * mib).splitlines()[2:]]
-    assert rows == [["ring", "4,096", "160.0", "8,192", "320.0", "1.00x"],
-                    ["alltoall dropless", "none fits", "", "256", "500.0", ""],
-                    ["alltoall cap1.0", "1,024", "200.0", "1,536", "300.0", "4.00x"]]
+    found = {
+        "ring": (
+            4096,
+            search(
+                256,
+                8192,
+                probes((256, 10), (512, 20), (1024, 40), (2048, 80), (4096, 160), (8192, 320)),
+            ),
+        ),
+        "alltoall dropless": (None, search(256, 8192, probes((256, 500)))),
+        "alltoall cap1.0": (
+            1024,
+            search(256, 8192, probes((256, 50), (512, 100), (1024, 200), (2048, 400), (1536, 300))),
+        ),
+    }
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in capacity.capacity_table(found, 250 * mib).splitlines()[2:]
+    ]
+    assert rows == [
+        ["ring", "4,096", "160.0", "8,192", "320.0", "1.00x"],
+        ["alltoall dropless", "none fits", "", "256", "500.0", ""],
+        ["alltoall cap1.0", "1,024", "200.0", "1,536", "300.0", "4.00x"],
+    ]
     found["ring"] = (8192, search(256, 8192, probes((8192, 100))))
     table = capacity.capacity_table(found, 250 * mib)
     assert "| ring | 8,192 (the limit) |" in table and "| >= 8.00x |" in table
@@ -64,8 +83,10 @@ def test_capacity_bad_throughput_sizes(capacity, bad):
 def test_target_defaults_to_the_full_size_gpu_shapes(table):
     args = table.parse_args(["--target", "h100"])
     assert args.compile_only and args.dtype == ["bfloat16"]
-    got = [(s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.dtype)
-           for s in table.shapes(args)]
+    got = [
+        (s.experts, s.top_k, s.hidden, s.ffn, s.tokens_per_device, s.dtype)
+        for s in table.shapes(args)
+    ]
     assert got == [(*c, "bfloat16") for c in table.GPU_PRESET]
     # shape flags given: the user's shape, not the preset
     args = table.parse_args(["--target", "h200", "-E", "16", "-T", "64"])
@@ -86,27 +107,42 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
 
     def fake_cost(cfg, tc, mesh, memo=True):
         seen.append((cfg.dispatcher, cfg.capacity_factor, tc.seq_len, cfg.max_position_embeddings))
-        name = ("ring" if cfg.dispatcher == "ring" else "alltoall cap1.0"
-                if cfg.capacity_factor else "alltoall dropless")
+        name = (
+            "ring"
+            if cfg.dispatcher == "ring"
+            else "alltoall cap1.0"
+            if cfg.capacity_factor
+            else "alltoall dropless"
+        )
         return capacity.planner.StepCost(per_token[name] * tc.seq_len * capacity.MIB, None)
 
     monkeypatch.setattr(capacity.planner, "step_cost", fake_cost)
-    cfgs = {n: capacity.load_config("configs/tiny.yaml", expert_size=8, **capacity.FULL_SIZE,
-                                    **over) for n, over in capacity.VARIANTS.items()}
+    cfgs = {
+        n: capacity.load_config("configs/tiny.yaml", expert_size=8, **capacity.FULL_SIZE, **over)
+        for n, over in capacity.VARIANTS.items()
+    }
     tc = capacity.loop.TrainConfig(batch_size=8, seq_len=64)
     found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [65536, 153600, 40960])
-    assert {s[3] for s in seen} == {153600}   # positions cover the longest
+    assert {s[3] for s in seen} == {153600}  # positions cover the longest
     assert [s[2] for s in seen] == [40960, 153600, 40960, 40960, 153600, 65536]
     assert {n: s for n, (s, _) in found.items()} == {
-        "ring": 153600, "alltoall dropless": None, "alltoall cap1.0": 65536}
+        "ring": 153600,
+        "alltoall dropless": None,
+        "alltoall cap1.0": 65536,
+    }
     table = capacity.capacity_table(found, 200_000 * capacity.MIB)
     assert "| ring | 153,600 (the limit) |" in table and "| >= 2.34x |" in table
     assert "| alltoall dropless | none fits |" in table
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--seqs", "40960,x"], "--seqs"), (["--seqs", "0"], "--seqs"), (["--hosts", "2"], "--hosts"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--seqs", "40960,x"], "--seqs"),
+        (["--seqs", "0"], "--seqs"),
+        (["--hosts", "2"], "--hosts"),
+    ],
+)
 def test_capacity_bad_target_arguments(capacity, argv, match):
     with pytest.raises(SystemExit, match=match):
         capacity.main(argv)

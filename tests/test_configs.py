@@ -1,4 +1,5 @@
 """configs/*.yaml, the loader and its errors, overrides, and the parameter-count formula."""
+
 import json
 import math
 from pathlib import Path
@@ -44,6 +45,7 @@ def _write(tmp_path, text, name="cfg.yaml"):
 
 # --------------------------------------------------------------------------- the files
 
+
 def test_config_dir_has_every_config():
     assert set(TABLE3) | {"tiny", "tiny-qwen2"} <= set(available_configs())
     assert set(PAPER_PARAMS) == set(TABLE3)
@@ -55,8 +57,8 @@ def test_every_yaml_loads(name):
     path = CONFIG_DIR / f"{name}.yaml"
     assert path.read_text().startswith("#"), "each config starts with a comment header"
     cfg = load_config(name)
-    assert cfg == load_config(path)            # by name or by path
-    check_mesh(cfg, 8)                         # every config splits over 8 expert devices
+    assert cfg == load_config(path)  # by name or by path
+    check_mesh(cfg, 8)  # every config splits over 8 expert devices
     c = param_count(cfg)
     assert 0 < c["active"] <= c["total"]
 
@@ -65,33 +67,53 @@ def test_every_yaml_loads(name):
 def test_table3_shapes(name):
     cfg = load_config(name)
     L, H, F, E, K, _ = TABLE3[name]
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-            cfg.num_experts_per_tok) == (L, H, F, E, K)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+    ) == (L, H, F, E, K)
     if name.startswith("qwen3") or name.startswith("moe-"):
         # Qwen3-style; attention and vocabulary are Qwen3-30B-A3B's (the paper gives neither).
         assert cfg.arch == "qwen3_moe"
-        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size,
-                cfg.vocab_size, cfg.tie_word_embeddings) == (32, 4, 128, 151936, False)
+        assert (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_size,
+            cfg.vocab_size,
+            cfg.tie_word_embeddings,
+        ) == (32, 4, 128, 151936, False)
 
 
 def test_tiny_configs():
     tiny, tiny2 = load_config("tiny"), load_config("tiny-qwen2")
-    assert (tiny.arch, tiny.vocab_size, tiny.hidden_size, tiny.num_hidden_layers,
-            tiny.num_attention_heads, tiny.num_key_value_heads, tiny.head_size,
-            tiny.num_experts, tiny.num_experts_per_tok, tiny.moe_intermediate_size,
-            tiny.intermediate_size, tiny.max_position_embeddings) == (
-        "qwen3_moe", 256, 64, 2, 4, 2, 16, 8, 2, 64, 128, 256)
+    assert (
+        tiny.arch,
+        tiny.vocab_size,
+        tiny.hidden_size,
+        tiny.num_hidden_layers,
+        tiny.num_attention_heads,
+        tiny.num_key_value_heads,
+        tiny.head_size,
+        tiny.num_experts,
+        tiny.num_experts_per_tok,
+        tiny.moe_intermediate_size,
+        tiny.intermediate_size,
+        tiny.max_position_embeddings,
+    ) == ("qwen3_moe", 256, 64, 2, 4, 2, 16, 8, 2, 64, 128, 256)
     assert tiny2.arch == "qwen2_moe" and tiny2.shared_expert_intermediate_size > 0
     assert [tiny2.is_moe_layer(i) for i in range(tiny2.num_hidden_layers)] == [True, False, True]
 
 
 # --------------------------------------------------------------------------- parameter counts
 
+
 def test_param_count_tiny_by_hand():
     # H=64, V=256, head 16 (q 64 wide, k/v 32 wide), L=2, E=8, k=2, F=64, untied.
     c = param_count(load_config("tiny"))
     assert c["embedding"] == c["lm_head"] == 256 * 64
-    assert c["attention"] == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16)    # + q/k norms
+    assert c["attention"] == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16)  # + q/k norms
     assert c["norms"] == 2 * 2 * 64 + 64
     assert c["router"] == 2 * 8 * 64
     assert c["experts"] == 2 * 8 * 3 * 64 * 64
@@ -117,8 +139,16 @@ def test_param_count_tiny_qwen2_by_hand():
 def test_param_count_components_add_up():
     for name in available_configs():
         c = param_count(load_config(name))
-        parts = ("embedding", "lm_head", "attention", "norms", "router", "experts",
-                 "shared_expert", "dense_mlp")
+        parts = (
+            "embedding",
+            "lm_head",
+            "attention",
+            "norms",
+            "router",
+            "experts",
+            "shared_expert",
+            "dense_mlp",
+        )
         assert sum(c[p] for p in parts) == c["total"]
         assert c["active"] == c["total"] - c["experts"] + c["active_experts"]
         assert c["non_embedding"] == c["total"] - c["embedding"] - c["lm_head"]
@@ -128,8 +158,10 @@ def test_param_count_options():
     base = load_config("tiny")
     c0 = param_count(base)
     # tying removes the LM head
-    assert param_count(load_config("tiny", tie_word_embeddings=True))["total"] == \
-        c0["total"] - 256 * 64
+    assert (
+        param_count(load_config("tiny", tie_word_embeddings=True))["total"]
+        == c0["total"] - 256 * 64
+    )
     # qwen3 attention_bias: q/k/v/o biases
     c = param_count(load_config("tiny", attention_bias=True))
     assert c["attention"] - c0["attention"] == 2 * (64 + 2 * 32 + 64)
@@ -149,20 +181,20 @@ def test_param_count_options():
 def test_hf_published_counts():
     # Hugging Face model cards: Qwen3-30B-A3B 30.5B total, 3.3B activated, 29.9B non-embedding.
     c = param_count(load_config("qwen3-30b-a3b"))
-    assert c["total"] == pytest.approx(30.5e9, rel=0.002)          # 30.532B
+    assert c["total"] == pytest.approx(30.5e9, rel=0.002)  # 30.532B
     assert c["non_embedding"] == pytest.approx(29.9e9, rel=0.002)  # 29.910B
-    assert c["active"] == pytest.approx(3.3e9, rel=0.02)           # 3.353B (the card rounds down)
+    assert c["active"] == pytest.approx(3.3e9, rel=0.02)  # 3.353B (the card rounds down)
     # Qwen2-57B-A14B: 57.4B total, 14.2B activated (Qwen2 report / model card).
     c = param_count(load_config("qwen2-57b-a14b"))
-    assert c["total"] == pytest.approx(57.4e9, rel=0.002)          # 57.409B
-    assert c["active"] == pytest.approx(14.2e9, rel=0.006)         # 14.249B
+    assert c["total"] == pytest.approx(57.4e9, rel=0.002)  # 57.409B
+    assert c["active"] == pytest.approx(14.2e9, rel=0.006)  # 14.249B
 
 
 # Table 3's "Params" against param_count's total. Measured ratios total/paper are in the comments.
 # Production rows: the paper's value is the nominal size in the model's name.
 PRODUCTION_TOL = {
-    "qwen3-30b-a3b": 0.02,    # 30.532B / 30B = 1.018 (the real model; "30B" is its name)
-    "qwen2-57b-a14b": 0.01,   # 57.409B / 57B = 1.007 (the real model)
+    "qwen3-30b-a3b": 0.02,  # 30.532B / 30B = 1.018 (the real model; "30B" is its name)
+    "qwen2-57b-a14b": 0.01,  # 57.409B / 57B = 1.007 (the real model)
     # 33.611B / 35B = 0.960. The paper's Qwen3-style stand-in for a hybrid model: the real one has
     # Gated DeltaNet layers, a shared expert, a 248320-word vocabulary, an MTP head and a vision
     # encoder that a Qwen3-style config with Qwen3's vocabulary does not (see the YAML header).
@@ -187,15 +219,15 @@ def test_table3_production_params(name):
 # layer more), the paper's values by 0.7B, at most 0.8B with rounding.
 # Measured total/paper with vocab_size=32000 (and, in brackets, for the shipped configs):
 SCALING_TOL_V32K = {
-    "moe-e64": 0.01,     # 1.005 [1.067]
-    "moe-e128": 0.01,    # 1.001 [1.066]
-    "moe-e384": 0.01,    # 0.994 [1.060]
-    "moe-k4": 0.015,     # 1.014 [1.080]  the paper's 7.5B vs MoE-K8's 7.6B: same shapes
-    "moe-k8": 0.01,      # 1.001 [1.066]
-    "moe-k12": 0.01,     # 1.001 [1.066]
-    "moe-k16": 0.01,     # 1.001 [1.066]
-    "moe-h512": 0.01,    # 1.000 [1.064]
-    "moe-h768": 0.01,    # 1.001 [1.066]
+    "moe-e64": 0.01,  # 1.005 [1.067]
+    "moe-e128": 0.01,  # 1.001 [1.066]
+    "moe-e384": 0.01,  # 0.994 [1.060]
+    "moe-k4": 0.015,  # 1.014 [1.080]  the paper's 7.5B vs MoE-K8's 7.6B: same shapes
+    "moe-k8": 0.01,  # 1.001 [1.066]
+    "moe-k12": 0.01,  # 1.001 [1.066]
+    "moe-k16": 0.01,  # 1.001 [1.066]
+    "moe-h512": 0.01,  # 1.000 [1.064]
+    "moe-h768": 0.01,  # 1.001 [1.066]
     "moe-h2048": 0.015,  # 1.010 [1.070]  inconsistent with MoE-E384, see above
 }
 
@@ -215,12 +247,18 @@ def test_scaling_configs_differ_only_in_table3_columns():
     for name in SCALING:
         L, H, F, E, K, _ = TABLE3[name]
         assert load_config(name) == load_config(
-            "moe-e128", num_hidden_layers=L, hidden_size=H, moe_intermediate_size=F,
-            num_experts=E, num_experts_per_tok=K)
+            "moe-e128",
+            num_hidden_layers=L,
+            hidden_size=H,
+            moe_intermediate_size=F,
+            num_experts=E,
+            num_experts_per_tok=K,
+        )
     assert load_config("moe-k8") == load_config("moe-h768") == ref
 
 
 # --------------------------------------------------------------------------- errors
+
 
 def test_unknown_key(tmp_path):
     p = _write(tmp_path, "hidden_size: 64\nnum_expert: 8\n")
@@ -228,25 +266,31 @@ def test_unknown_key(tmp_path):
         load_config(p)
 
 
-@pytest.mark.parametrize("line,key", [
-    ("num_experts: eight", "num_experts"),
-    ("norm_topk_prob: 1", "norm_topk_prob"),            # an int is not a bool
-    ("hidden_size: 64.0", "hidden_size"),               # a float is not an int
-    ("rope_theta: fast", "rope_theta"),
-    ("mlp_only_layers: [0, a]", "mlp_only_layers"),
-    ("head_dim: [16]", "head_dim"),
-])
+@pytest.mark.parametrize(
+    "line,key",
+    [
+        ("num_experts: eight", "num_experts"),
+        ("norm_topk_prob: 1", "norm_topk_prob"),  # an int is not a bool
+        ("hidden_size: 64.0", "hidden_size"),  # a float is not an int
+        ("rope_theta: fast", "rope_theta"),
+        ("mlp_only_layers: [0, a]", "mlp_only_layers"),
+        ("head_dim: [16]", "head_dim"),
+    ],
+)
 def test_wrong_type(tmp_path, line, key):
     p = _write(tmp_path, f"vocab_size: 256\n{line}\n")
     with pytest.raises(ValueError, match=rf"cfg\.yaml:2: {key}="):
         load_config(p)
 
 
-@pytest.mark.parametrize("text", [
-    "hidden_size: [64\n",               # unclosed flow sequence
-    "hidden_size: 64\n  bad indent: 1\n",
-    "hidden_size: 64\nhidden_size: 32\n",   # duplicate key
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hidden_size: [64\n",  # unclosed flow sequence
+        "hidden_size: 64\n  bad indent: 1\n",
+        "hidden_size: 64\nhidden_size: 32\n",  # duplicate key
+    ],
+)
 def test_bad_yaml(tmp_path, text):
     p = _write(tmp_path, text)
     with pytest.raises(ValueError, match=r"cfg\.yaml: YAML error: line \d+, column \d+: "):
@@ -258,16 +302,19 @@ def test_not_a_mapping(tmp_path):
         load_config(_write(tmp_path, "- hidden_size\n- 64\n"))
 
 
-@pytest.mark.parametrize("text,key", [
-    ("num_attention_heads: 4\nnum_key_value_heads: 3\n", "num_key_value_heads"),
-    ("num_experts: 8\nnum_experts_per_tok: 9\n", "num_experts_per_tok"),
-    ("hidden_size: 60\nnum_attention_heads: 8\n", "num_attention_heads"),
-    ("head_dim: 15\n", "head_dim"),
-    ("shared_expert_intermediate_size: 64\n", "shared_expert_intermediate_size"),  # qwen3_moe
-    ("num_hidden_layers: 2\nmlp_only_layers: [2]\n", "mlp_only_layers"),
-    ("arch: llama\n", "arch"),
-    ("hidden_size: 0\n", "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("num_attention_heads: 4\nnum_key_value_heads: 3\n", "num_key_value_heads"),
+        ("num_experts: 8\nnum_experts_per_tok: 9\n", "num_experts_per_tok"),
+        ("hidden_size: 60\nnum_attention_heads: 8\n", "num_attention_heads"),
+        ("head_dim: 15\n", "head_dim"),
+        ("shared_expert_intermediate_size: 64\n", "shared_expert_intermediate_size"),  # qwen3_moe
+        ("num_hidden_layers: 2\nmlp_only_layers: [2]\n", "mlp_only_layers"),
+        ("arch: llama\n", "arch"),
+        ("hidden_size: 0\n", "hidden_size"),
+    ],
+)
 def test_inconsistent_sizes(tmp_path, text, key):
     p = _write(tmp_path, text)
     with pytest.raises(ValueError, match=rf"cfg\.yaml:\d+: {key}="):
@@ -278,8 +325,11 @@ def test_experts_not_divisible_by_expert_axis(tmp_path):
     p = _write(tmp_path, "num_experts: 6\nnum_experts_per_tok: 2\n")
     cfg = load_config(p)
     check_mesh(cfg, 3)
-    with pytest.raises(ValueError, match=r"num_experts=6: expected a multiple of the expert "
-                                         r"axis size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_experts=6: expected a multiple of the expert "
+        r"axis size 4",
+    ):
         check_mesh(cfg, 4)
     with pytest.raises(ValueError, match=r"cfg\.yaml:1: num_experts=6: .*expert axis size 4"):
         load_config(p, expert_size=4)
@@ -296,18 +346,25 @@ def test_empty_file_is_an_error(tmp_path):
 
 def test_unknown_key_suggests_and_lists_other_keys(tmp_path):
     p = _write(tmp_path, "hidden_size: 64\nnum_expert: 8\n")
-    with pytest.raises(ValueError,
-                       match=r"did you mean 'num_experts'( or \S+)* for 'num_expert'\?"):
+    with pytest.raises(
+        ValueError, match=r"did you mean 'num_experts'( or \S+)* for 'num_expert'\?"
+    ):
         load_config(p)
     p = _write(tmp_path, "hidden_size: 64\nbatch_size: 8\n")
-    with pytest.raises(ValueError, match=r"cfg\.yaml:2: batch_size is a trainer setting, not a "
-                                         r"model config key;.*trainer keys: \['batch_size'"):
+    with pytest.raises(
+        ValueError,
+        match=r"cfg\.yaml:2: batch_size is a trainer setting, not a "
+        r"model config key;.*trainer keys: \['batch_size'",
+    ):
         load_config(p, other_keys={"trainer": ["batch_size", "seq_len"]})
 
 
 def test_yaml_values(tmp_path):
-    p = _write(tmp_path, "rope_theta: 10000\nrms_norm_eps: 1e-5\nhead_dim: null\n"
-                         "mlp_only_layers: [0]\ncapacity_factor: 2\n")
+    p = _write(
+        tmp_path,
+        "rope_theta: 10000\nrms_norm_eps: 1e-5\nhead_dim: null\n"
+        "mlp_only_layers: [0]\ncapacity_factor: 2\n",
+    )
     cfg = load_config(p)
     assert isinstance(cfg.rope_theta, float) and cfg.rope_theta == 10000.0
     assert cfg.rms_norm_eps == 1e-5 and isinstance(cfg.rms_norm_eps, float)
@@ -330,26 +387,44 @@ def test_overrides():
 
 
 def test_parse_overrides():
-    got = parse_overrides([
-        "num_experts=16", "routing=token", "capacity_factor=1.5", "head_dim=null",
-        "mlp_only_layers=[0, 2]", "rms_norm_eps=1e-5", "norm_topk_prob=false",
-        "dispatcher = alltoall", "gmm_impl=pallas-interpret",
-    ])
-    assert got == {"num_experts": 16, "routing": "token", "capacity_factor": 1.5,
-                   "head_dim": None, "mlp_only_layers": [0, 2], "rms_norm_eps": 1e-5,
-                   "norm_topk_prob": False, "dispatcher": "alltoall",
-                   "gmm_impl": "pallas-interpret"}
+    got = parse_overrides(
+        [
+            "num_experts=16",
+            "routing=token",
+            "capacity_factor=1.5",
+            "head_dim=null",
+            "mlp_only_layers=[0, 2]",
+            "rms_norm_eps=1e-5",
+            "norm_topk_prob=false",
+            "dispatcher = alltoall",
+            "gmm_impl=pallas-interpret",
+        ]
+    )
+    assert got == {
+        "num_experts": 16,
+        "routing": "token",
+        "capacity_factor": 1.5,
+        "head_dim": None,
+        "mlp_only_layers": [0, 2],
+        "rms_norm_eps": 1e-5,
+        "norm_topk_prob": False,
+        "dispatcher": "alltoall",
+        "gmm_impl": "pallas-interpret",
+    }
     assert parse_overrides([]) == {}
 
 
-@pytest.mark.parametrize("item,msg", [
-    ("num_experts", "expected key=value"),
-    ("=16", "not a valid key"),
-    ("num experts=16", "not a valid key"),
-    ("num_experts=", "empty value"),
-    ("mlp_only_layers=[0,", "cannot parse the value"),
-    ("routing={a: 1}", "a mapping is not a config value"),
-])
+@pytest.mark.parametrize(
+    "item,msg",
+    [
+        ("num_experts", "expected key=value"),
+        ("=16", "not a valid key"),
+        ("num experts=16", "not a valid key"),
+        ("num_experts=", "empty value"),
+        ("mlp_only_layers=[0,", "cannot parse the value"),
+        ("routing={a: 1}", "a mapping is not a config value"),
+    ],
+)
 def test_parse_overrides_rejects(item, msg):
     with pytest.raises(ValueError, match=msg):
         parse_overrides([item])
@@ -361,6 +436,7 @@ def test_parse_overrides_duplicate():
 
 
 # --------------------------------------------------------------------------- CLI
+
 
 def test_cli_table(capsys):
     assert main([]) == 0
@@ -375,14 +451,14 @@ def test_cli_table(capsys):
     assert "error:" in capsys.readouterr().err
 
 
-
 # --------------------------------------------------------------------------- real checkpoints
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
-@pytest.mark.parametrize("path", sorted(p.parent for p in FIXTURES.glob("*/config.json")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p.parent for p in FIXTURES.glob("*/config.json")), ids=lambda p: p.name
+)
 def test_param_count_matches_hf_checkpoints(path):
     """The formula against checkpoints that `transformers` saved (the tiny HF fixtures): every
     element of every tensor, from the safetensors headers."""

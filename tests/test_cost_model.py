@@ -10,9 +10,9 @@ import pytest
 from relaymoe_jax import costmodel as cm
 from scripts import load_script
 
-LINKS = cm.Links(nvlink=400.0, nic=50.0)     # bytes/s, round numbers: NVLink 8x the NIC
-FLAT = [cm.Level(8, 1.0, 0.0)]                # one host
-FLAT2 = [cm.Level(16, 1.0, 1.0)]              # 2 hosts: the boundary GPU sends across
+LINKS = cm.Links(nvlink=400.0, nic=50.0)  # bytes/s, round numbers: NVLink 8x the NIC
+FLAT = [cm.Level(8, 1.0, 0.0)]  # one host
+FLAT2 = [cm.Level(16, 1.0, 1.0)]  # 2 hosts: the boundary GPU sends across
 
 
 def test_hop_overlap_is_max_of_compute_and_transfer():
@@ -30,14 +30,14 @@ def test_relay_schedule_matches_ring_py():
     # backward: payload, then payload + accumulator, then accumulator, then its return
     assert cm.relay_sends(4, 10.0, 20.0) == ([10.0, 30.0, 30.0, 20.0], 20.0)
     assert cm.relay_sends(4, 10.0, 20.0, tail=10.0)[1] == 10.0
-    assert cm.relay_sends(2, 10.0, 20.0) == ([10.0, 0.0], 20.0)   # a ring of two: no trailing
+    assert cm.relay_sends(2, 10.0, 20.0) == ([10.0, 0.0], 20.0)  # a ring of two: no trailing
     assert cm.relay_sends(1, 10.0, 20.0) == ([0.0], 0.0)
     sends, tail = cm.relay_sends(16, 3.0, 7.0)
-    assert sum(sends) + tail == 15 * 3.0 + 16 * 7.0      # (n-1) payloads, n accumulators
+    assert sum(sends) + tail == 15 * 3.0 + 16 * 7.0  # (n-1) payloads, n accumulators
 
 
 def test_compute_bound_pass_costs_its_compute_plus_tail():
-    c, p, a = 1.0, 100.0, 200.0                # NVLink: 0.25 s / 0.75 s per hop < 1 s
+    c, p, a = 1.0, 100.0, 200.0  # NVLink: 0.25 s / 0.75 s per hop < 1 s
     assert cm.pass_time(FLAT, c, p, 0.0, LINKS) == 8 * c
     assert cm.pass_time(FLAT, c, p, a, LINKS) == 8 * c + a / 400.0
     r = cm.ring_layer_time(FLAT, c, 2 * c, p, a, LINKS, tail=p)
@@ -45,9 +45,9 @@ def test_compute_bound_pass_costs_its_compute_plus_tail():
 
 
 def test_network_bound_pass_costs_its_transfers():
-    c, p, a = 1.0, 100.0, 200.0                # NIC: 2 s per payload > 1 s of compute
+    c, p, a = 1.0, 100.0, 200.0  # NIC: 2 s per payload > 1 s of compute
     fwd = cm.pass_time(FLAT2, c, p, 0.0, LINKS)
-    assert fwd == 15 * p / 50.0 + c            # 15 transfers, the last hop only computes
+    assert fwd == 15 * p / 50.0 + c  # 15 transfers, the last hop only computes
     bwd = cm.pass_time(FLAT2, c, p, a, LINKS)
     assert bwd == pytest.approx((p + 14 * (p + a) + a + a) / 50.0)
     # the same bytes one host over NVLink: compute-bound
@@ -61,9 +61,9 @@ def test_hierarchical_round_hides_the_nic_behind_its_hops():
     hier = cm.hier_levels(2, 8)
     assert hier == [cm.Level(2, 0.0, 1.0), cm.Level(8, 1.0, 0.0)]
     assert cm.pass_time(hier, c, p, 0.0, LINKS) == 16 * c
-    assert cm.pass_time(FLAT2, c, p, 0.0, LINKS) == 15 * 2.0 + c    # the flat ring waits
+    assert cm.pass_time(FLAT2, c, p, 0.0, LINKS) == 15 * 2.0 + c  # the flat ring waits
     # a round shorter than the NIC transfer waits for it: max(L * max(c, t_intra), t_inter)
-    c = 0.1                                      # NVLink 0.25 s > 0.1 s: NVLink-bound hops
+    c = 0.1  # NVLink 0.25 s > 0.1 s: NVLink-bound hops
     round_ = 7 * max(c, p / 400.0) + c
     assert cm.pass_time(hier, c, p, 0.0, LINKS) == pytest.approx(max(round_, p / 50.0) + round_)
     assert cm.hier_levels(1, 8) == [cm.Level(8, 1.0, 0.0)]
@@ -73,8 +73,10 @@ def _compute_bound_from(levels, p, flops_per_token, rate, links=LINKS, lo=1.0, h
     """Smallest T (bisection) at which the forward pass costs exactly its compute: the model's
     own answer, not the threshold formula."""
     n = math.prod(lv.n for lv in levels)
-    ok = lambda t: cm.pass_time(levels, flops_per_token * t / rate, p, 0.0, links) <= \
-        n * flops_per_token * t / rate * (1 + 1e-12)
+    ok = lambda t: (
+        cm.pass_time(levels, flops_per_token * t / rate, p, 0.0, links)
+        <= n * flops_per_token * t / rate * (1 + 1e-12)
+    )
     for _ in range(200):
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
@@ -82,7 +84,7 @@ def _compute_bound_from(levels, p, flops_per_token, rate, links=LINKS, lo=1.0, h
 
 
 def test_hierarchical_ring_moves_the_line_by_about_L():
-    p, fpt, rate = 100.0, 1e3, 1e6               # payload bytes, FLOPs per token per hop, FLOP/s
+    p, fpt, rate = 100.0, 1e3, 1e6  # payload bytes, FLOPs per token per hop, FLOP/s
     flat = _compute_bound_from(FLAT2, p, fpt, rate)
     hier = _compute_bound_from(cm.hier_levels(2, 8), p, fpt, rate)
     nic_line = cm.threshold_tokens(p / LINKS.nic, fpt, rate)
@@ -98,8 +100,7 @@ def test_hierarchical_ring_moves_the_line_by_about_L():
 
 
 def test_alltoall_does_not_overlap():
-    r = cm.alltoall_time(4e9, intra_bytes=800.0, inter_bytes=100.0, flops_per_s=1e9,
-                         links=LINKS)
+    r = cm.alltoall_time(4e9, intra_bytes=800.0, inter_bytes=100.0, flops_per_s=1e9, links=LINKS)
     assert r["compute"] == 4.0 and r["comm"] == max(800.0 / 400.0, 100.0 / 50.0)
     assert r["total"] == 6.0
     assert cm.threshold_tokens(2.0, 10.0, 100.0) == 20.0
@@ -113,8 +114,19 @@ def synthetic_row(ep, hosts, p, a, tail, variant="ring-expert", tokens=1024):
     sends_b, _ = cm.relay_sends(ep, p, a)
     f, b = sum(sends_f), sum(sends_b) + tail
     boundary = [hosts > 1 and i % local == local - 1 for i in range(ep)]
-    row = dict(ep=ep, hosts=hosts, gpus_per_host=local, top_k=2, experts=16, hidden=64, ffn=32,
-               tokens_per_device=tokens, variant=variant, hop_fwd=p, hop_bwd=p + a)
+    row = dict(
+        ep=ep,
+        hosts=hosts,
+        gpus_per_host=local,
+        top_k=2,
+        experts=16,
+        hidden=64,
+        ffn=32,
+        tokens_per_device=tokens,
+        variant=variant,
+        hop_fwd=p,
+        hop_bwd=p + a,
+    )
     for prog, total in (("fwd", f), ("fwdbwd", f + b)):
         row[f"{prog}_permute_inter"] = [total if x else 0 for x in boundary]
         row[f"{prog}_permute_intra"] = [0 if x else total for x in boundary]
@@ -136,18 +148,19 @@ def test_hierarchical_ring_on_one_host_is_the_flat_ring():
     the finished dW as bf16, P, not A): nothing is left over against the flat schedule."""
     row = synthetic_row(8, 1, p=1000, a=2000, tail=1000, variant="hier-expert")
     assert cm.hier_ring_check(row, 1000, 2000, 1000) == dict.fromkeys(
-        ("fwd_inter", "fwd_intra", "bwd_inter", "bwd_intra"), 0.0)
+        ("fwd_inter", "fwd_intra", "bwd_inter", "bwd_intra"), 0.0
+    )
 
 
 def test_standin_flops_against_plain_arithmetic():
     e, n, h, f = 2, 64, 256, 128
     got = cm.standin_flops(e, n, h, f)
     pairs = e * n
-    ref = 2 * 3 * h * f * pairs                  # three matmuls of 2*H*F per pair, forward
+    ref = 2 * 3 * h * f * pairs  # three matmuls of 2*H*F per pair, forward
     assert got["fwd"] == pytest.approx(ref, rel=0.02)
-    assert got["fwd"] >= ref                     # plus elementwise (silu, the router weight)
-    assert got["bwd"] == pytest.approx(2 * ref, rel=0.02)        # six matmuls from residuals
-    assert got["vjp"] == pytest.approx(3 * ref, rel=0.02)        # recomputed forward + those
+    assert got["fwd"] >= ref  # plus elementwise (silu, the router weight)
+    assert got["bwd"] == pytest.approx(2 * ref, rel=0.02)  # six matmuls from residuals
+    assert got["vjp"] == pytest.approx(3 * ref, rel=0.02)  # recomputed forward + those
     assert cm.pairs_per_expert(61440, 8, 128) == 3840
     assert cm.pairs_per_expert(100, 3, 16) == 19
 
@@ -158,9 +171,14 @@ def script():
 
 
 def test_script_bad_arguments_exit_2(script, capsys):
-    for argv in (["--tflops", "0"], ["--nic-gbs", "-1"], ["--tokens", "0"], ["--ep", "12"],
-                 ["--scaling-json", "/nonexistent.json"],
-                 ["--measurements", "/nonexistent.json"]):
+    for argv in (
+        ["--tflops", "0"],
+        ["--nic-gbs", "-1"],
+        ["--tokens", "0"],
+        ["--ep", "12"],
+        ["--scaling-json", "/nonexistent.json"],
+        ["--measurements", "/nonexistent.json"],
+    ):
         with pytest.raises(SystemExit) as e:
             script.parse_args(argv)
         assert e.value.code == 2
@@ -168,22 +186,56 @@ def test_script_bad_arguments_exit_2(script, capsys):
 
 # ------------------------------------------------------------------ measured compute rates
 
+
 def _hop(default, fwd, bwd, chunk):
-    return dict(chunk=chunk, default_chunk=default, pairs=61440, experts=16, top_k=8,
-                hidden=2048, ffn=768, fwd_ms=1.0, bwd_ms=2.0, fwd_tflops=fwd, bwd_tflops=bwd,
-                error=None)
+    return dict(
+        chunk=chunk,
+        default_chunk=default,
+        pairs=61440,
+        experts=16,
+        top_k=8,
+        hidden=2048,
+        ffn=768,
+        fwd_ms=1.0,
+        bwd_ms=2.0,
+        fwd_tflops=fwd,
+        bwd_tflops=bwd,
+        error=None,
+    )
 
 
 def _kern(op, k, n, ms, tflops, config="default", groups="balanced", kernel="pallas"):
-    return dict(shape="s", m=65536, k=k, n=n, g=16, groups=groups, kernel=kernel,
-                config=config, op=op, ms=ms, tflops=tflops, err=0.001, error=None)
+    return dict(
+        shape="s",
+        m=65536,
+        k=k,
+        n=n,
+        g=16,
+        groups=groups,
+        kernel=kernel,
+        config=config,
+        op=op,
+        ms=ms,
+        tflops=tflops,
+        err=0.001,
+        error=None,
+    )
 
 
 def _measurements(tmp_path, hop=(), kernels=(), **header):
-    doc = dict(command="python benchmarks/gpu.py --json x", device="NVIDIA H200",
-               platform="gpu", jax="0.12.0.1", date="2026-12-02 10:00 UTC", tiny=False,
-               interpret=False, peak_tflops=989.4, kernels=list(kernels), hop=list(hop),
-               layer=[])
+    doc = dict(
+        command="python benchmarks/gpu.py --json x",
+        device="NVIDIA H200",
+        platform="gpu",
+        jax="0.12.0.1",
+        date="2026-12-02 10:00 UTC",
+        tiny=False,
+        interpret=False,
+        peak_tflops=989.4,
+        kernels=list(kernels),
+        hop=list(hop),
+        layer=[],
+    )
     doc.update(header)
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(doc))
@@ -191,18 +243,23 @@ def _measurements(tmp_path, hop=(), kernels=(), **header):
 
 
 # kernel rows the loader must ignore: another config, skewed groups, another shape, failed
-DISTRACTORS = [_kern("fwd", 2048, 768, 1.0, 900.0, config="128,128,32,4,4"),
-               _kern("fwd", 2048, 768, 1.0, 900.0, groups="skewed"),
-               _kern("dx", 2048, 2048, 1.0, 900.0), _kern("dW", 2048, 768, None, None),
-               _kern("fwd", 2048, 768, 1.0, 900.0, kernel="ragged_dot")]
+DISTRACTORS = [
+    _kern("fwd", 2048, 768, 1.0, 900.0, config="128,128,32,4,4"),
+    _kern("fwd", 2048, 768, 1.0, 900.0, groups="skewed"),
+    _kern("dx", 2048, 2048, 1.0, 900.0),
+    _kern("dW", 2048, 768, None, None),
+    _kern("fwd", 2048, 768, 1.0, 900.0, kernel="ragged_dot"),
+]
 
 
 def test_measured_hop_rates_are_used(tmp_path):
-    path = _measurements(tmp_path, hop=[_hop(True, 400.0, 300.0, 16384),
-                                        _hop(False, 123.0, 45.0, 61440)],
-                         kernels=[_kern("fwd", 2048, 768, 1.0, 200.0), *DISTRACTORS])
+    path = _measurements(
+        tmp_path,
+        hop=[_hop(True, 400.0, 300.0, 16384), _hop(False, 123.0, 45.0, 61440)],
+        kernels=[_kern("fwd", 2048, 768, 1.0, 200.0), *DISTRACTORS],
+    )
     rates = cm.load_rates(path)
-    assert (rates.fwd.tflops, rates.bwd.tflops) == (400.0, 300.0)   # the default-chunk row
+    assert (rates.fwd.tflops, rates.bwd.tflops) == (400.0, 300.0)  # the default-chunk row
     assert rates.fwd.origin == rates.bwd.origin == "hop"
     fwd, bwd = rates.report()
     assert fwd.startswith("forward compute: 400 TFLOP/s, measured (")
@@ -213,17 +270,22 @@ def test_measured_hop_rates_are_used(tmp_path):
 
 def test_kernel_section_is_the_fallback(tmp_path):
     # the hop's backward failed (null): the backward comes from the kernels' dx and dW
-    kernels = [_kern("fwd", 2048, 768, 1.0, 200.0), _kern("fwd", 768, 2048, 3.0, 100.0),
-               _kern("dx", 2048, 768, 2.0, 150.0), _kern("dW", 768, 2048, 2.0, 250.0),
-               *DISTRACTORS]
-    rates = cm.load_rates(_measurements(tmp_path, hop=[_hop(True, 400.0, None, 16384)],
-                                        kernels=kernels))
+    kernels = [
+        _kern("fwd", 2048, 768, 1.0, 200.0),
+        _kern("fwd", 768, 2048, 3.0, 100.0),
+        _kern("dx", 2048, 768, 2.0, 150.0),
+        _kern("dW", 768, 2048, 2.0, 250.0),
+        *DISTRACTORS,
+    ]
+    rates = cm.load_rates(
+        _measurements(tmp_path, hop=[_hop(True, 400.0, None, 16384)], kernels=kernels)
+    )
     assert rates.fwd.origin == "hop" and rates.fwd.tflops == 400.0
     assert rates.bwd.origin == "kernels"
     # total FLOPs / total time: (150 * 2 + 250 * 2) / (2 + 2)
     assert rates.bwd.tflops == pytest.approx(200.0)
     rates = cm.load_rates(_measurements(tmp_path, kernels=kernels))
-    assert rates.fwd.tflops == pytest.approx((200.0 * 1 + 100.0 * 3) / 4)   # 125
+    assert rates.fwd.tflops == pytest.approx((200.0 * 1 + 100.0 * 3) / 4)  # 125
     assert "kernel section" in rates.fwd.source and rates.fwd.source.startswith("measured (")
     # kernels at other shapes only: nothing measured applies
     other = cm.load_rates(_measurements(tmp_path, kernels=kernels), hidden=4096, ffn=1024)
@@ -235,26 +297,37 @@ def test_missing_file_is_assumed(tmp_path, monkeypatch):
     rates = cm.load_rates()
     assert rates.fwd == rates.bwd == cm.assumed_rate()
     assert rates.fwd.tflops == round(0.35 * 989.4, 1) and not rates.fwd.measured
-    assert rates.report()[0] == ("forward compute: 346.3 TFLOP/s, assumed (0.350 x the H100 SXM "
-                                 "dense bf16 peak 989.4)")
+    assert rates.report()[0] == (
+        "forward compute: 346.3 TFLOP/s, assumed (0.350 x the H100 SXM dense bf16 peak 989.4)"
+    )
     assert cm.load_rates(assumed_tflops=500.0).bwd.tflops == 500.0
     with pytest.raises(cm.MeasurementError, match=r"absent\.json: no such file"):
-        cm.load_rates(tmp_path / "absent.json")   # a path given must exist
+        cm.load_rates(tmp_path / "absent.json")  # a path given must exist
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda d: d.pop("device"), r"missing key 'device' \(expected a string\)"),
-    (lambda d: d.update(hop={"chunk": 1}), r"hop: expected a list, got \{'chunk': 1\}"),
-    (lambda d: d["hop"][0].update(fwd_tflops="fast"),
-     r"hop\[0\]\.fwd_tflops: expected a number or null, got 'fast'"),
-    (lambda d: d["hop"][0].pop("default_chunk"), r"missing key 'hop\[0\]\.default_chunk'"),
-    (lambda d: d["kernels"][0].update(op="bwd"),
-     r"kernels\[0\]\.op: expected 'fwd', 'dx' or 'dW', got 'bwd'"),
-    (lambda d: d["kernels"][0].update(k=2048.5), r"kernels\[0\]\.k: expected an integer"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.pop("device"), r"missing key 'device' \(expected a string\)"),
+        (lambda d: d.update(hop={"chunk": 1}), r"hop: expected a list, got \{'chunk': 1\}"),
+        (
+            lambda d: d["hop"][0].update(fwd_tflops="fast"),
+            r"hop\[0\]\.fwd_tflops: expected a number or null, got 'fast'",
+        ),
+        (lambda d: d["hop"][0].pop("default_chunk"), r"missing key 'hop\[0\]\.default_chunk'"),
+        (
+            lambda d: d["kernels"][0].update(op="bwd"),
+            r"kernels\[0\]\.op: expected 'fwd', 'dx' or 'dW', got 'bwd'",
+        ),
+        (lambda d: d["kernels"][0].update(k=2048.5), r"kernels\[0\]\.k: expected an integer"),
+    ],
+)
 def test_malformed_file_names_the_key(tmp_path, change, message):
-    path = _measurements(tmp_path, hop=[_hop(True, 400.0, 300.0, 16384)],
-                         kernels=[_kern("fwd", 2048, 768, 1.0, 200.0)])
+    path = _measurements(
+        tmp_path,
+        hop=[_hop(True, 400.0, 300.0, 16384)],
+        kernels=[_kern("fwd", 2048, 768, 1.0, 200.0)],
+    )
     doc = json.loads(path.read_text())
     change(doc)
     path.write_text(json.dumps(doc))
@@ -273,16 +346,16 @@ def test_not_json_is_a_clear_error(tmp_path):
 
 
 def test_measured_seconds_scale_the_work():
-    pairs, h, f = 1000, 100, 10                         # 12 * pairs * H * F = 1.2e7 FLOPs
+    pairs, h, f = 1000, 100, 10  # 12 * pairs * H * F = 1.2e7 FLOPs
     hop = cm.ComputeRates(cm.Rate(6.0, "hop", "m"), cm.Rate(12.0, "hop", "m"))
-    assert hop.forward_s(1e30, pairs, h, f) == pytest.approx(1e-6)   # stand-in ignored
+    assert hop.forward_s(1e30, pairs, h, f) == pytest.approx(1e-6)  # stand-in ignored
     assert hop.backward_s(1e30, pairs, h, f, recompute=True) == pytest.approx(1e-6)
     assert hop.backward_s(1e30, pairs, h, f, recompute=False) == pytest.approx(0.75e-6)
     kern = cm.ComputeRates(cm.Rate(6.0, "kernels", "m"), cm.Rate(12.0, "kernels", "m"))
     assert kern.backward_s(1e30, pairs, h, f, recompute=False) == pytest.approx(1e-6)
     assert kern.backward_s(1e30, pairs, h, f, recompute=True) == pytest.approx(16 / 12 * 1e-6)
     assumed = cm.ComputeRates(cm.assumed_rate(2.0), cm.assumed_rate(4.0))
-    assert assumed.forward_s(6e12, pairs, h, f) == 3.0                 # the stand-in's FLOPs
+    assert assumed.forward_s(6e12, pairs, h, f) == 3.0  # the stand-in's FLOPs
     assert assumed.backward_s(8e12, pairs, h, f, recompute=True) == 2.0
 
 
@@ -290,8 +363,10 @@ def _synthetic_scaling(tmp_path):
     rows = []
     for ep, hosts in ((8, 1), (16, 2)):
         p = 16 // ep * 3 * 64 * 32 * 2
-        rows += [synthetic_row(ep, hosts, p, 2 * p, p),
-                 synthetic_row(ep, hosts, p, 2 * p, p, variant="hier-expert")]
+        rows += [
+            synthetic_row(ep, hosts, p, 2 * p, p),
+            synthetic_row(ep, hosts, p, 2 * p, p, variant="hier-expert"),
+        ]
         a2a = synthetic_row(ep, hosts, 0, 0, 0, variant="a2a-cap1.0")
         a2a["fwdbwd_a2a_intra"] = [4 * 1024 * 2 * 64 * (min(ep, 8) - 1) // ep] * ep
         a2a["fwdbwd_a2a_inter"] = [4 * 1024 * 2 * 64 * (ep - min(ep, 8)) // ep] * ep
@@ -304,9 +379,25 @@ def _synthetic_scaling(tmp_path):
 def test_script_end_to_end_on_synthetic_rows(script, tmp_path, capsys):
     path = _synthetic_scaling(tmp_path)
     out = tmp_path / "cm.png"
-    script.main(["--scaling-json", str(path), "--ep", "8", "16", "-k", "2",
-                 "--scaling-tokens", "1024", "--tokens", "1024", "--out", str(out),
-                 "--measurements", "none"])
+    script.main(
+        [
+            "--scaling-json",
+            str(path),
+            "--ep",
+            "8",
+            "16",
+            "-k",
+            "2",
+            "--scaling-tokens",
+            "1024",
+            "--tokens",
+            "1024",
+            "--out",
+            str(out),
+            "--measurements",
+            "none",
+        ]
+    )
     text = capsys.readouterr().out
     assert text.startswith("# reproduce: python benchmarks/cost_model.py --scaling-json")
     assert "NOT A MEASUREMENT" in text and "nothing here ran on a GPU" in text
@@ -319,11 +410,23 @@ def test_script_uses_measured_rates(script, tmp_path, capsys):
     """The synthetic shape (E=16, k=2, H=64, F=32) at EP=8, T=1024: a hop has 2 experts x 128
     pairs = 256; measured rates 0.001 (fwd) and 0.002 (bwd) TFLOP/s give a hop
     6*256*64*32 / 1e9 + 12*256*64*32 / 2e9 s = 6.29 ms, 8 hops 50.3 ms of ring compute."""
-    gpu_json = _measurements(tmp_path, hop=[dict(_hop(True, 0.001, 0.002, 256), hidden=64,
-                                                 ffn=32)])
-    argv = ["--scaling-json", str(_synthetic_scaling(tmp_path)), "--ep", "8", "-k", "2",
-            "--scaling-tokens", "1024", "--tokens", "1024", "--out", str(tmp_path / "cm.png"),
-            "--measurements", str(gpu_json)]
+    gpu_json = _measurements(tmp_path, hop=[dict(_hop(True, 0.001, 0.002, 256), hidden=64, ffn=32)])
+    argv = [
+        "--scaling-json",
+        str(_synthetic_scaling(tmp_path)),
+        "--ep",
+        "8",
+        "-k",
+        "2",
+        "--scaling-tokens",
+        "1024",
+        "--tokens",
+        "1024",
+        "--out",
+        str(tmp_path / "cm.png"),
+        "--measurements",
+        str(gpu_json),
+    ]
     script.main(argv)
     text = capsys.readouterr().out
     assert "its compute rates were measured on one GPU" in text

@@ -10,14 +10,17 @@ import pytest
 from moe_cases import check_parity, make_inputs, mesh, place, uniform_ids
 
 
-@pytest.mark.parametrize("dispatcher,kw", [
-    ("ring", {"routing": "expert"}),
-    ("ring", {"routing": "token"}),
-    ("alltoall", {}),
-])
+@pytest.mark.parametrize(
+    "dispatcher,kw",
+    [
+        ("ring", {"routing": "expert"}),
+        ("ring", {"routing": "token"}),
+        ("alltoall", {}),
+    ],
+)
 def test_parity_with_the_pallas_kernel_in_interpret_mode(dispatcher, kw):
-    ids = uniform_ids(np.random.default_rng(0), 32, 16, 2)      # 4 tokens per device
-    ids[::5, 0] = 3                                            # a skewed expert
+    ids = uniform_ids(np.random.default_rng(0), 32, 16, 2)  # 4 tokens per device
+    ids[::5, 0] = 3  # a skewed expert
     m = mesh("ep8")
     inp = place(make_inputs(ids, 16, h=16, f=16), m, ("expert",))
     got, _ = check_parity(dispatcher, inp, m, gmm_impl="pallas-interpret", **kw)

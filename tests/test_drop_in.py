@@ -25,8 +25,10 @@ def inputs(lead, m, spec, seed=0, e=E, k=K):
     ids = testing.routing_case("uniform", t, k, e, 1, seed=seed)
     inp = testing.moe_inputs(ids, e, seed=seed)
     tok = NamedSharding(m, spec)
-    x, ids, wts = (jax.device_put(a.reshape(*lead, a.shape[-1]), tok)
-                   for a in (inp.x, inp.expert_ids, inp.expert_weights))
+    x, ids, wts = (
+        jax.device_put(a.reshape(*lead, a.shape[-1]), tok)
+        for a in (inp.x, inp.expert_ids, inp.expert_weights)
+    )
     return x, ids, wts, inp.w_gate, inp.w_up, inp.w_down
 
 
@@ -35,13 +37,16 @@ def reference(m):
 
 
 @pytest.mark.parametrize("dispatcher,routing", MODES)
-@pytest.mark.parametrize("mesh_name,lead,spec", [
-    ("dp2_ep4", (4, 16), P("data", "expert")),    # [B, S, H], the sequence sharded
-    ("ep8", (4,), P()),                           # a decode step: 4 tokens, 8 devices
-    ("ep8", (4, 1), P()),                         # the same as [B, 1, H]
-    ("dp2_ep4", (2, 3), P("data")),               # 3 tokens per device over 4 expert devices
-    ("ep8", (60,), P()),                          # 60 tokens do not divide 8 shards
-])
+@pytest.mark.parametrize(
+    "mesh_name,lead,spec",
+    [
+        ("dp2_ep4", (4, 16), P("data", "expert")),  # [B, S, H], the sequence sharded
+        ("ep8", (4,), P()),  # a decode step: 4 tokens, 8 devices
+        ("ep8", (4, 1), P()),  # the same as [B, 1, H]
+        ("dp2_ep4", (2, 3), P("data")),  # 3 tokens per device over 4 expert devices
+        ("ep8", (60,), P()),  # 60 tokens do not divide 8 shards
+    ],
+)
 def test_caller_shaped_inputs_and_outputs(dispatcher, routing, mesh_name, lead, spec):
     """y has x's shape and sharding; token counts that do not divide the shards are padded
     inside the op, exactly (padding NaN-poisoned)."""
@@ -77,8 +82,7 @@ def test_residual_add_on_an_explicit_mesh_of_three_axes():
         return x + moe_ffn(x, ids, wts, wg, wu, wd, mesh=m, expert_axis=ea)
 
     def block_ref(x, ids, wts, wg, wu, wd):
-        return x + moe_ffn(x, ids, wts, wg, wu, wd, mesh=m, expert_axis=ea,
-                           dispatcher="reference")
+        return x + moe_ffn(x, ids, wts, wg, wu, wd, mesh=m, expert_axis=ea, dispatcher="reference")
 
     testing.assert_moe_parity(block, block_ref, *args[:3], *ws)
     out = jax.jit(block)(*args[:3], *ws)
@@ -99,16 +103,20 @@ def test_a_weight_sharded_over_an_unused_axis_warns_once_with_the_bytes(caplog):
     weights (right numbers, hidden memory) and says so once, with the bytes per device."""
     m = mesh("ep4_tp2")
     args = inputs((64,), m, P("expert"))
-    ws = [jax.device_put(w, NamedSharding(m, s)) for w, s in zip(
-        args[3:], (P("expert", None, "tensor"),) * 2 + (P("expert", "tensor", None),))]
+    ws = [
+        jax.device_put(w, NamedSharding(m, s))
+        for w, s in zip(
+            args[3:], (P("expert", None, "tensor"),) * 2 + (P("expert", "tensor", None),)
+        )
+    ]
     f = jax.jit(lambda *a: moe_ffn(*a, mesh=m))
     with caplog.at_level(logging.WARNING, logger="relaymoe_jax"):
         y = f(*args[:3], *ws)
-        f(*args[:3], *ws)                                    # cached: no second trace
-        jax.jit(lambda *a: 2 * moe_ffn(*a, mesh=m))(*args[:3], *ws)   # traced again: no repeat
+        f(*args[:3], *ws)  # cached: no second trace
+        jax.jit(lambda *a: 2 * moe_ffn(*a, mesh=m))(*args[:3], *ws)  # traced again: no repeat
     gathered = [r.getMessage() for r in caplog.records if "all-gathered" in r.getMessage()]
-    per_device = 3 * 16 // 4 * 16 * 24 * 4      # 3 weights x E/EP x H x F float32, gathered
-    assert len(gathered) == 1, gathered          # one warning for the three weights
+    per_device = 3 * 16 // 4 * 16 * 24 * 4  # 3 weights x E/EP x H x F float32, gathered
+    assert len(gathered) == 1, gathered  # one warning for the three weights
     assert f"{per_device:,} bytes per device" in gathered[0]
     assert all(f"{n} " in gathered[0] for n in ("w_gate", "w_up", "w_down"))
     assert "over ['tensor']" in gathered[0]
@@ -122,25 +130,36 @@ def test_moe_ffn_inside_a_shard_map_points_to_moe_ffn_local():
     args = (*args[:3], *(jax.device_put(w, NamedSharding(m, P("expert"))) for w in args[3:]))
     body = lambda x, ids, wts, wg, wu, wd: moe_ffn(x, ids, wts, wg, wu, wd, mesh=m)
     f = jax.shard_map(body, mesh=m, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
-    with pytest.raises(ValueError, match=r"moe_ffn takes global arrays, but it is called inside "
-                                         r"a jax.shard_map \(manual mesh axes \('expert',\)\); "
-                                         "there, call relaymoe_jax.moe_ffn_local"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_ffn takes global arrays, but it is called inside "
+        r"a jax.shard_map \(manual mesh axes \('expert',\)\); "
+        "there, call relaymoe_jax.moe_ffn_local",
+    ):
         jax.jit(f)(*args)
 
 
 # ------------------------------------------------------------------ moe_ffn_local
+
 
 def local_layer(m, tokens, etp=None, check_vma=True, **kw):
     """A caller's shard_map around moe_ffn_local: tokens on `tokens`, experts over "expert" and
     ffn over `etp` (the weights are put there first, as the caller's model keeps them)."""
     w_in, w_out = P("expert", None, etp), P("expert", etp, None)
     body = lambda *a: moe_ffn_local(*a, expert_axis="expert", expert_tensor_axis=etp, **kw)
-    run = jax.shard_map(body, mesh=m, in_specs=(tokens,) * 3 + (w_in, w_in, w_out),
-                        out_specs=tokens, check_vma=check_vma)
+    run = jax.shard_map(
+        body,
+        mesh=m,
+        in_specs=(tokens,) * 3 + (w_in, w_in, w_out),
+        out_specs=tokens,
+        check_vma=check_vma,
+    )
 
     def layer(x, ids, wts, wg, wu, wd):
-        wg, wu, wd = (jax.sharding.reshard(w, NamedSharding(m, s))
-                      for w, s in zip((wg, wu, wd), (w_in, w_in, w_out)))
+        wg, wu, wd = (
+            jax.sharding.reshard(w, NamedSharding(m, s))
+            for w, s in zip((wg, wu, wd), (w_in, w_in, w_out))
+        )
         return run(x, ids, wts, wg, wu, wd)
 
     return layer
@@ -180,11 +199,15 @@ def test_moe_ffn_local_with_an_expert_tensor_axis_without_check_vma(tokens_over_
     m = mesh("ep4_etp2")
     tokens = P(("expert", "expert_tensor")) if tokens_over_etp else P("expert")
     args = inputs((64,), m, tokens)
-    with pytest.raises(ValueError, match=r"under shard_map\(check_vma=False\): pass "
-                                         "tokens_sharded_over_etp=True or False"):
+    with pytest.raises(
+        ValueError,
+        match=r"under shard_map\(check_vma=False\): pass "
+        "tokens_sharded_over_etp=True or False",
+    ):
         jax.jit(local_layer(m, tokens, etp="expert_tensor", check_vma=False))(*args)
-    ours = local_layer(m, tokens, etp="expert_tensor", check_vma=False,
-                       tokens_sharded_over_etp=tokens_over_etp)
+    ours = local_layer(
+        m, tokens, etp="expert_tensor", check_vma=False, tokens_sharded_over_etp=tokens_over_etp
+    )
     testing.assert_moe_parity(ours, reference(m), *args)
 
 
@@ -192,11 +215,18 @@ def test_moe_ffn_local_refuses_what_it_cannot_do():
     m = mesh("ep8")
     args = inputs((64,), m, P("expert"))
     args = (*args[:3], *(jax.device_put(w, NamedSharding(m, P("expert"))) for w in args[3:]))
-    with pytest.raises(ValueError, match=r"moe_ffn_local runs inside jax.shard_map over "
-                                         r"\['expert'\], but those axes are not manual here"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_ffn_local runs inside jax.shard_map over "
+        r"\['expert'\], but those axes are not manual here",
+    ):
         jax.jit(lambda *a: moe_ffn_local(*a, expert_axis="expert"))(*args)
-    replicated = jax.shard_map(lambda *a: moe_ffn_local(*a, expert_axis="expert"), mesh=m,
-                               in_specs=(P(),) * 3 + (P("expert"),) * 3, out_specs=P())
+    replicated = jax.shard_map(
+        lambda *a: moe_ffn_local(*a, expert_axis="expert"),
+        mesh=m,
+        in_specs=(P(),) * 3 + (P("expert"),) * 3,
+        out_specs=P(),
+    )
     rep = [jax.sharding.reshard(a, NamedSharding(m, P())) for a in args[:3]]
     with pytest.raises(ValueError, match=r"x does not vary over the expert axes \['expert'\]"):
         jax.jit(replicated)(*rep, *args[3:])

@@ -1,4 +1,5 @@
 """Tests of gmm / tgmm against the float64 numpy reference, for every implementation."""
+
 import itertools
 
 import jax
@@ -25,10 +26,12 @@ GMM_CASES = {
     "sum_gt_m_truncated": (24, [10, 20, 5], 8),
 }
 # Every zero pattern of G=3 group sizes; sum < M leaves padding rows at the end.
-GMM_CASES.update({
-    f"zeros_{''.join(map(str, keep))}": (24, [s * k for s, k in zip([7, 9, 5], keep)], 8)
-    for keep in itertools.product([0, 1], repeat=3)
-})
+GMM_CASES.update(
+    {
+        f"zeros_{''.join(map(str, keep))}": (24, [s * k for s, k in zip([7, 9, 5], keep)], 8)
+        for keep in itertools.product([0, 1], repeat=3)
+    }
+)
 
 K, N = 16, 12
 
@@ -37,8 +40,12 @@ def _case(name, seed=0, dtype=np.float32, transpose_rhs=False):
     """Holds (lhs, rhs, group_sizes, tile_m) for a GMM_CASES entry."""
     m, sizes, tile_m = GMM_CASES[name]
     rhs_shape = (len(sizes), N, K) if transpose_rhs else (len(sizes), K, N)
-    return (_rand(seed, (m, K), dtype), _rand(seed + 1, rhs_shape, dtype),
-            jnp.asarray(sizes, jnp.int32), tile_m)
+    return (
+        _rand(seed, (m, K), dtype),
+        _rand(seed + 1, rhs_shape, dtype),
+        jnp.asarray(sizes, jnp.int32),
+        tile_m,
+    )
 
 
 def _padding_start(sizes, m):
@@ -62,8 +69,17 @@ class _GmmTests:
         pad = _padding_start(sizes, lhs.shape[0])
         np.testing.assert_array_equal(np.asarray(out)[pad:], 0.0)
 
-    @pytest.mark.parametrize("name", ["empty_groups", "sum_lt_m", "m_not_multiple_of_tile",
-                                      "zeros_010", "zeros_000", "sum_gt_m_truncated"])
+    @pytest.mark.parametrize(
+        "name",
+        [
+            "empty_groups",
+            "sum_lt_m",
+            "m_not_multiple_of_tile",
+            "zeros_010",
+            "zeros_000",
+            "sum_gt_m_truncated",
+        ],
+    )
     def test_tgmm_matches_reference(self, name):
         lhs, _, sizes, tile_m = _case(name)
         rhs = _rand(7, (lhs.shape[0], N))
@@ -76,16 +92,25 @@ class _GmmTests:
 
     @pytest.mark.parametrize("transpose_rhs", [False, True])
     def test_gmm_bf16(self, transpose_rhs):
-        lhs, rhs, sizes, tile_m = _case("m_not_multiple_of_tile", dtype=jnp.bfloat16,
-                                        transpose_rhs=transpose_rhs)
-        want = ref.gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
-                       transpose_rhs=transpose_rhs)
+        lhs, rhs, sizes, tile_m = _case(
+            "m_not_multiple_of_tile", dtype=jnp.bfloat16, transpose_rhs=transpose_rhs
+        )
+        want = ref.gmm(
+            lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, transpose_rhs=transpose_rhs
+        )
         out = gmm(lhs, rhs, sizes, impl=self.impl, transpose_rhs=transpose_rhs, tile_m=tile_m)
         assert out.dtype == jnp.bfloat16
         _assert_close(out, want, BF16_RTOL)
         # bf16 products are exact in f32, so an f32 output is f32-accurate.
-        out = gmm(lhs, rhs, sizes, impl=self.impl, transpose_rhs=transpose_rhs,
-                  tile_m=tile_m, preferred_element_type=jnp.float32)
+        out = gmm(
+            lhs,
+            rhs,
+            sizes,
+            impl=self.impl,
+            transpose_rhs=transpose_rhs,
+            tile_m=tile_m,
+            preferred_element_type=jnp.float32,
+        )
         assert out.dtype == jnp.float32
         _assert_close(out, want)
 
@@ -96,8 +121,9 @@ class _GmmTests:
         out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m)
         assert out.dtype == jnp.bfloat16
         _assert_close(out, want, BF16_RTOL)
-        out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m,
-                   preferred_element_type=jnp.float32)
+        out = tgmm(
+            lhs, rhs, sizes, impl=self.impl, tile_m=tile_m, preferred_element_type=jnp.float32
+        )
         assert out.dtype == jnp.float32
         _assert_close(out, want)
 
@@ -110,8 +136,15 @@ class _GmmTests:
         lhs, rhs, sizes, tile_m = _case("empty_groups", transpose_rhs=transpose_rhs)
         rhs = rhs.astype(jnp.bfloat16)
         r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
-        mm = lambda a, b: gmm(a, b, sizes, impl=self.impl, transpose_rhs=transpose_rhs,
-                              tile_m=tile_m, preferred_element_type=jnp.float32)
+        mm = lambda a, b: gmm(
+            a,
+            b,
+            sizes,
+            impl=self.impl,
+            transpose_rhs=transpose_rhs,
+            tile_m=tile_m,
+            preferred_element_type=jnp.float32,
+        )
         out, vjp = jax.vjp(mm, lhs, rhs)
         _assert_close(out, ref.gmm(r16(lhs), r16(rhs), sizes, transpose_rhs=transpose_rhs))
         dout = _rand(9, out.shape)
@@ -119,21 +152,29 @@ class _GmmTests:
         assert (dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16)
         # "ragged_dot" is differentiated by JAX through the cast: its dlhs is bf16-rounded
         tol = BF16_RTOL if self.impl == "ragged_dot" else F32_RTOL
-        _assert_close(dlhs, ref.gmm(r16(dout), r16(rhs), sizes, transpose_rhs=not transpose_rhs),
-                      tol)
-        want_w = (ref.tgmm(r16(dout), r16(lhs), sizes) if transpose_rhs
-                  else ref.tgmm(r16(lhs), r16(dout), sizes))
+        _assert_close(
+            dlhs, ref.gmm(r16(dout), r16(rhs), sizes, transpose_rhs=not transpose_rhs), tol
+        )
+        want_w = (
+            ref.tgmm(r16(dout), r16(lhs), sizes)
+            if transpose_rhs
+            else ref.tgmm(r16(lhs), r16(dout), sizes)
+        )
         _assert_close(drhs, want_w, BF16_RTOL)
-        assert float(np.abs(np.asarray(out, np.float64) - ref.gmm(
-            np.asarray(lhs, np.float64), r16(rhs), sizes, transpose_rhs=transpose_rhs)).max()) \
-            > 1e-4 * float(np.abs(np.asarray(out)).max())   # promoting would give this one
+        assert float(
+            np.abs(
+                np.asarray(out, np.float64)
+                - ref.gmm(np.asarray(lhs, np.float64), r16(rhs), sizes, transpose_rhs=transpose_rhs)
+            ).max()
+        ) > 1e-4 * float(np.abs(np.asarray(out)).max())  # promoting would give this one
 
     def test_tgmm_mixed_dtypes_multiply_in_the_16_bit_type(self):
         lhs, _, sizes, tile_m = _case("empty_groups", dtype=jnp.bfloat16)
-        rhs = _rand(7, (lhs.shape[0], N))                         # f32
+        rhs = _rand(7, (lhs.shape[0], N))  # f32
         r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
-        out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m,
-                   preferred_element_type=jnp.float32)
+        out = tgmm(
+            lhs, rhs, sizes, impl=self.impl, tile_m=tile_m, preferred_element_type=jnp.float32
+        )
         _assert_close(out, ref.tgmm(r16(lhs), r16(rhs), sizes))
 
     def test_tgmm_accumulates_into_acc(self):
@@ -149,14 +190,18 @@ class _GmmTests:
         np.testing.assert_array_equal(np.asarray(out)[empty], np.asarray(acc)[empty])
         dout = _rand(9, out.shape)
         dl, dr, da = vjp(dout)
-        want_l, want_r = jax.vjp(lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m),
-                                 lhs, rhs)[1](dout)
+        want_l, want_r = jax.vjp(
+            lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m), lhs, rhs
+        )[1](dout)
         np.testing.assert_array_equal(np.asarray(da), np.asarray(dout))
         _assert_close(dl, np.asarray(want_l, np.float64))
         _assert_close(dr, np.asarray(want_r, np.float64))
-        with pytest.raises(ValueError, match=r"acc must be the output's \[G, K, N\] = "
-                                             r"\(6, 16, 12\) float32 \(preferred_element_type"
-                                             r"\), got bfloat16"):
+        with pytest.raises(
+            ValueError,
+            match=r"acc must be the output's \[G, K, N\] = "
+            r"\(6, 16, 12\) float32 \(preferred_element_type"
+            r"\), got bfloat16",
+        ):
             tgmm(lhs, rhs, sizes, impl=self.impl, acc=acc.astype(jnp.bfloat16))
 
     def test_two_different_16_bit_types_are_refused(self):
@@ -198,8 +243,7 @@ class _GmmTests:
 
     def test_gmm_nan_row_stays_in_its_row(self):
         lhs, rhs, sizes, tile_m = _case("m_not_multiple_of_tile")
-        out = np.asarray(gmm(lhs.at[12].set(jnp.inf), rhs, sizes, impl=self.impl,
-                             tile_m=tile_m))
+        out = np.asarray(gmm(lhs.at[12].set(jnp.inf), rhs, sizes, impl=self.impl, tile_m=tile_m))
         want = ref.gmm(lhs, rhs, sizes)
         assert not np.isfinite(out[12]).all()
         _assert_close(np.delete(out, 12, 0), np.delete(want, 12, 0))
@@ -209,8 +253,13 @@ class _GmmTests:
         rhs = _rand(7, (lhs.shape[0], N))
         pad = _padding_start(sizes, lhs.shape[0])
         want = ref.tgmm(lhs, rhs, sizes)
-        out = tgmm(lhs.at[pad:].set(jnp.nan), rhs.at[pad:].set(jnp.nan), sizes,
-                   impl=self.impl, tile_m=tile_m)
+        out = tgmm(
+            lhs.at[pad:].set(jnp.nan),
+            rhs.at[pad:].set(jnp.nan),
+            sizes,
+            impl=self.impl,
+            tile_m=tile_m,
+        )
         _assert_close(out, want)
 
     @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -219,8 +268,13 @@ class _GmmTests:
         pad = _padding_start(sizes, lhs.shape[0])
         dout = _rand(9, (lhs.shape[0], N))
         want_dlhs, want_drhs = ref.gmm_grads(lhs, rhs, sizes, dout, transpose_rhs)
-        _, vjp = jax.vjp(lambda a, b: gmm(a, b, sizes, impl=self.impl, tile_m=tile_m,
-                                          transpose_rhs=transpose_rhs), lhs, rhs)
+        _, vjp = jax.vjp(
+            lambda a, b: gmm(
+                a, b, sizes, impl=self.impl, tile_m=tile_m, transpose_rhs=transpose_rhs
+            ),
+            lhs,
+            rhs,
+        )
         dlhs, drhs = vjp(dout.at[pad:].set(jnp.nan))
         np.testing.assert_array_equal(np.asarray(dlhs)[pad:], 0.0)
         _assert_close(dlhs, want_dlhs)
@@ -249,8 +303,7 @@ class _GmmTests:
         rhs = _rand(7, (lhs.shape[0], N))
         dout = _rand(9, (len(sizes), K, N))
         want_dlhs, want_drhs = ref.tgmm_grads(lhs, rhs, sizes, dout)
-        _, vjp = jax.vjp(lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m),
-                         lhs, rhs)
+        _, vjp = jax.vjp(lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m), lhs, rhs)
         dlhs, drhs = vjp(dout)
         _assert_close(dlhs, want_dlhs)
         _assert_close(drhs, want_drhs)
@@ -260,13 +313,17 @@ class _GmmTests:
     def test_jit_traced_group_sizes(self):
         lhs, rhs, _, _ = _case("empty_groups")
         rhs_t = _rand(7, (lhs.shape[0], N))
-        f = jax.jit(lambda a, b, c, s: (gmm(a, b, s, impl=self.impl, tile_m=8),
-                                        tgmm(a, c, s, impl=self.impl, tile_m=8)))
+        f = jax.jit(
+            lambda a, b, c, s: (
+                gmm(a, b, s, impl=self.impl, tile_m=8),
+                tgmm(a, c, s, impl=self.impl, tile_m=8),
+            )
+        )
         for sizes in ([5, 0, 0, 11, 0, 8], [0, 0, 24, 0, 0, 0], [1, 2, 3, 0, 0, 0]):
             out, out_t = f(lhs, rhs, rhs_t, jnp.asarray(sizes, jnp.int32))
             _assert_close(out, ref.gmm(lhs, rhs, sizes))
             _assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
-            np.testing.assert_array_equal(np.asarray(out)[sum(sizes):], 0.0)
+            np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
     @pytest.mark.parametrize("tile_m", [3, 8])
     def test_random_group_sizes(self, tile_m):
@@ -274,15 +331,19 @@ class _GmmTests:
         # several groups, sums below, at and above M (truncated at M).
         m, g = 37, 5
         lhs, rhs, rhs_t = _rand(0, (m, K)), _rand(1, (g, K, N)), _rand(2, (m, N))
-        f = jax.jit(lambda s: (gmm(lhs, rhs, s, impl=self.impl, tile_m=tile_m),
-                               tgmm(lhs, rhs_t, s, impl=self.impl, tile_m=tile_m)))
+        f = jax.jit(
+            lambda s: (
+                gmm(lhs, rhs, s, impl=self.impl, tile_m=tile_m),
+                tgmm(lhs, rhs_t, s, impl=self.impl, tile_m=tile_m),
+            )
+        )
         rng = np.random.default_rng(tile_m)
         for _ in range(20):
             sizes = rng.integers(0, 13, g) * (rng.random(g) < 0.7)
             out, out_t = f(jnp.asarray(sizes, jnp.int32))
             _assert_close(out, ref.gmm(lhs, rhs, sizes))
             _assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
-            np.testing.assert_array_equal(np.asarray(out)[_padding_start(sizes, m):], 0.0)
+            np.testing.assert_array_equal(np.asarray(out)[_padding_start(sizes, m) :], 0.0)
 
     def test_shard_map_per_device_group_sizes(self):
         mesh = jax.make_mesh((8,), ("x",))
@@ -297,15 +358,18 @@ class _GmmTests:
 
         def body(x_mk, w, sizes, dout_mn, dout_gkn):
             def loss(a, b, c):
-                return (jnp.sum(gmm(a, b, sizes, **kw) * dout_mn)
-                        + jnp.sum(tgmm(a, c, sizes, **kw) * dout_gkn))
+                return jnp.sum(gmm(a, b, sizes, **kw) * dout_mn) + jnp.sum(
+                    tgmm(a, c, sizes, **kw) * dout_gkn
+                )
+
             out = gmm(x_mk, w, sizes, **kw)
             out_t = tgmm(x_mk, dout_mn, sizes, **kw)
             return (out, out_t[None], *jax.grad(loss, argnums=(0, 1, 2))(x_mk, w, dout_mn))
 
         p, r = jax.P("x"), jax.P()
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(p, r, p, p, r),
-                                  out_specs=(p, p, p, r, p)))
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(p, r, p, p, r), out_specs=(p, p, p, r, p))
+        )
         with jax.set_mesh(mesh):
             outs = f(put(lhs), w_gkn, put(sizes_dg.reshape(-1)), put(dout), dout_t)
         out, out_t, dlhs, dw, ddout = map(np.asarray, outs)
@@ -340,8 +404,9 @@ def test_work_items_layout():
     count = int(items.count)
     assert len(items.group_i) == 3 + 4 - 1  # static bound cdiv(M, tm) + G - 1
     assert count == 5
-    pairs = list(zip(np.asarray(items.group_i)[:count].tolist(),
-                     np.asarray(items.tile_i)[:count].tolist()))
+    pairs = list(
+        zip(np.asarray(items.group_i)[:count].tolist(), np.asarray(items.tile_i)[:count].tolist())
+    )
     assert pairs == [(0, 0), (2, 0), (2, 1), (3, 1), (3, 2)]
 
 
@@ -350,8 +415,10 @@ def test_auto_is_xla_on_cpu_and_pallas_when_interpreting():
     assert resolve_impl("auto") == "xla"
     assert resolve_impl("auto", interpret=True) == "pallas"
     lhs, rhs, sizes, tile_m = _case("empty_groups")
-    np.testing.assert_array_equal(np.asarray(gmm(lhs, rhs, sizes, tile_m=tile_m)),
-                                  np.asarray(gmm(lhs, rhs, sizes, impl="xla", tile_m=tile_m)))
+    np.testing.assert_array_equal(
+        np.asarray(gmm(lhs, rhs, sizes, tile_m=tile_m)),
+        np.asarray(gmm(lhs, rhs, sizes, impl="xla", tile_m=tile_m)),
+    )
 
 
 # ------------------------------------------------------------------ bad input
@@ -367,33 +434,39 @@ def _ok_t():
     return jnp.zeros((8, 4)), jnp.zeros((8, 3)), jnp.array([3, 5], jnp.int32)
 
 
-@pytest.mark.parametrize("kwargs, args, match", [
-    ({}, (jnp.zeros((8,)), None, None), "lhs must be 2-D"),
-    ({}, (None, jnp.zeros((4, 3)), None), "rhs must be 3-D"),
-    ({}, (None, jnp.zeros((2, 5, 3)), None), r"rhs.shape\[1\] must equal K"),
-    ({"transpose_rhs": True}, (None, None, None), r"rhs.shape\[2\] must equal K"),
-    ({}, (None, None, jnp.array([8], jnp.int32)), "group_sizes must have length G=2"),
-    ({}, (None, None, jnp.array([[3, 5]], jnp.int32)), "group_sizes must be 1-D"),
-    ({}, (None, None, jnp.array([3.0, 5.0])), "group_sizes must have an integer dtype"),
-    ({"impl": "cuda"}, (None, None, None), "impl must be one of"),
-    ({"tile_m": 0}, (None, None, None), "tile_m must be a positive int"),
-    ({"tile_m": 2.5}, (None, None, None), "tile_m must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, args, match",
+    [
+        ({}, (jnp.zeros((8,)), None, None), "lhs must be 2-D"),
+        ({}, (None, jnp.zeros((4, 3)), None), "rhs must be 3-D"),
+        ({}, (None, jnp.zeros((2, 5, 3)), None), r"rhs.shape\[1\] must equal K"),
+        ({"transpose_rhs": True}, (None, None, None), r"rhs.shape\[2\] must equal K"),
+        ({}, (None, None, jnp.array([8], jnp.int32)), "group_sizes must have length G=2"),
+        ({}, (None, None, jnp.array([[3, 5]], jnp.int32)), "group_sizes must be 1-D"),
+        ({}, (None, None, jnp.array([3.0, 5.0])), "group_sizes must have an integer dtype"),
+        ({"impl": "cuda"}, (None, None, None), "impl must be one of"),
+        ({"tile_m": 0}, (None, None, None), "tile_m must be a positive int"),
+        ({"tile_m": 2.5}, (None, None, None), "tile_m must be a positive int"),
+    ],
+)
 def test_gmm_bad_input(kwargs, args, match):
     args = [a if a is not None else d for a, d in zip(args, _ok())]
     with pytest.raises(ValueError, match=match):
         gmm(*args, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, args, match", [
-    ({}, (jnp.zeros((8, 4, 1)), None, None), "lhs must be 2-D"),
-    ({}, (None, jnp.zeros((8,)), None), "rhs must be 2-D"),
-    ({}, (None, jnp.zeros((7, 3)), None), r"rhs must have M=.* rows like lhs"),
-    ({"num_groups": 3}, (None, None, None), "group_sizes must have length G=3"),
-    ({}, (None, None, jnp.array([3.0, 5.0])), "group_sizes must have an integer dtype"),
-    ({"impl": "cuda"}, (None, None, None), "impl must be one of"),
-    ({"tile_m": -1}, (None, None, None), "tile_m must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, args, match",
+    [
+        ({}, (jnp.zeros((8, 4, 1)), None, None), "lhs must be 2-D"),
+        ({}, (None, jnp.zeros((8,)), None), "rhs must be 2-D"),
+        ({}, (None, jnp.zeros((7, 3)), None), r"rhs must have M=.* rows like lhs"),
+        ({"num_groups": 3}, (None, None, None), "group_sizes must have length G=3"),
+        ({}, (None, None, jnp.array([3.0, 5.0])), "group_sizes must have an integer dtype"),
+        ({"impl": "cuda"}, (None, None, None), "impl must be one of"),
+        ({"tile_m": -1}, (None, None, None), "tile_m must be a positive int"),
+    ],
+)
 def test_tgmm_bad_input(kwargs, args, match):
     args = [a if a is not None else d for a, d in zip(args, _ok_t())]
     with pytest.raises(ValueError, match=match):
@@ -420,6 +493,7 @@ def _temp_bytes(fn, *shapes):
 
 def _gmm_temp_bytes(impl, with_grad):
     """Holds temp bytes of gmm (or of its fwd + vjp) at the MEM_* shapes, f32."""
+
     def fwd(x, w, s):
         return gmm(x, w, s, impl=impl, tile_m=MEM_TM)
 
@@ -446,8 +520,10 @@ def test_xla_memory_is_tiles_not_groups(with_grad):
     dense = MEM_G * MEM_M * MEM_K * 4  # one masked [G, M, K] f32 copy
     xla = _gmm_temp_bytes("xla", with_grad)
     ragged = _gmm_temp_bytes("ragged_dot", with_grad)
-    print(f"temp bytes with_grad={with_grad}: xla={xla} ragged_dot={ragged} "
-          f"bound={bound} dense={dense}")
+    print(
+        f"temp bytes with_grad={with_grad}: xla={xla} ragged_dot={ragged} "
+        f"bound={bound} dense={dense}"
+    )
     assert xla <= bound < dense // 4
     # Documents why "auto" is not ragged_dot on CPU: XLA builds a G x copy.
     # If this starts failing, XLA's CPU ragged_dot improved; revisit "auto".
@@ -463,7 +539,8 @@ def test_api_routes_pallas_interpret_to_the_kernel():
     _assert_close(gmm(lhs, rhs, sizes, **kw), ref.gmm(lhs, rhs, sizes))
     _assert_close(tgmm(lhs, rhs_t, sizes, **kw), ref.tgmm(lhs, rhs_t, sizes))
     gx, gw = jax.grad(lambda a, b: jnp.sum(gmm(a, b, sizes, **kw) * rhs_t), argnums=(0, 1))(
-        lhs, rhs)
+        lhs, rhs
+    )
     want_x, want_w = ref.gmm_grads(lhs, rhs, sizes, rhs_t)
     _assert_close(gx, want_x)
     _assert_close(gw, want_w)

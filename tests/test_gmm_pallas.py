@@ -10,6 +10,7 @@ interpreter fills kernel outputs with NaN before the kernel runs (checked
 below), so exact-zero padding rows and all-finite outputs prove that every
 output element is stored, as it must be on a GPU.
 """
+
 import functools
 import itertools
 
@@ -28,8 +29,10 @@ M, K, N = 40, 20, 24  # K and N not multiples of the 16-wide blocks
 
 # G = 3 group patterns for one M: sum == M, sum < M, sum > M (truncated), empties.
 PATTERNS_G3 = [[40, 0, 0], [0, 40, 0], [0, 0, 40], [10, 20, 15], [3, 10, 6], [17, 1, 5]]
-PATTERNS_G3 += [[s * k for s, k in zip([7, 9, 5], keep)]  # every zero pattern of G = 3
-                for keep in itertools.product([0, 1], repeat=3)]
+PATTERNS_G3 += [
+    [s * k for s, k in zip([7, 9, 5], keep)]  # every zero pattern of G = 3
+    for keep in itertools.product([0, 1], repeat=3)
+]
 # (M, group_sizes) with their own shapes: M not a multiple of block_m, G = 1, G = 6.
 SHAPE_CASES = {
     "m_not_multiple_of_block": (37, [10, 1, 20, 6]),
@@ -45,7 +48,7 @@ def _pad_start(sizes, m):
 
 def _poison(x, sizes):
     """Holds x with every row past sum(sizes) set to NaN."""
-    return x.at[_pad_start(sizes, x.shape[0]):].set(jnp.nan)
+    return x.at[_pad_start(sizes, x.shape[0]) :].set(jnp.nan)
 
 
 def _rhs(seed, g, transpose_rhs, dtype=jnp.float32, k=K, n=N):
@@ -60,20 +63,28 @@ def _gmm_with_vjp(transpose_rhs, out_dtype=None, **cfg):
     cfg = cfg or SMALL
 
     def f(lhs, rhs, sizes, dout):
-        out, vjp = jax.vjp(lambda a, b: gp.gmm(a, b, sizes, transpose_rhs=transpose_rhs,
-                                               preferred_element_type=out_dtype, **cfg),
-                           lhs, rhs)
+        out, vjp = jax.vjp(
+            lambda a, b: gp.gmm(
+                a, b, sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, **cfg
+            ),
+            lhs,
+            rhs,
+        )
         return (out, *vjp(dout.astype(out.dtype)))
+
     return jax.jit(f)
 
 
 @functools.cache
 def _tgmm_with_vjp(out_dtype=None):
     """Holds jit((lhs, rhs, sizes, dout) -> (out, dlhs, drhs)) for tgmm; sizes traced."""
+
     def f(lhs, rhs, sizes, dout):
-        out, vjp = jax.vjp(lambda a, b: gp.tgmm(a, b, sizes, preferred_element_type=out_dtype,
-                                                **SMALL), lhs, rhs)
+        out, vjp = jax.vjp(
+            lambda a, b: gp.tgmm(a, b, sizes, preferred_element_type=out_dtype, **SMALL), lhs, rhs
+        )
         return (out, *vjp(dout.astype(out.dtype)))
+
     return jax.jit(f)
 
 
@@ -100,10 +111,10 @@ def test_interpreter_leaves_unwritten_outputs_nan():
     def kernel(x_ref, o_ref):
         pass
 
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.float32),
-                         interpret=True)(jnp.zeros((4, 16)))
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((4, 16), jnp.float32), interpret=True
+    )(jnp.zeros((4, 16)))
     assert np.isnan(np.asarray(out)).all()
-
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -117,8 +128,9 @@ def test_gmm_group_patterns_with_nan_padding(transpose_rhs):
     for sizes in PATTERNS_G3:
         x, d = _poison(lhs, sizes), _poison(dout, sizes)
         got = f(x, rhs, jnp.asarray(sizes, jnp.int32), d)
-        _check_gmm(x, rhs, w_gkn, sizes, np.nan_to_num(np.asarray(d)), got,
-                   transpose_rhs=transpose_rhs)
+        _check_gmm(
+            x, rhs, w_gkn, sizes, np.nan_to_num(np.asarray(d)), got, transpose_rhs=transpose_rhs
+        )
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -150,8 +162,9 @@ def test_gmm_bf16(transpose_rhs):
     assert [a.dtype for a in got] == [jnp.bfloat16] * 3
     _check_gmm(lhs, rhs, w_gkn, sizes, dout, got, BF16_RTOL, transpose_rhs)
     # An f32 output of bf16 operands is f32-accurate (bf16 products are exact in f32).
-    out = gp.gmm(lhs, rhs, sizes_j, transpose_rhs=transpose_rhs,
-                 preferred_element_type=jnp.float32, **SMALL)
+    out = gp.gmm(
+        lhs, rhs, sizes_j, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32, **SMALL
+    )
     assert out.dtype == jnp.float32
     _assert_close(out, ref.gmm(lhs.astype(jnp.float32), w_gkn.astype(jnp.float32), sizes))
 
@@ -167,13 +180,21 @@ def test_mixed_operands_multiply_in_bf16(transpose_rhs):
     lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))
     rhs, w_gkn = _rhs(5, len(sizes), transpose_rhs, jnp.bfloat16)
     r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
-    mm = lambda a, b: gp.gmm(a, b, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs,
-                             preferred_element_type=jnp.float32, **SMALL)
+    mm = lambda a, b: gp.gmm(
+        a,
+        b,
+        jnp.asarray(sizes, jnp.int32),
+        transpose_rhs=transpose_rhs,
+        preferred_element_type=jnp.float32,
+        **SMALL,
+    )
     out, vjp = jax.vjp(mm, lhs, rhs)
     want = ref.gmm(r16(lhs), r16(w_gkn), sizes)
     _assert_close(out, want)
-    assert np.abs(np.asarray(out) - ref.gmm(np.asarray(lhs, np.float64), r16(w_gkn),
-                                            sizes)).max() > 1e-4 * np.abs(want).max()
+    assert (
+        np.abs(np.asarray(out) - ref.gmm(np.asarray(lhs, np.float64), r16(w_gkn), sizes)).max()
+        > 1e-4 * np.abs(want).max()
+    )
     dlhs, drhs = vjp(dout)
     assert (dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16)
     _assert_close(dlhs, ref.gmm(r16(dout), np.swapaxes(r16(w_gkn), 1, 2), sizes))
@@ -186,17 +207,19 @@ def test_zero_padding_false_gives_the_padding_rows_no_work(transpose_rhs):
     """zero_padding=False: the real rows as before, and no program stores the padding rows of
     the output or of the lhs gradient (the interpreter leaves unwritten rows NaN); the weight
     gradient is unchanged (tgmm never reads padding)."""
-    m, sizes = 70, [10, 1, 0, 20, 6]           # rows 37..69 are padding: 2+ row tiles of 16
+    m, sizes = 70, [10, 1, 0, 20, 6]  # rows 37..69 are padding: 2+ row tiles of 16
     end = sum(sizes)
     lhs, dout = _rand(3, (m, K)), _rand(4, (m, N))
     rhs, w_gkn = _rhs(5, len(sizes), transpose_rhs)
     sizes_j = jnp.asarray(sizes, jnp.int32)
-    mm = lambda a, b: gp.gmm(a, b, sizes_j, transpose_rhs=transpose_rhs, zero_padding=False,
-                             **SMALL)
+    mm = lambda a, b: gp.gmm(
+        a, b, sizes_j, transpose_rhs=transpose_rhs, zero_padding=False, **SMALL
+    )
     out, vjp = jax.vjp(mm, lhs, rhs)
     dlhs, drhs = vjp(dout)
-    want_dlhs, want_drhs = ref.gmm_grads(np.asarray(lhs), np.asarray(rhs), sizes,
-                                         np.asarray(dout), transpose_rhs)
+    want_dlhs, want_drhs = ref.gmm_grads(
+        np.asarray(lhs), np.asarray(rhs), sizes, np.asarray(dout), transpose_rhs
+    )
     _assert_close(out[:end], ref.gmm(lhs, w_gkn, sizes)[:end])
     _assert_close(dlhs[:end], want_dlhs[:end])
     _assert_close(drhs, want_drhs)
@@ -213,8 +236,9 @@ def test_tgmm_accumulates_in_place_and_skips_empty_groups():
     x, y = _rand(1, (T, K)), _rand(2, (m, N))
     rows = np.random.default_rng(3).integers(0, T, m)
     acc = _rand(4, (len(sizes), K, N))
-    out = jax.jit(lambda a, b, r, c: gp.tgmm(a, b, jnp.asarray(sizes), lhs_rows=r, acc=c,
-                                             **SMALL))(x, y, jnp.asarray(rows), acc)
+    out = jax.jit(lambda a, b, r, c: gp.tgmm(a, b, jnp.asarray(sizes), lhs_rows=r, acc=c, **SMALL))(
+        x, y, jnp.asarray(rows), acc
+    )
     want = np.asarray(acc, np.float64) + ref.tgmm(np.asarray(x)[rows], y, sizes)
     _assert_close(out, want)
     empty = np.asarray(sizes) == 0
@@ -229,7 +253,7 @@ def test_gmm_output_dtype_selection():
     # out in the preferred type; gradients in the operands' types.
     assert [a.dtype for a in got] == [jnp.bfloat16, jnp.float32, jnp.float32]
     _assert_close(got[0], ref.gmm(lhs, w_gkn, sizes), BF16_RTOL)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32)[sum(sizes):], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32)[sum(sizes) :], 0.0)
 
 
 def test_gmm_nan_row_stays_in_its_row():
@@ -279,7 +303,8 @@ def test_negative_sizes_and_degenerate_shapes():
     _assert_close(out, ref.gmm(lhs, rhs, [5, 0, 11]))
     assert gp.gmm(lhs[:0], rhs, jnp.zeros(3, jnp.int32), **SMALL).shape == (0, N)
     np.testing.assert_array_equal(
-        np.asarray(gp.gmm(lhs, rhs[:0], jnp.zeros(0, jnp.int32), **SMALL)), 0.0)
+        np.asarray(gp.gmm(lhs, rhs[:0], jnp.zeros(0, jnp.int32), **SMALL)), 0.0
+    )
     out = gp.tgmm(lhs[:0], jnp.zeros((0, N)), jnp.zeros(3, jnp.int32), **SMALL)
     np.testing.assert_array_equal(np.asarray(out), np.zeros((3, K, N)))
 
@@ -305,8 +330,9 @@ def test_shard_map_interpret_without_vma_check():
 
     p, r = jax.P("x"), jax.P()
     # check_vma=False: see test_interpret_under_vma_check_is_a_jax_limitation.
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(p, r, p, p), out_specs=(p, p, r),
-                              check_vma=False))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(p, r, p, p), out_specs=(p, p, r), check_vma=False)
+    )
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, p))
     out, dlhs, dw = map(np.asarray, f(put(lhs), w, put(sizes_dg.reshape(-1)), put(dout)))
     want_dw = 0
@@ -319,9 +345,12 @@ def test_shard_map_interpret_without_vma_check():
     _assert_close(dw, want_dw)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="jax 0.12: the Pallas HLO interpreter evaluates kernel ops on "
-                          "varying and non-varying values and fails the vma check")
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="jax 0.12: the Pallas HLO interpreter evaluates kernel ops on "
+    "varying and non-varying values and fails the vma check",
+)
 def test_interpret_under_vma_check_is_a_jax_limitation():
     # If this starts passing, interpret mode works under shard_map(check_vma=True).
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -360,11 +389,15 @@ def _scatter_ref(d_mk, rows, sizes):
 @functools.cache
 def _gathered_gmm(transpose_rhs):
     """Holds jit((tokens, rhs, sizes, rows, dout) -> (out, dtokens, drhs)), sizes traced."""
+
     def f(tokens, rhs, sizes, rows, dout):
-        out, vjp = jax.vjp(lambda a, b: gp.gmm(a, b, sizes, lhs_rows=rows,
-                                               transpose_rhs=transpose_rhs, **SMALL),
-                           tokens, rhs)
+        out, vjp = jax.vjp(
+            lambda a, b: gp.gmm(a, b, sizes, lhs_rows=rows, transpose_rhs=transpose_rhs, **SMALL),
+            tokens,
+            rhs,
+        )
         return (out, *vjp(dout))
+
     return jax.jit(f)
 
 
@@ -374,8 +407,7 @@ def test_gmm_fused_gather(transpose_rhs):
     dout = _rand(2, (M, N))
     for sizes in ([10, 20, 10], [3, 0, 6], [0, 0, 0], [0, 40, 0], [10, 20, 15]):
         tokens, rows = _gather_case(sizes)
-        out, dtok, drhs = _gathered_gmm(transpose_rhs)(tokens, rhs, jnp.asarray(sizes),
-                                                       rows, dout)
+        out, dtok, drhs = _gathered_gmm(transpose_rhs)(tokens, rhs, jnp.asarray(sizes), rows, dout)
         pad = _pad_start(sizes, M)
         x_mk = np.asarray(tokens)[np.clip(np.asarray(rows), 0, T - 1)]
         x_mk[pad:] = 0.0  # garbage rows: never read
@@ -392,7 +424,7 @@ def test_tgmm_fused_gather_either_operand():
     tokens, rows = _gather_case(sizes, seed=3)
     other, dout = _rand(5, (M, N)), _rand(6, (3, K, N))
     x_mk = np.asarray(tokens)[np.clip(np.asarray(rows), 0, T - 1)]
-    x_mk[_pad_start(sizes, M):] = 0.0
+    x_mk[_pad_start(sizes, M) :] = 0.0
     sizes_j = jnp.asarray(sizes)
     # gather on lhs: out_g = tokens[rows_g].T @ other_g
     out, vjp = jax.vjp(lambda a, b: gp.tgmm(a, b, sizes_j, lhs_rows=rows, **SMALL), tokens, other)
@@ -416,14 +448,17 @@ def test_tgmm_fused_gather_either_operand():
 BF, F32 = jnp.bfloat16, jnp.float32
 
 
-@pytest.mark.parametrize("name, tiles, cfg, want", [
-    ("gmm", ((64, 64, BF), (64, 128, BF)), gp.Config(), 3),             # default blocks
-    ("gmm", ((64, 64, F32), (64, 128, F32)), gp.Config(), 2),           # 4-byte operands
-    # the H200 failure: tgmm 128 x 256 x 64, 3 stages = 245,760 bytes > 232,448; fitted to 2
-    ("tgmm", ((128, 64, BF), (128, 256, BF)), gp.Config(128, 256, 64), 2),
-    ("tgmm", ((128, 64, F32), (128, 256, F32)), gp.Config(128, 256, 64), 1),
-    ("gmm", ((128, 64, BF), (64, 256, BF)), gp.Config(128, 256, 64, num_stages=3), 3),
-])
+@pytest.mark.parametrize(
+    "name, tiles, cfg, want",
+    [
+        ("gmm", ((64, 64, BF), (64, 128, BF)), gp.Config(), 3),  # default blocks
+        ("gmm", ((64, 64, F32), (64, 128, F32)), gp.Config(), 2),  # 4-byte operands
+        # the H200 failure: tgmm 128 x 256 x 64, 3 stages = 245,760 bytes > 232,448; fitted to 2
+        ("tgmm", ((128, 64, BF), (128, 256, BF)), gp.Config(128, 256, 64), 2),
+        ("tgmm", ((128, 64, F32), (128, 256, F32)), gp.Config(128, 256, 64), 1),
+        ("gmm", ((128, 64, BF), (64, 256, BF)), gp.Config(128, 256, 64, num_stages=3), 3),
+    ],
+)
 def test_stages_fit_shared_memory(name, tiles, cfg, want):
     got = gp._compiler_params(cfg, name, tiles).num_stages
     assert got == want
@@ -438,5 +473,13 @@ def test_explicit_stages_over_shared_memory_are_refused():
     # end to end: the public tgmm refuses before any kernel runs (interpret mode on CPU)
     x = jnp.zeros((256, 64), BF)
     with pytest.raises(ValueError, match="245,760 bytes"):
-        gp.tgmm(x, jnp.zeros((256, 256), BF), jnp.array([128, 128]), interpret=True,
-                block_m=128, block_n=256, block_k=64, num_stages=3)
+        gp.tgmm(
+            x,
+            jnp.zeros((256, 256), BF),
+            jnp.array([128, 128]),
+            interpret=True,
+            block_m=128,
+            block_n=256,
+            block_k=64,
+            num_stages=3,
+        )

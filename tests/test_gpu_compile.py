@@ -7,6 +7,7 @@ skip without it, except the check of the error a missing plugin gives. Nothing h
 GPU: numbers come from the interpret-mode and CPU tests; this file proves the GPU path compiles
 and reads what the GPU compiler decided.
 """
+
 import functools
 import warnings
 
@@ -21,8 +22,9 @@ from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
 from scripts import load_script
 
-needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
-                                  reason="needs the gpu-compile extra (jax CUDA plugin)")
+needs_plugin = pytest.mark.skipif(
+    not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+)
 pytestmark = pytest.mark.gpu_compile
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -68,13 +70,16 @@ def test_target_configs_ship_with_the_package():
         assert "cuda_compute_capability {\n    major: 9" in gpu_mesh.target_config(t)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: gpu_mesh.mesh((8,), ("x",), target="a100"), r"target must be one of .*'a100'"),
-    (lambda: gpu_mesh.mesh((12,), ("x",)), r"12 devices do not fill whole hosts of 8"),
-    (lambda: gpu_mesh.mesh((2, 4), ("x",)), r"differ in length"),
-    (lambda: gpu_mesh.mesh((0,), ("x",)), r"positive ints"),
-    (lambda: gpu_mesh.topology(8, gpus_per_host=0), r"gpus_per_host must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: gpu_mesh.mesh((8,), ("x",), target="a100"), r"target must be one of .*'a100'"),
+        (lambda: gpu_mesh.mesh((12,), ("x",)), r"12 devices do not fill whole hosts of 8"),
+        (lambda: gpu_mesh.mesh((2, 4), ("x",)), r"differ in length"),
+        (lambda: gpu_mesh.mesh((0,), ("x",)), r"positive ints"),
+        (lambda: gpu_mesh.topology(8, gpus_per_host=0), r"gpus_per_host must be a positive int"),
+    ],
+)
 def test_bad_mesh_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -99,6 +104,7 @@ def _gmm_fwd_bwd(blocks, transpose):
         mm = lambda a, b: gp.gmm(a, b, sizes, lhs_rows=rows, transpose_rhs=transpose, **blocks)
         out, vjp = jax.vjp(mm, tokens, w)
         return out, *vjp(dout)
+
     return f
 
 
@@ -106,6 +112,7 @@ def _tgmm_fwd_bwd(blocks):
     def f(x, y, sizes, rows, dout):
         out, vjp = jax.vjp(lambda a, b: gp.tgmm(a, b, sizes, lhs_rows=rows, **blocks), x, y)
         return out, *vjp(dout)
+
     return f
 
 
@@ -117,15 +124,23 @@ def _one_gpu():
 # blocks (m, n, k[, warps, stages]): small ones, then every config the prepared GPU run times
 # (benchmarks/gpu.py PALLAS_CONFIGS), so that run cannot fail to compile.
 GPU_RUN = load_script("benchmarks/gpu.py", "gpu_bench_configs")
-BLOCKS = [(16, 16, 16), (32, 64, 32), *(tuple(GPU_RUN._pallas_cfg(c).values())
-                                        for c in GPU_RUN.PALLAS_CONFIGS if c != "default")]
+BLOCKS = [
+    (16, 16, 16),
+    (32, 64, 32),
+    *(tuple(GPU_RUN._pallas_cfg(c).values()) for c in GPU_RUN.PALLAS_CONFIGS if c != "default"),
+]
 
 
 @needs_plugin
-@pytest.mark.parametrize("dtype, blocks", [
-    (jnp.bfloat16, None), *((jnp.bfloat16, b) for b in BLOCKS), (jnp.float32, None),
-    (jnp.float32, (16, 16, 16)),
-])
+@pytest.mark.parametrize(
+    "dtype, blocks",
+    [
+        (jnp.bfloat16, None),
+        *((jnp.bfloat16, b) for b in BLOCKS),
+        (jnp.float32, None),
+        (jnp.float32, (16, 16, 16)),
+    ],
+)
 def test_kernel_compiles_with_vjp(dtype, blocks):
     """gmm (fused row gather) and its VJP (gmm on the transposed weights + tgmm): 3 kernels."""
     mesh, r = _one_gpu(), P()
@@ -133,11 +148,18 @@ def test_kernel_compiles_with_vjp(dtype, blocks):
     kw = {} if blocks is None else dict(zip(names, blocks))
     g, k, n = EXPERT_SHAPES["qwen3_30b_a3b"]
     s = functools.partial(_sds, mesh, r)
-    c = _compile(_gmm_fwd_bwd(kw, False), mesh, s((T_ROWS, k), dtype), s((g, k, n), dtype),
-                 s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((M_ROWS, n), dtype))
+    c = _compile(
+        _gmm_fwd_bwd(kw, False),
+        mesh,
+        s((T_ROWS, k), dtype),
+        s((g, k, n), dtype),
+        s((g,), jnp.int32),
+        s((M_ROWS,), jnp.int32),
+        s((M_ROWS, n), dtype),
+    )
     text = c.as_text()
     assert text.count(TRITON_CALL) == 3
-    assert "dot(" not in text   # every matmul is a kernel, none XLA's (its dots print "dot(")
+    assert "dot(" not in text  # every matmul is a kernel, none XLA's (its dots print "dot(")
 
 
 @needs_plugin
@@ -147,12 +169,26 @@ def test_down_projection_and_tgmm_compile(shape):
     mesh, bf = _one_gpu(), jnp.bfloat16
     s = functools.partial(_sds, mesh, P())
     g, h, f = EXPERT_SHAPES[shape]
-    down = _compile(_gmm_fwd_bwd({}, True), mesh, s((T_ROWS, h), bf), s((g, f, h), bf),
-                    s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((M_ROWS, f), bf))
+    down = _compile(
+        _gmm_fwd_bwd({}, True),
+        mesh,
+        s((T_ROWS, h), bf),
+        s((g, f, h), bf),
+        s((g,), jnp.int32),
+        s((M_ROWS,), jnp.int32),
+        s((M_ROWS, f), bf),
+    )
     assert down.as_text().count(TRITON_CALL) == 3
-    tg = _compile(_tgmm_fwd_bwd({}), mesh, s((T_ROWS, h), bf), s((M_ROWS, f), bf),
-                  s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((g, h, f), bf))
-    assert tg.as_text().count(TRITON_CALL) == 3   # tgmm + its two gmm backward kernels
+    tg = _compile(
+        _tgmm_fwd_bwd({}),
+        mesh,
+        s((T_ROWS, h), bf),
+        s((M_ROWS, f), bf),
+        s((g,), jnp.int32),
+        s((M_ROWS,), jnp.int32),
+        s((g, h, f), bf),
+    )
+    assert tg.as_text().count(TRITON_CALL) == 3  # tgmm + its two gmm backward kernels
 
 
 # ------------------------------------------------------------------- moe_ffn
@@ -167,15 +203,21 @@ def _ep8():
 
 def _layer_args(mesh, dtype=jnp.bfloat16, t_dev=T_DEV, h=H, f=F, e=E):
     tok = functools.partial(_sds, mesh, P("expert"))
-    return (tok((EP * t_dev, h), dtype), tok((EP * t_dev, K), jnp.int32),
-            tok((EP * t_dev, K), jnp.float32), tok((e, h, f), dtype), tok((e, h, f), dtype),
-            tok((e, f, h), dtype))
+    return (
+        tok((EP * t_dev, h), dtype),
+        tok((EP * t_dev, K), jnp.int32),
+        tok((EP * t_dev, K), jnp.float32),
+        tok((e, h, f), dtype),
+        tok((e, h, f), dtype),
+        tok((e, f, h), dtype),
+    )
 
 
 def _fwd_bwd(mesh, **kw):
     def loss(x, ids, wts, wg, wu, wd):
         y = moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh, **kw)
         return jnp.sum(y.astype(jnp.float32) ** 2)
+
     return jax.grad(loss, argnums=(0, 2, 3, 4, 5))
 
 
@@ -205,10 +247,12 @@ def test_ring_compiles_and_overlaps(routing, gmm_impl):
     assert jax.default_backend() == "cpu"
     assert (kernels > 0) == (gmm_impl == "auto"), kernels
     bodies = hlo.loop_schedules(text)
-    assert len(bodies) == 2, bodies      # the forward ring loop and the backward ring loop
+    assert len(bodies) == 2, bodies  # the forward ring loop and the backward ring loop
     for b in bodies:
-        assert b.overlapped, (f"{routing}/{gmm_impl}: {b.computation} sends at {b.starts}, "
-                              f"computes at {b.loops}, waits at {b.dones}")
+        assert b.overlapped, (
+            f"{routing}/{gmm_impl}: {b.computation} sends at {b.starts}, "
+            f"computes at {b.loops}, waits at {b.dones}"
+        )
 
 
 @needs_plugin
@@ -251,8 +295,15 @@ def test_h200_mesh_compiles_the_kernel():
     mesh, bf = gpu_mesh.mesh((1,), ("x",), target="h200"), jnp.bfloat16
     s = functools.partial(_sds, mesh, P())
     g, k, n = EXPERT_SHAPES["qwen3_30b_a3b"]
-    c = _compile(_gmm_fwd_bwd({}, False), mesh, s((T_ROWS, k), bf), s((g, k, n), bf),
-                 s((g,), jnp.int32), s((M_ROWS,), jnp.int32), s((M_ROWS, n), bf))
+    c = _compile(
+        _gmm_fwd_bwd({}, False),
+        mesh,
+        s((T_ROWS, k), bf),
+        s((g, k, n), bf),
+        s((g,), jnp.int32),
+        s((M_ROWS,), jnp.int32),
+        s((M_ROWS, n), bf),
+    )
     assert c.as_text().count(TRITON_CALL) == 3
 
 
@@ -281,13 +332,14 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
     calls = triton_calls.triton_calls(_compiled_layer(**BF16_LAYERS[name]).as_text())
     kinds = {c.kernel for c in calls}
     assert kinds == {"relaymoe_gmm", "relaymoe_tgmm"}, kinds
-    assert len(calls) >= 9, _kernel_report(calls)   # 3 forward, 6 backward at least
+    assert len(calls) >= 9, _kernel_report(calls)  # 3 forward, 6 backward at least
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
-    if name.startswith("ring"):   # the hop's dW sums in place into its f32 accumulator
+    if name.startswith("ring"):  # the hop's dW sums in place into its f32 accumulator
         tgmms = [c for c in calls if c.kernel == "relaymoe_tgmm"]
-        assert tgmms and all(c.aliased and c.operands[c.aliased[0]][0] == "f32"
-                             for c in tgmms), _kernel_report(tgmms)
+        assert tgmms and all(c.aliased and c.operands[c.aliased[0]][0] == "f32" for c in tgmms), (
+            _kernel_report(tgmms)
+        )
 
 
 @needs_plugin
@@ -299,11 +351,13 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher):
     from relaymoe_jax.models.configs import load_config
     from train import loop
     from train import mesh as train_mesh
+
     tc = loop.TrainConfig(batch_size=8, seq_len=128, compute_dtype="bfloat16")
     sizes = train_mesh.parse_mesh(tc.mesh, EP)
     mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
-    cfg = load_config("configs/tiny.yaml", expert_size=train_mesh.expert_size(sizes),
-                      dispatcher=dispatcher)
+    cfg = load_config(
+        "configs/tiny.yaml", expert_size=train_mesh.expert_size(sizes), dispatcher=dispatcher
+    )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
         text = loop.compile_abstract(cfg, tc, mesh, memo=False).as_text()
@@ -320,20 +374,26 @@ def _dumped_gmm_fwd_bwd(tmp_path, x_dtype, out_dtype):
     g, k, n = 4, 256, 128
 
     def f(x, w, sizes, dout):
-        out, vjp = jax.vjp(lambda a, b: gp.gmm(a, b, sizes, preferred_element_type=out_dtype),
-                           x, w)
+        out, vjp = jax.vjp(lambda a, b: gp.gmm(a, b, sizes, preferred_element_type=out_dtype), x, w)
         return out, *vjp(dout)
 
     dump = tmp_path / "dump"
-    c = _compile(f, mesh, s((1024, k), x_dtype), s((g, k, n), jnp.bfloat16),
-                 s((g,), jnp.int32), s((1024, n), out_dtype),
-                 options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"})
+    c = _compile(
+        f,
+        mesh,
+        s((1024, k), x_dtype),
+        s((g, k, n), jnp.bfloat16),
+        s((g,), jnp.int32),
+        s((1024, n), out_dtype),
+        options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"},
+    )
     return triton_calls.triton_calls(c.as_text()), triton_calls.tensor_core_kernels(dump)
 
 
 @needs_plugin
-@pytest.mark.parametrize("x_dtype, out_dtype", [(jnp.bfloat16, jnp.float32),
-                                                (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "x_dtype, out_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]
+)
 def test_mixed_operands_multiply_on_the_tensor_cores(tmp_path, x_dtype, out_dtype):
     """bf16 weights with an f32 activation, or an f32 cotangent (a float32 output's): every
     kernel of the fwd+bwd gets bf16 operands, and every dumped kernel issues wgmma."""
@@ -349,9 +409,14 @@ def test_float32_kernels_stay_float32_and_are_seen(tmp_path):
     mesh, s = _one_gpu(), functools.partial(_sds, _one_gpu(), P())
     dump = tmp_path / "dump"
     f = lambda x, w, sizes: gp.gmm(x, w, sizes)
-    c = _compile(f, mesh, s((1024, 256), jnp.float32), s((4, 256, 128), jnp.float32),
-                 s((4,), jnp.int32),
-                 options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"})
+    c = _compile(
+        f,
+        mesh,
+        s((1024, 256), jnp.float32),
+        s((4, 256, 128), jnp.float32),
+        s((4,), jnp.int32),
+        options={**XLA_OPTIONS, "xla_dump_to": str(dump), "xla_dump_emitter_re": ".*"},
+    )
     calls = triton_calls.triton_calls(c.as_text())
     assert len(calls) == 1
     assert calls[0].wide_floats == (("f32", (1024, 256)), ("f32", (4, 256, 128)))
@@ -362,21 +427,25 @@ def test_float32_kernels_stay_float32_and_are_seen(tmp_path):
 def test_triton_call_parser_reads_operands_and_accumulators():
     """Two HLO lines as XLA:GPU prints them (abridged): a plain kernel, and one whose f32 operand
     4 is aliased to its output (tgmm(acc=)): that one is an accumulator, not a multiplied one."""
-    head = '%pallas_call.{i} = f32[4,256,128]{{2,1,0}} custom-call(%a, %b), '
-    text = "\n".join([
-        head.format(i=1) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
-        '{s32[8]{0}, f32[1024,256]{1,0}, bf16[4,256,128]{2,1,0}}, '
-        'api_version=API_VERSION_TYPED_FFI, '
-        'metadata={op_name="jit(f)/relaymoe_gmm/pallas_call"}',
-        head.format(i=2) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
-        '{s32[4]{0}, s32[4]{0}, bf16[1024,256]{1,0}, bf16[1024,128]{1,0}, f32[4,256,128]{2,1,0}}, '
-        'output_to_operand_aliasing={{}: (4, {})}, api_version=API_VERSION_TYPED_FFI, '
-        'metadata={op_name="jit(f)/relaymoe_tgmm/pallas_call"}',
-        '%fusion.3 = f32[8]{0} fusion(%x), kind=kLoop',
-    ])
+    head = "%pallas_call.{i} = f32[4,256,128]{{2,1,0}} custom-call(%a, %b), "
+    text = "\n".join(
+        [
+            head.format(i=1) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
+            "{s32[8]{0}, f32[1024,256]{1,0}, bf16[4,256,128]{2,1,0}}, "
+            "api_version=API_VERSION_TYPED_FFI, "
+            'metadata={op_name="jit(f)/relaymoe_gmm/pallas_call"}',
+            head.format(i=2) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
+            "{s32[4]{0}, s32[4]{0}, bf16[1024,256]{1,0}, bf16[1024,128]{1,0}, f32[4,256,128]{2,1,0}}, "
+            "output_to_operand_aliasing={{}: (4, {})}, api_version=API_VERSION_TYPED_FFI, "
+            'metadata={op_name="jit(f)/relaymoe_tgmm/pallas_call"}',
+            "%fusion.3 = f32[8]{0} fusion(%x), kind=kLoop",
+        ]
+    )
     calls = triton_calls.triton_calls(text)
     assert [(c.name, c.kernel, c.aliased) for c in calls] == [
-        ("pallas_call.1", "relaymoe_gmm", ()), ("pallas_call.2", "relaymoe_tgmm", (4,))]
+        ("pallas_call.1", "relaymoe_gmm", ()),
+        ("pallas_call.2", "relaymoe_tgmm", (4,)),
+    ]
     assert calls[0].wide_floats == (("f32", (1024, 256)),)
     assert calls[1].wide_floats == ()
     assert triton_calls.wide_float_calls(text) == calls[:1]

@@ -39,7 +39,7 @@ def _table(lines, first_col):
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_col} |"))
     cols = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for ln in lines[start + 2:]:
+    for ln in lines[start + 2 :]:
         if not ln.startswith("|"):
             break
         rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")))))
@@ -75,7 +75,7 @@ def test_kernel_table(gpu, run):
             assert r["check"] == "ok", r
     mgpu = [r for r in kern if r["kernel"] == "mgpu"]
     assert {(r["shape"], r["groups"]) for r in mgpu} == cases
-    for r in mgpu:   # a number (then within tolerance) or the reason it could not run
+    for r in mgpu:  # a number (then within tolerance) or the reason it could not run
         for p in gpu.PASSES:
             if r[f"{p} ms"].startswith("n/a: "):
                 continue
@@ -89,16 +89,18 @@ def test_hop_table(gpu, run):
     pairs = shp["tokens"] * shp["top_k"]
     assert f"{pairs:,} pairs" in head and f"E_l={shp['experts']}" in head
     rows = _table(out, "chunk (pairs)")
-    share = pairs   # the balanced share of the paper-like ring: T*k / EP = tokens*k here
-    assert [r["chunk (pairs)"] for r in rows] == [f"{shp['chunk']} (default)",
-                                                  f"{share} (balanced share)"]
+    share = pairs  # the balanced share of the paper-like ring: T*k / EP = tokens*k here
+    assert [r["chunk (pairs)"] for r in rows] == [
+        f"{shp['chunk']} (default)",
+        f"{share} (balanced share)",
+    ]
     assert [int(r["chunks per hop"]) for r in rows] == [pairs // shp["chunk"], 1]
     hf = shp["hidden"] * shp["ffn"]
     for r in rows:
         fwd, bwd, both = (float(r[c]) for c in ("fwd ms", "bwd ms", "fwd+bwd ms"))
         assert fwd > 0 and both > 0 and bwd == pytest.approx(both - fwd, rel=2e-3, abs=2e-3)
         assert float(r["fwd TFLOP/s"]) == pytest.approx(6 * pairs * hf / fwd / 1e9, rel=2e-3)
-        if bwd <= 0:   # one interpreted run each: the noise can exceed the backward's time
+        if bwd <= 0:  # one interpreted run each: the noise can exceed the backward's time
             assert r["bwd TFLOP/s"] == "n/a (fwd+bwd <= fwd)", r
             continue
         assert float(r["bwd TFLOP/s"]) == pytest.approx(12 * pairs * hf / bwd / 1e9, rel=2e-3)
@@ -115,7 +117,7 @@ def test_layer_table(gpu, run):
         assert float(r["fwd temp MiB"]) > 0 and float(r["fwd+bwd temp MiB"]) > 0, r
         assert r["run peak MiB"] == "n/a" or _finite(r["run peak MiB"].removeprefix("<= ")), r
         assert _finite(r["fwd+bwd ms"]) and int(r["dropped pairs"]) >= 0, r
-    for v in ("ring-expert", "ring-token", "a2a-dropless"):   # dropless: the same y (bf16)
+    for v in ("ring-expert", "ring-token", "a2a-dropless"):  # dropless: the same y (bf16)
         assert int(layer[v]["dropped pairs"]) == 0
         assert float(layer[v]["y rel. diff vs ring-expert"]) <= gpu.TOL
 
@@ -131,13 +133,13 @@ def test_json_has_the_printed_figures(gpu, run):
     first = printed[0]
     for p in gpu.PASSES:
         rec = next(r for r in doc["kernels"] if r["op"] == p)
-        assert (rec["shape"], rec["kernel"], rec["config"]) == (first["shape"], "pallas",
-                                                                 "default")
+        assert (rec["shape"], rec["kernel"], rec["config"]) == (first["shape"], "pallas", "default")
         assert f"{rec['ms']:.4g}" == first[f"{p} ms"]
         assert f"{rec['tflops']:.4g}" == first[f"{p} TFLOP/s"]
     hops = _table(out, "chunk (pairs)")
     assert [(h["chunk"], h["default_chunk"]) for h in doc["hop"]] == [
-        (int(r["chunk (pairs)"].split()[0].replace(",", "")), i == 0) for i, r in enumerate(hops)]
+        (int(r["chunk (pairs)"].split()[0].replace(",", "")), i == 0) for i, r in enumerate(hops)
+    ]
     for rec, r in zip(doc["hop"], hops):
         assert f"{rec['fwd_ms']:.4g}" == r["fwd ms"] and f"{rec['bwd_ms']:.4g}" == r["bwd ms"]
     assert [r["variant"] for r in doc["layer"]] == list(gpu.LAYER_VARIANTS)
@@ -151,15 +153,16 @@ def test_cost_model_reads_the_json_back(gpu, run):
     default = _table(out, "chunk (pairs)")[0]
     assert rates.fwd.origin == "hop" and f"{rates.fwd.tflops:.4g}" == default["fwd TFLOP/s"]
     measured = [rates.fwd]
-    if default["bwd TFLOP/s"].startswith("n/a"):   # no tiny kernel shape is H x F: assumed
+    if default["bwd TFLOP/s"].startswith("n/a"):  # no tiny kernel shape is H x F: assumed
         assert rates.bwd == cm.assumed_rate()
     else:
         assert rates.bwd.origin == "hop" and f"{rates.bwd.tflops:.4g}" == default["bwd TFLOP/s"]
         measured.append(rates.bwd)
     doc = json.loads(path.read_text())
     for r in measured:
-        assert r.measured and r.source.startswith(f"measured ({path}, {doc['device']}, "
-                                                  f"{doc['date']}")
+        assert r.measured and r.source.startswith(
+            f"measured ({path}, {doc['device']}, {doc['date']}"
+        )
         assert "--interpret" in r.source and f"chunk {shp['chunk']}" in r.source
 
 

@@ -17,13 +17,17 @@ from safetensors import safe_open
 from relaymoe_jax.models import from_pretrained, save_pretrained
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = sorted(os.path.dirname(p) for p in
-                  glob.glob(os.path.join(HERE, "fixtures", "hf", "*", "config.json")))
+FIXTURES = sorted(
+    os.path.dirname(p) for p in glob.glob(os.path.join(HERE, "fixtures", "hf", "*", "config.json"))
+)
 NAMES = [os.path.basename(p) for p in FIXTURES]
 TOL = 1e-4
 
-pytestmark = pytest.mark.skipif(not FIXTURES, reason="no Hugging Face fixtures under "
-                                "tests/fixtures/hf/ (run tests/fixtures/hf/make_fixtures.py)")
+pytestmark = pytest.mark.skipif(
+    not FIXTURES,
+    reason="no Hugging Face fixtures under "
+    "tests/fixtures/hf/ (run tests/fixtures/hf/make_fixtures.py)",
+)
 
 
 @functools.cache
@@ -59,12 +63,18 @@ def read_all(path):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("ring", "token"),
-                                                ("alltoall", "auto")])
+@pytest.mark.parametrize(
+    "dispatcher,routing", [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
+)
 def test_logits_match_transformers(name, dispatcher, routing):
     ref = reference(name)
-    model = from_pretrained(os.path.join(HERE, "fixtures", "hf", name), mesh=mesh(),
-                            dispatcher=dispatcher, routing=routing, dtype=jnp.float32)
+    model = from_pretrained(
+        os.path.join(HERE, "fixtures", "hf", name),
+        mesh=mesh(),
+        dispatcher=dispatcher,
+        routing=routing,
+        dtype=jnp.float32,
+    )
     ids = jnp.asarray(ref["input_ids"], jnp.int32)
     logits, aux = forward(model, ids)
     assert logits.shape == ref["logits"].shape and logits.dtype == jnp.float32
@@ -80,15 +90,20 @@ def test_logits_match_transformers(name, dispatcher, routing):
     np.testing.assert_allclose(ce_loss(logits, ids), ref["lm_loss"], atol=TOL)
     coef = float(ref["router_aux_loss_coef"])
     assert model.config.router_aux_loss_coef == pytest.approx(coef)
-    np.testing.assert_allclose(ce_loss(logits, ids) + coef * float(aux["aux_loss"]), ref["loss"],
-                               atol=TOL)
+    np.testing.assert_allclose(
+        ce_loss(logits, ids) + coef * float(aux["aux_loss"]), ref["loss"], atol=TOL
+    )
 
 
 def test_contract_eager_call():
     """The documented contract: from_pretrained(...), then model(input_ids), logits first."""
     name = NAMES[0]
-    model = from_pretrained(os.path.join(HERE, "fixtures", "hf", name), mesh=mesh(),
-                            dispatcher="ring", dtype=jnp.float32)
+    model = from_pretrained(
+        os.path.join(HERE, "fixtures", "hf", name),
+        mesh=mesh(),
+        dispatcher="ring",
+        dtype=jnp.float32,
+    )
     ref = reference(name)
     out = model(jnp.asarray(ref["input_ids"]))
     assert isinstance(out, tuple)
@@ -124,8 +139,9 @@ def test_export_round_trip(name, tmp_path):
 def test_fused_expert_layout_round_trip(tmp_path):
     """The fused 3-D expert layout (transformers' in-memory one) loads to the same model."""
     name = NAMES[0]
-    model = from_pretrained(os.path.join(HERE, "fixtures", "hf", name), mesh=mesh(),
-                            dispatcher="ring")
+    model = from_pretrained(
+        os.path.join(HERE, "fixtures", "hf", name), mesh=mesh(), dispatcher="ring"
+    )
     save_pretrained(model, str(tmp_path), expert_layout="fused")
     names = read_all(str(tmp_path)).keys()
     assert "model.layers.0.mlp.experts.gate_up_proj" in names

@@ -23,21 +23,24 @@ AXES = ("node", "local")
 
 @functools.cache
 def hier_mesh(nodes, local):
-    return jax.make_mesh((nodes, local), AXES,
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    return jax.make_mesh((nodes, local), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
 
 
 def placed(ids, m, e=E, dtype=np.float32):
     inp = make_inputs(ids, e, dtype=dtype)
     tok, w_in = NamedSharding(m, P(AXES)), NamedSharding(m, P(AXES))
-    return {n: jax.device_put(v, tok if n in ("x", "ids", "wts", "r") else w_in)
-            for n, v in inp.items()}
+    return {
+        n: jax.device_put(v, tok if n in ("x", "ids", "wts", "r") else w_in) for n, v in inp.items()
+    }
 
 
 # every adversarial case that applies at k=4 (2 experts per partition), all pairs in one
 # partition at k=2, and every token on one expert at k=1
-CASES = [*((c, 4) for c in testing.routing_cases(T, 4, E, 8)), ("one_partition", 2),
-         ("one_expert", 1)]
+CASES = [
+    *((c, 4) for c in testing.routing_cases(T, 4, E, 8)),
+    ("one_partition", 2),
+    ("one_expert", 1),
+]
 
 
 @pytest.mark.parametrize("routing", ["expert", "token"])
@@ -47,8 +50,9 @@ def test_values_and_gradients(case, k, nodes, local, routing):
     m = hier_mesh(nodes, local)
     inp = placed(testing.routing_case(case, T, k, E, nodes * local, seed=k), m)
     kw = dict(expert_axis=AXES, token_axes=AXES)
-    got, _ = check_parity("ring", inp, m, 1e-5, ref_kw=kw, routing=routing, ring="hierarchical",
-                          **kw)
+    got, _ = check_parity(
+        "ring", inp, m, 1e-5, ref_kw=kw, routing=routing, ring="hierarchical", **kw
+    )
     assert int(got.aux["dropped_pairs"]) == 0
 
 
@@ -58,8 +62,9 @@ def test_two_device_flat_ring(case, k, routing):
     """A ring of two (as the outer ring at 2 nodes, the inner at 2 GPUs per node): its parts do
     not trail their payload, the owner keeps its own and the other comes home after the last hop
     (`dispatch/ring.relay`)."""
-    m = jax.make_mesh((2,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,),
-                      devices=jax.devices()[:2])
+    m = jax.make_mesh(
+        (2,), ("expert",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2]
+    )
     inp = make_inputs(testing.routing_case(case, T, k, E, 2, seed=k), E)
     inp = {n: jax.device_put(v, NamedSharding(m, P("expert"))) for n, v in inp.items()}
     got, _ = check_parity("ring", inp, m, 1e-5, routing=routing)
@@ -73,8 +78,9 @@ def test_one_node(routing):
     m = hier_mesh(1, 8)
     inp = placed(testing.routing_case("uniform", T, 4, E, 8, seed=1), m)
     kw = dict(expert_axis=AXES, token_axes=AXES)
-    got, _ = check_parity("ring", inp, m, 1e-5, ref_kw=kw, routing=routing, ring="hierarchical",
-                          **kw)
+    got, _ = check_parity(
+        "ring", inp, m, 1e-5, ref_kw=kw, routing=routing, ring="hierarchical", **kw
+    )
     assert int(got.aux["dropped_pairs"]) == 0
 
 
@@ -86,8 +92,9 @@ def test_parity_detects_a_dropped_pair():
     kw = dict(expert_axis=AXES, token_axes=AXES)
     f = moe_fn("ring", m, ring="hierarchical", **kw)
     ref = moe_fn("reference", m, **kw)
-    testing.assert_parity_detects(f, ref, *args(inp), num_experts=E, cotangent=inp["r"],
-                                  has_aux=True)
+    testing.assert_parity_detects(
+        f, ref, *args(inp), num_experts=E, cotangent=inp["r"], has_aux=True
+    )
 
 
 def _pairs(fn, *a):
@@ -106,13 +113,15 @@ def test_transfers_stay_on_their_axes(nodes, local, routing):
 
     def grads(ring):
         def loss(x, wts, wg, wu, wd, ids):
-            y = moe_ffn(x, ids, wts, wg, wu, wd, mesh=m, expert_axis=AXES, routing=routing,
-                        ring=ring)
+            y = moe_ffn(
+                x, ids, wts, wg, wu, wd, mesh=m, expert_axis=AXES, routing=routing, ring=ring
+            )
             return (y * y).sum()
+
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
 
     a = [inp[n] for n in ("x", "wts", "wg", "wu", "wd", "ids")]
-    pos = lambda i: divmod(i, local)    # partition id -> (node, local): host-major CPU mesh
+    pos = lambda i: divmod(i, local)  # partition id -> (node, local): host-major CPU mesh
     kinds = {"hierarchical": set(), "flat": set()}
     for ring in kinds:
         for p in _pairs(grads(ring), *a):
@@ -133,7 +142,8 @@ def test_local_entry_point_inside_a_shard_map():
     def local_fn(x, ids, wts, wg, wu, wd):
         body = functools.partial(moe_ffn_local, expert_axis=AXES, ring="hierarchical")
         return jax.shard_map(body, mesh=m, in_specs=(spec,) * 6, out_specs=spec)(
-            x, ids, wts, wg, wu, wd)
+            x, ids, wts, wg, wu, wd
+        )
 
     ref = moe_fn("reference", m, expert_axis=AXES, token_axes=AXES)
     testing.assert_moe_parity(local_fn, lambda *a: ref(*a)[0], *args(inp), cotangent=inp["r"])

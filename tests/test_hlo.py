@@ -131,21 +131,32 @@ def _scheduled_body(order):
         "done": "  %cp-done = f32[4] collective-permute-done(%cp-start)",
         "other": "  %add = f32[4] add(%p, %p)",
     }
-    return "\n".join([
-        "%hop (a: (s32[], f32[4])) -> (s32[], f32[4]) {", "  %a = f32[4] parameter(0)", "}",
-        "%ring (p: f32[4]) -> f32[4] {", "  %p = f32[4] parameter(0)",
-        *(lines[o] for o in order), "}",
-        "ENTRY %main (x: f32[4]) -> f32[4] {",
-        '  %w = f32[4] while(%x), condition=%c, body=%ring, backend_config={"known_trip_count":'
-        '{"n":"7"}}', "}"])
+    return "\n".join(
+        [
+            "%hop (a: (s32[], f32[4])) -> (s32[], f32[4]) {",
+            "  %a = f32[4] parameter(0)",
+            "}",
+            "%ring (p: f32[4]) -> f32[4] {",
+            "  %p = f32[4] parameter(0)",
+            *(lines[o] for o in order),
+            "}",
+            "ENTRY %main (x: f32[4]) -> f32[4] {",
+            '  %w = f32[4] while(%x), condition=%c, body=%ring, backend_config={"known_trip_count":'
+            '{"n":"7"}}',
+            "}",
+        ]
+    )
 
 
-@pytest.mark.parametrize("order, overlapped", [
-    (["start", "other", "loop", "done"], True),
-    (["loop", "start", "done"], False),        # the transfer waits for the hop's compute
-    (["start", "done", "loop"], False),        # waited for before the compute: nothing hidden
-    (["start", "loop", "other", "done"], True),
-])
+@pytest.mark.parametrize(
+    "order, overlapped",
+    [
+        (["start", "other", "loop", "done"], True),
+        (["loop", "start", "done"], False),  # the transfer waits for the hop's compute
+        (["start", "done", "loop"], False),  # waited for before the compute: nothing hidden
+        (["start", "loop", "other", "done"], True),
+    ],
+)
 def test_loop_schedules_reads_the_order(order, overlapped):
     (s,) = hlo.loop_schedules(_scheduled_body(order))
     assert s.computation == "ring"
@@ -155,8 +166,9 @@ def test_loop_schedules_reads_the_order(order, overlapped):
 
 # ------------------------------------------------------------ pairs, all-to-all, host links
 
-needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
-                                  reason="needs the gpu-compile extra (jax CUDA plugin)")
+needs_plugin = pytest.mark.skipif(
+    not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+)
 SYNC_HLO = """\
 HloModule jit_f, num_partitions=4
 
@@ -177,8 +189,8 @@ def test_permute_pairs_and_links():
     (p,) = hlo.collective_permutes(SYNC_HLO)
     assert p.pairs == ((0, 1), (1, 2), (2, 2), (3, 0))
     links = hlo.link_bytes(SYNC_HLO, HOSTS)
-    assert links.intra == (128, 0, 0, 0)       # 0 -> 1; 2 -> 2 sends itself: no link
-    assert links.inter == (0, 128, 0, 128)     # 1 -> 2 and 3 -> 0 cross hosts
+    assert links.intra == (128, 0, 0, 0)  # 0 -> 1; 2 -> 2 sends itself: no link
+    assert links.inter == (0, 128, 0, 128)  # 1 -> 2 and 3 -> 0 cross hosts
     assert (links.max_intra, links.max_inter) == (128, 128)
     with pytest.raises(ValueError, match="partition 3 has no host"):
         hlo.link_bytes(SYNC_HLO, HOSTS[:3])
@@ -187,7 +199,7 @@ def test_permute_pairs_and_links():
 def test_all_to_alls_parsed():
     a, t, s = hlo.all_to_alls(SYNC_HLO)
     assert (a.bytes, a.groups, a.member_bytes) == (128, ((0, 2), (1, 3)), (64, 64))
-    assert (t.bytes, t.groups, t.member_bytes) == (6, ((3, 0), (1, 2)), (4, 2))   # tuple form
+    assert (t.bytes, t.groups, t.member_bytes) == (6, ((3, 0), (1, 2)), (4, 2))  # tuple form
     assert (s.name, s.groups, s.member_bytes) == ("s", ((0, 1, 2, 3),), (32,) * 4)  # {} = all
     links = hlo.all_to_all_link_bytes(SYNC_HLO, HOSTS)
     # a: every pair crosses (0<->2, 1<->3); t: 3 -> 0 sends t's 2nd operand (2 B) across, 0 -> 3
@@ -196,17 +208,20 @@ def test_all_to_alls_parsed():
     assert links.inter == (64 + 4 + 64, 64 + 2 + 64, 64 + 4 + 64, 64 + 2 + 64)
 
 
-@pytest.mark.parametrize("text, groups", [
-    ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
-    ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
-    ("[4,2]<=[2,4]T(1,0)", ((0, 4), (1, 5), (2, 6), (3, 7))),
-    ("mesh['a'=2,'b'=4] {'b'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
-    ("mesh['a'=2,'b'=4] {'a'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
-    ("mesh['a'=2,'b'=4] {'b','a'}", ((0, 4, 1, 5, 2, 6, 3, 7),)),
-    ("mesh['a'=8] {'a':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
-    ("mesh['a'=8] {'a':(1)2,'a':(4)2}", ((0, 1, 4, 5), (2, 3, 6, 7))),
-    ("mesh['a'=2,'b'=2], device_ids=(3,1,2,0) {'b'}", ((3, 1), (2, 0))),
-])
+@pytest.mark.parametrize(
+    "text, groups",
+    [
+        ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
+        ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("[4,2]<=[2,4]T(1,0)", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh['a'=2,'b'=4] {'b'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("mesh['a'=2,'b'=4] {'a'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh['a'=2,'b'=4] {'b','a'}", ((0, 4, 1, 5, 2, 6, 3, 7),)),
+        ("mesh['a'=8] {'a':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+        ("mesh['a'=8] {'a':(1)2,'a':(4)2}", ((0, 1, 4, 5), (2, 3, 6, 7))),
+        ("mesh['a'=2,'b'=2], device_ids=(3,1,2,0) {'b'}", ((3, 1), (2, 0))),
+    ],
+)
 def test_replica_group_spellings(text, groups):
     assert hlo.replica_groups(text) == groups
 
@@ -220,8 +235,11 @@ def _mesh_2x4():
 def test_partition_ids_are_mesh_positions():
     mesh, ab = _mesh_2x4(), ("a", "b")
     ring = [(i, (i + 1) % N) for i in range(N)]
-    f = jax.jit(jax.shard_map(lambda x: lax.ppermute(x, ab, ring), mesh=mesh, in_specs=P(ab),
-                              out_specs=P(ab)))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: lax.ppermute(x, ab, ring), mesh=mesh, in_specs=P(ab), out_specs=P(ab)
+        )
+    )
     x = jax.device_put(jnp.arange(N * 2.0).reshape(N, 2), NamedSharding(mesh, P(ab)))
     compiled = f.lower(x).compile()
     # partition i runs on mesh.devices.flat[i]: the executable's device assignment
@@ -229,11 +247,11 @@ def test_partition_ids_are_mesh_positions():
     (p,) = hlo.collective_permutes(compiled.as_text())
     assert p.pairs == tuple(ring)
     np.testing.assert_array_equal(compiled(x), np.roll(np.asarray(x), 1, axis=0))
-    links = hlo.link_bytes(compiled.as_text(), (0,) * 4 + (1,) * 4)    # a fake 2-host map
-    block = 2 * 4       # one device's f32[1, 2]
+    links = hlo.link_bytes(compiled.as_text(), (0,) * 4 + (1,) * 4)  # a fake 2-host map
+    block = 2 * 4  # one device's f32[1, 2]
     assert links.inter == tuple(block if i in (3, 7) else 0 for i in range(N))
     assert links.intra == tuple(0 if i in (3, 7) else block for i in range(N))
-    assert hlo.host_of(mesh) == (0,) * N        # one process
+    assert hlo.host_of(mesh) == (0,) * N  # one process
 
 
 @pytest.mark.parametrize("axes, inter", [(("a", "b"), 4), ("b", 0), ("a", 1)])
@@ -242,8 +260,12 @@ def test_cpu_all_to_all_links(axes, inter):
     each device sends one [1, 4] f32 row (16 B) to every other member of its group."""
     mesh = _mesh_2x4()
     ab = ("a", "b")
-    f = jax.shard_map(lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True), mesh=mesh,
-                      in_specs=P(ab), out_specs=P(ab))
+    f = jax.shard_map(
+        lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True),
+        mesh=mesh,
+        in_specs=P(ab),
+        out_specs=P(ab),
+    )
     n = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
     x = jax.ShapeDtypeStruct((N * n, 4), jnp.float32, sharding=NamedSharding(mesh, P(ab)))
     text = jax.jit(f).lower(x).compile().as_text()
@@ -264,16 +286,21 @@ def test_gpu_flat_ring_crosses_hosts_at_the_boundary():
     n = 16
     ring = [(i, (i + 1) % n) for i in range(n)]
     hop = lambda i, x: lax.ppermute(x, axes, ring) * 2
-    f = jax.shard_map(lambda x: lax.fori_loop(0, hops, hop, x), mesh=mesh, in_specs=P(axes),
-                      out_specs=P(axes))
-    a2a = jax.shard_map(lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True), mesh=mesh,
-                        in_specs=P(axes), out_specs=P(axes))
+    f = jax.shard_map(
+        lambda x: lax.fori_loop(0, hops, hop, x), mesh=mesh, in_specs=P(axes), out_specs=P(axes)
+    )
+    a2a = jax.shard_map(
+        lambda x: lax.all_to_all(x, axes, 0, 0, tiled=True),
+        mesh=mesh,
+        in_specs=P(axes),
+        out_specs=P(axes),
+    )
     x = jax.ShapeDtypeStruct((n * 16, 8), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes)))
     with jax.set_mesh(mesh):
         ring_text, a2a_text = (jax.jit(g).trace(x).lower().compile().as_text() for g in (f, a2a))
     hosts = hlo.host_of(mesh)
     assert hosts == (0,) * 8 + (1,) * 8
-    payload = 16 * 8 * 2                      # one GPU's bf16[16, 8], as sent (bf16 stays bf16)
+    payload = 16 * 8 * 2  # one GPU's bf16[16, 8], as sent (bf16 stays bf16)
     links = hlo.link_bytes(ring_text, hosts)
     assert links.inter == tuple(hops * payload if i % 8 == 7 else 0 for i in range(n))
     assert links.intra == tuple(0 if i % 8 == 7 else hops * payload for i in range(n))

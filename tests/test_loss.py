@@ -32,22 +32,26 @@ def case(b, s, seed=0):
     x = rng.normal(size=(b, s, H)).astype(np.float32)
     w = rng.normal(size=(H, V)).astype(np.float32)
     t = rng.integers(0, V, (b, s)).astype(np.int32)
-    wt = (rng.random((b, s)) < 0.8).astype(np.float32)   # some positions have no target
+    wt = (rng.random((b, s)) < 0.8).astype(np.float32)  # some positions have no target
     wt[0, -1] = 0.0
     return x, w, t, wt
 
 
-@pytest.mark.parametrize("shape,names,b,s,chunk", [
-    ((8,), ("expert",), 8, 6, 4),              # batch over expert, 6 local tokens, chunk 4: padded
-    ((2, 4), ("data", "context"), 2, 16, 3),   # folded: batch over data, seq over context
-    ((2, 4), ("data", "context"), 2, 16, 64),  # chunk larger than the local tokens
-    ((8,), ("expert",), 2, 5, 2),              # batch 2 does not divide 8: replicated
-])
+@pytest.mark.parametrize(
+    "shape,names,b,s,chunk",
+    [
+        ((8,), ("expert",), 8, 6, 4),  # batch over expert, 6 local tokens, chunk 4: padded
+        ((2, 4), ("data", "context"), 2, 16, 3),  # folded: batch over data, seq over context
+        ((2, 4), ("data", "context"), 2, 16, 64),  # chunk larger than the local tokens
+        ((8,), ("expert",), 2, 5, 2),  # batch 2 does not divide 8: replicated
+    ],
+)
 def test_matches_float64(shape, names, b, s, chunk):
     rules = rules_for(jax.make_mesh(shape, names))
     x, w, t, wt = case(b, s)
-    f = jax.jit(jax.value_and_grad(
-        lambda x, w: lm_loss(x, w, t, wt, rules, chunk=chunk), argnums=(0, 1)))
+    f = jax.jit(
+        jax.value_and_grad(lambda x, w: lm_loss(x, w, t, wt, rules, chunk=chunk), argnums=(0, 1))
+    )
     with jax.set_mesh(rules.mesh):
         loss, (dx, dw) = f(jnp.asarray(x), jnp.asarray(w))
     ref_loss, ref_dx, ref_dw = reference(x, w, t, wt)
@@ -68,9 +72,12 @@ def test_every_position_counts():
             t2, wt2 = t.copy(), wt.copy()
             t2[b, s] = (t[b, s] + 1) % V
             wt2[b, s] = 0.0
-            np.testing.assert_allclose(float(f(t2, wt)) - base,
-                                       reference(x, w, t2, wt)[0] - reference(x, w, t, wt)[0],
-                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                float(f(t2, wt)) - base,
+                reference(x, w, t2, wt)[0] - reference(x, w, t, wt)[0],
+                rtol=1e-4,
+                atol=1e-5,
+            )
             np.testing.assert_allclose(float(f(t, wt2)), reference(x, w, t, wt2)[0], rtol=2e-6)
 
 
@@ -91,14 +98,22 @@ def test_no_full_logits_buffer():
     temporaries with chunks of 128; the full-logits formula needs several."""
     rules = rules_for(jax.make_mesh((8,), ("expert",)))
     b, s, h, v = 8, 2048, 64, 16384
-    args = (jax.ShapeDtypeStruct((b, s, h), jnp.bfloat16),
-            jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
-            jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((b, s, h), jnp.bfloat16),
+        jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, s), jnp.int32),
+        jax.ShapeDtypeStruct((b, s), jnp.float32),
+    )
     shard = lambda a, spec: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=jax.NamedSharding(rules.mesh, spec))
+        a.shape, a.dtype, sharding=jax.NamedSharding(rules.mesh, spec)
+    )
     P = jax.P
-    args = (shard(args[0], P("expert", None, None)), shard(args[1], P()),
-            shard(args[2], P("expert", None)), shard(args[3], P("expert", None)))
+    args = (
+        shard(args[0], P("expert", None, None)),
+        shard(args[1], P()),
+        shard(args[2], P("expert", None)),
+        shard(args[3], P("expert", None)),
+    )
 
     def full(x, w, t, wt):
         logp = jax.nn.log_softmax(jnp.einsum("bsh,hv->bsv", x, w).astype(jnp.float32))

@@ -41,7 +41,7 @@ def test_ring_is_near_its_analytic_floor(measured, routing):
 def test_alltoall_keeps_several_expanded_buffers(measured):
     """The baseline's peak, in units of the [T*k, H] expanded buffer (paper Figure 4)."""
     unit = memory.expanded_bytes(SHAPE)
-    assert measured["a2a-cap1.0"]["fwdbwd"] >= 9 * unit       # measured: 9.5 units
+    assert measured["a2a-cap1.0"]["fwdbwd"] >= 9 * unit  # measured: 9.5 units
 
 
 @pytest.mark.parametrize("routing", ["expert", "token"])

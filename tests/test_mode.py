@@ -6,7 +6,7 @@ import pytest
 
 from relaymoe_jax.dispatch.mode import routing_volumes
 
-QWEN = dict(experts=128, top_k=8, hidden=2048, ffn=768, ep=8)     # Qwen3-30B-A3B-like
+QWEN = dict(experts=128, top_k=8, hidden=2048, ffn=768, ep=8)  # Qwen3-30B-A3B-like
 E384 = dict(experts=384, hidden=2048, ffn=2048, ep=8)
 
 
@@ -27,7 +27,7 @@ def test_qwen3_long_sequence_prefers_expert_routing():
     # (token fwd).
     assert v.sent_expert_bwd == 16 * 3 * 2048 * 768 * (2 + 4)
     assert v.sent_token_fwd == 131072 * (4096 + 64 + 2048 * 4) + (8192 + 128) * 4
-    assert v.choice == "expert"      # 151 MB < 545 MB in Table 2, and in what is sent
+    assert v.choice == "expert"  # 151 MB < 545 MB in Table 2, and in what is sent
 
 
 @pytest.mark.parametrize("top_k", [12, 16])
@@ -39,7 +39,7 @@ def test_e384_short_sequence_prefers_token_routing(top_k):
     assert v.token_fwd == 20480 * (2048 * 2 + top_k * (4 + 4))
     assert (v.expert_bwd, v.token_bwd) == (2 * v.expert_fwd, 2 * v.token_fwd)
     # backward sends x and dy (bf16), metadata, and the f32 dx and d expert_weights accumulators.
-    c = min(20480 * top_k // 8, 8192)     # the default chunk: the balanced share, at most 8,192
+    c = min(20480 * top_k // 8, 8192)  # the default chunk: the balanced share, at most 8,192
     assert v.sent_token_bwd == 20480 * (2 * 4096 + top_k * 8 + 2048 * 4 + top_k * 4) + (c + 384) * 4
     assert v.choice == "token"
 
@@ -88,23 +88,28 @@ def test_choice_is_the_lower_sent_total_and_ties_go_to_expert():
 
 
 def test_dtypes_and_weight_dtype_default():
-    a = routing_volumes(**QWEN, tokens_per_device=1024, act_dtype=jnp.bfloat16,
-                        router_dtype=np.float32)
+    a = routing_volumes(
+        **QWEN, tokens_per_device=1024, act_dtype=jnp.bfloat16, router_dtype=np.float32
+    )
     assert a == routing_volumes(**QWEN, tokens_per_device=1024)
-    fp8 = routing_volumes(**QWEN, tokens_per_device=1024, weight_dtype="float8_e4m3fn",
-                          router_dtype="bfloat16")
+    fp8 = routing_volumes(
+        **QWEN, tokens_per_device=1024, weight_dtype="float8_e4m3fn", router_dtype="bfloat16"
+    )
     assert fp8.expert_bytes == 3 * 2048 * 768 * 1
     assert fp8.token_bytes == 2048 * 2 + 8 * (4 + 2)
     f32 = routing_volumes(**QWEN, tokens_per_device=1024, act_dtype="float32")
-    assert f32.expert_bytes == 3 * 2048 * 768 * 4       # weight_dtype follows act_dtype
+    assert f32.expert_bytes == 3 * 2048 * 768 * 4  # weight_dtype follows act_dtype
 
 
 def test_explain():
     v = routing_volumes(**E384, top_k=12, batch=1, seq_len=20480)
-    assert v.explain().startswith("routing 'token': per-hop fwd+bwd bytes sent expert 4.83 GB vs "
-                                  "token ")
-    assert v.explain().endswith("Table 2 forward: expert 1.21 GB (48 experts x 25.2 MB) vs token "
-                                "85.9 MB (20480 tokens x 4192 B)")
+    assert v.explain().startswith(
+        "routing 'token': per-hop fwd+bwd bytes sent expert 4.83 GB vs token "
+    )
+    assert v.explain().endswith(
+        "Table 2 forward: expert 1.21 GB (48 experts x 25.2 MB) vs token "
+        "85.9 MB (20480 tokens x 4192 B)"
+    )
     s = routing_volumes(**QWEN, batch=1, seq_len=131072).explain()
     assert "'expert'" in s and "151 MB" in s and "545 MB" in s
     assert "\n" not in s
@@ -113,30 +118,33 @@ def test_explain():
 LONG = dict(QWEN, batch=1, seq_len=131072)
 
 
-@pytest.mark.parametrize("overrides, names", [
-    *[(dict(experts=bad), ["experts", repr(bad)]) for bad in (0, -128, 128.0, True)],
-    (dict(top_k=0), ["top_k", "0"]),
-    (dict(hidden=-1), ["hidden", "-1"]),
-    (dict(ffn=1.5), ["ffn", "1.5"]),
-    (dict(ep=False), ["ep", "False"]),
-    (dict(sp=0), ["sp", "0"]),
-    (dict(cp=-2), ["cp", "-2"]),
-    (dict(etp=2.0), ["etp", "2.0"]),
-    (dict(batch=0), ["batch", "0"]),
-    (dict(seq_len=1.0), ["seq_len", "1.0"]),
-    (dict(batch=None, seq_len=None, tokens_per_device=0), ["tokens_per_device", "0"]),
-    (dict(experts=100), ["experts", "100", "ep", "8"]),
-    (dict(etp=5), ["ffn", "768", "etp", "5"]),
-    (dict(top_k=129), ["top_k", "129", "experts"]),
-    (dict(seq_len=131071, cp=2), ["seq_len", "131071", "cp"]),
-    (dict(tokens_per_device=16), ["tokens_per_device", "16"]),
-    (dict(batch=None, seq_len=None), ["tokens_per_device", "batch", "seq_len"]),
-    (dict(seq_len=None), ["seq_len", "None"]),
-    (dict(act_dtype="bfloat17"), ["act_dtype", "bfloat17"]),
-    (dict(weight_dtype="not_a_dtype"), ["weight_dtype", "not_a_dtype"]),
-    (dict(router_dtype="float99"), ["router_dtype", "float99"]),
-    (dict(router_dtype=None), ["router_dtype", "None"]),
-])
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        *[(dict(experts=bad), ["experts", repr(bad)]) for bad in (0, -128, 128.0, True)],
+        (dict(top_k=0), ["top_k", "0"]),
+        (dict(hidden=-1), ["hidden", "-1"]),
+        (dict(ffn=1.5), ["ffn", "1.5"]),
+        (dict(ep=False), ["ep", "False"]),
+        (dict(sp=0), ["sp", "0"]),
+        (dict(cp=-2), ["cp", "-2"]),
+        (dict(etp=2.0), ["etp", "2.0"]),
+        (dict(batch=0), ["batch", "0"]),
+        (dict(seq_len=1.0), ["seq_len", "1.0"]),
+        (dict(batch=None, seq_len=None, tokens_per_device=0), ["tokens_per_device", "0"]),
+        (dict(experts=100), ["experts", "100", "ep", "8"]),
+        (dict(etp=5), ["ffn", "768", "etp", "5"]),
+        (dict(top_k=129), ["top_k", "129", "experts"]),
+        (dict(seq_len=131071, cp=2), ["seq_len", "131071", "cp"]),
+        (dict(tokens_per_device=16), ["tokens_per_device", "16"]),
+        (dict(batch=None, seq_len=None), ["tokens_per_device", "batch", "seq_len"]),
+        (dict(seq_len=None), ["seq_len", "None"]),
+        (dict(act_dtype="bfloat17"), ["act_dtype", "bfloat17"]),
+        (dict(weight_dtype="not_a_dtype"), ["weight_dtype", "not_a_dtype"]),
+        (dict(router_dtype="float99"), ["router_dtype", "float99"]),
+        (dict(router_dtype=None), ["router_dtype", "None"]),
+    ],
+)
 def test_validation_errors(overrides, names):
     with pytest.raises(ValueError) as err:
         routing_volumes(**{**LONG, **overrides})
@@ -151,8 +159,15 @@ def test_link_classes(tokens, hierarchical):
     (hosts - 1) payloads per pass across hosts and hosts * 7 within, the flat ring's busiest GPU
     63 of each; on one host nothing crosses. Both classes scale the same payloads, so the choice
     is the one-host choice (what `routing="auto"` picked before hosts were counted)."""
-    kw = dict(experts=128, top_k=8, hidden=2048, ffn=768, ep=64, tokens_per_device=tokens,
-              act_dtype="bfloat16")
+    kw = dict(
+        experts=128,
+        top_k=8,
+        hidden=2048,
+        ffn=768,
+        ep=64,
+        tokens_per_device=tokens,
+        act_dtype="bfloat16",
+    )
     one = routing_volumes(**kw)
     v = routing_volumes(**kw, hosts=8, hierarchical=hierarchical)
     for mode in ("expert", "token"):

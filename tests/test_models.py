@@ -16,12 +16,23 @@ from relaymoe_jax.models.moe import MoELayer
 from relaymoe_jax.models.qwen import DenseMLP
 from relaymoe_jax.models.sharding import from_tokens, to_tokens
 
-B, S = 2, 8     # 16 tokens: 2 per device on 8 devices
+B, S = 2, 8  # 16 tokens: 2 per device on 8 devices
 
-TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
-            num_experts=8, num_experts_per_tok=2, initializer_range=0.2,
-            router_z_loss_coef=1e-3, router_aux_loss_coef=1e-2)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    initializer_range=0.2,
+    router_z_loss_coef=1e-3,
+    router_aux_loss_coef=1e-2,
+)
 
 
 @functools.cache
@@ -62,8 +73,10 @@ def loss_and_grads(model, ids):
 
 
 def flat(state):
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in
-            jax.tree_util.tree_leaves_with_path(state)}
+    return {
+        jax.tree_util.keystr(k): np.asarray(v)
+        for k, v in jax.tree_util.tree_leaves_with_path(state)
+    }
 
 
 def transplant(src, dst):
@@ -87,29 +100,45 @@ def assert_close(a, b, rel=1e-5, what=""):
 # ---------------------------------------------------------------------------------------------
 # dispatchers
 
+
 @functools.cache
 def reference_run(arch):
     extra = dict(shared_expert_intermediate_size=24) if arch == "qwen2_moe" else {}
-    model = QwenMoe(tiny(arch=arch, dispatcher="reference", **extra), mesh=mesh(),
-                    rngs=nnx.Rngs(0))
+    model = QwenMoe(tiny(arch=arch, dispatcher="reference", **extra), mesh=mesh(), rngs=nnx.Rngs(0))
     ids = input_ids()
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     return model, ids, logits, aux, loss, flat(grads)
 
 
-@pytest.mark.parametrize("arch,dispatcher,routing", [
-    ("qwen3_moe", "ring", "expert"), ("qwen3_moe", "ring", "token"),
-    ("qwen3_moe", "alltoall", "auto"), ("qwen2_moe", "ring", "expert")])
+@pytest.mark.parametrize(
+    "arch,dispatcher,routing",
+    [
+        ("qwen3_moe", "ring", "expert"),
+        ("qwen3_moe", "ring", "token"),
+        ("qwen3_moe", "alltoall", "auto"),
+        ("qwen2_moe", "ring", "expert"),
+    ],
+)
 def test_dispatchers_agree(arch, dispatcher, routing):
     """Same weights, three dispatchers: the logits, losses and every parameter's gradient match
     the dense reference dispatcher (the shared expert is outside the op: one dispatcher suffices
     for qwen2_moe)."""
     ref_model, ids, ref_logits, ref_aux, ref_loss, ref_grads = reference_run(arch)
     cfg = ref_model.config
-    model = transplant(ref_model, QwenMoe(
-        tiny(**{**{k: getattr(cfg, k) for k in ("arch", "shared_expert_intermediate_size")},
-                "dispatcher": dispatcher, "routing": routing}),
-        mesh=mesh(), rngs=nnx.Rngs(1)))
+    model = transplant(
+        ref_model,
+        QwenMoe(
+            tiny(
+                **{
+                    **{k: getattr(cfg, k) for k in ("arch", "shared_expert_intermediate_size")},
+                    "dispatcher": dispatcher,
+                    "routing": routing,
+                }
+            ),
+            mesh=mesh(),
+            rngs=nnx.Rngs(1),
+        ),
+    )
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     assert logits.shape == (B, S, TINY["vocab_size"])
     assert_close(logits, ref_logits, what="logits")
@@ -128,12 +157,14 @@ def test_dispatchers_agree(arch, dispatcher, routing):
 # ---------------------------------------------------------------------------------------------
 # router
 
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_router_topk_matches_numpy(norm):
     rng = np.random.default_rng(1)
     x, w = rng.standard_normal((40, 16)), rng.standard_normal((16, 8))
-    logits, probs, ids, wts = router.route(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
-                                           top_k=3, norm_topk_prob=norm)
+    logits, probs, ids, wts = router.route(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), top_k=3, norm_topk_prob=norm
+    )
     ref_logits = x @ w
     ref_p = np.exp(ref_logits - ref_logits.max(-1, keepdims=True))
     ref_p /= ref_p.sum(-1, keepdims=True)
@@ -178,7 +209,7 @@ def numpy_losses(logits_lte, k):
     per_layer = e * np.sum(f * pm, axis=-1)
     m = logits.max(-1, keepdims=True)
     lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
-    return concat, per_layer, np.mean(lse ** 2, axis=-1), counts
+    return concat, per_layer, np.mean(lse**2, axis=-1), counts
 
 
 def test_losses_match_float64_numpy():
@@ -189,13 +220,15 @@ def test_losses_match_float64_numpy():
         lg = jnp.asarray(logits_lte[n], jnp.float32)
         probs = jax.nn.softmax(lg)
         _, ids = jax.lax.top_k(probs, 2)
-        stats.append((*router.balance_stats(probs, ids), router.z_loss(lg),
-                      router.expert_load(ids, 8)))
+        stats.append(
+            (*router.balance_stats(probs, ids), router.z_loss(lg), router.expert_load(ids, 8))
+        )
     f_le, p_le = jnp.stack([s[0] for s in stats]), jnp.stack([s[1] for s in stats])
     concat, per_layer, z, counts = numpy_losses(logits_lte, 2)
     np.testing.assert_allclose(router.load_balancing_loss(f_le, p_le), concat, rtol=1e-6)
-    np.testing.assert_allclose(router.load_balancing_loss_per_layer(f_le, p_le), per_layer,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        router.load_balancing_loss_per_layer(f_le, p_le), per_layer, rtol=1e-6
+    )
     np.testing.assert_allclose([s[2] for s in stats], z, rtol=1e-6)
     np.testing.assert_array_equal(np.stack([s[3] for s in stats]), counts)
 
@@ -216,12 +249,12 @@ def test_model_aux_matches_numpy_of_its_router_logits():
 # ---------------------------------------------------------------------------------------------
 # aux-loss-free expert bias
 
+
 def test_expert_bias_update_direction():
     bias = jnp.zeros(4, jnp.float32)
-    load = jnp.asarray([10, 0, 5, 5], jnp.int32)      # mean 5: 0 over, 1 under, 2 and 3 even
+    load = jnp.asarray([10, 0, 5, 5], jnp.int32)  # mean 5: 0 over, 1 under, 2 and 3 even
     np.testing.assert_allclose(router.expert_bias_update(bias, load, 0.1), [-0.1, 0.1, 0, 0])
-    layers = router.expert_bias_update(jnp.zeros((2, 4)), jnp.asarray([[1, 2, 2, 7], [3] * 4]),
-                                       1.0)
+    layers = router.expert_bias_update(jnp.zeros((2, 4)), jnp.asarray([[1, 2, 2, 7], [3] * 4]), 1.0)
     np.testing.assert_allclose(layers, [[1, 1, 1, -1], [0, 0, 0, 0]])
 
 
@@ -230,7 +263,7 @@ def test_expert_bias_changes_selection_not_weights():
     x = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
     _, probs, ids0, _ = router.route(x, w, top_k=2, norm_topk_prob=False)
-    bias = jnp.zeros(8).at[5].set(10.0)           # expert 5 wins every token's selection
+    bias = jnp.zeros(8).at[5].set(10.0)  # expert 5 wins every token's selection
     _, probs_b, ids, wts = router.route(x, w, top_k=2, norm_topk_prob=False, bias_e=bias)
     assert np.all(np.asarray(ids)[:, 0] == 5) and not np.all(np.asarray(ids0)[:, 0] == 5)
     np.testing.assert_array_equal(probs_b, probs)
@@ -240,13 +273,16 @@ def test_expert_bias_changes_selection_not_weights():
 
 
 def test_model_expert_bias_update():
-    model = QwenMoe(tiny(expert_bias=True, expert_bias_rate=0.5, dispatcher="reference"),
-                    mesh=mesh(), rngs=nnx.Rngs(0))
+    model = QwenMoe(
+        tiny(expert_bias=True, expert_bias_rate=0.5, dispatcher="reference"),
+        mesh=mesh(),
+        rngs=nnx.Rngs(0),
+    )
     ids = input_ids()
     (_, (_, aux)), grads = loss_and_grads(model, ids)
     load = np.asarray(aux["expert_load"])
     assert load.shape == (2, 8) and np.all(load.sum(1) == B * S * 2)
-    assert not any("expert_bias" in k for k in flat(grads))   # not a Param: no gradient
+    assert not any("expert_bias" in k for k in flat(grads))  # not a Param: no gradient
     model.update_expert_bias(aux["expert_load"])
     for n, i in enumerate(model.moe_layers):
         bias = np.asarray(model.layers[i].mlp.expert_bias[...])
@@ -254,8 +290,9 @@ def test_model_expert_bias_update():
     # a large bias on expert 3 routes every token there (slot 0) in every layer
     for i in model.moe_layers:
         var = model.layers[i].mlp.expert_bias
-        var.set_value(jax.device_put(np.eye(8, dtype=np.float32)[3] * 100,
-                                     var.get_value().sharding))
+        var.set_value(
+            jax.device_put(np.eye(8, dtype=np.float32)[3] * 100, var.get_value().sharding)
+        )
     _, aux = forward(model, ids)
     assert np.all(np.asarray(aux["expert_load"])[:, 3] == B * S)
 
@@ -276,9 +313,11 @@ def test_expert_bias_update_inside_jit_equals_eager():
 # ---------------------------------------------------------------------------------------------
 # structure
 
+
 def test_dense_and_moe_layer_placement():
-    cfg = tiny(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=(3,),
-               dispatcher="reference")
+    cfg = tiny(
+        num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=(3,), dispatcher="reference"
+    )
     model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))
     kinds = [type(layer.mlp) for layer in model.layers]
     assert kinds == [DenseMLP, MoELayer, DenseMLP, DenseMLP, DenseMLP]
@@ -314,8 +353,16 @@ def test_checkpoint_names_in_loss_jaxpr():
         graphdef, state = nnx.split(model)
         loss = lambda st, ids, g=graphdef: lm_loss(nnx.merge(g, st), ids)
         text = str(jax.make_jaxpr(loss)(state, input_ids()))
-        for name in ["attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "o_proj", "mlp_norm",
-                     *names]:   # once per layer
+        for name in [
+            "attn_norm",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "attn_out",
+            "o_proj",
+            "mlp_norm",
+            *names,
+        ]:  # once per layer
             assert text.count(f"name[name={name}]") == 2, (arch, name)
         if arch == "qwen2_moe":
             assert "name[name=q_norm]" not in text
@@ -324,19 +371,23 @@ def test_checkpoint_names_in_loss_jaxpr():
 # ---------------------------------------------------------------------------------------------
 # other meshes
 
+
 @pytest.mark.parametrize("layout", ["data2_expert4", "folded_data2_context4"])
 def test_other_meshes_match(layout):
     ref_model, ids, ref_logits, ref_aux, ref_loss, ref_grads = reference_run("qwen3_moe")
-    shape, names = (2, 4), (("data", "expert") if layout == "data2_expert4"
-                            else ("data", "context"))
+    shape, names = (
+        (2, 4),
+        (("data", "expert") if layout == "data2_expert4" else ("data", "context")),
+    )
     m = mesh(shape, names)
     rules = rules_for(m)
     if layout.startswith("folded"):
         assert rules.expert_axis == ("data", "context") and rules.axes("seq") == ("context",)
     else:
         assert rules.expert_axis == "expert" and rules.token_axes == ("data", "expert")
-    model = transplant(ref_model, QwenMoe(tiny(dispatcher="ring", routing="expert"), mesh=m,
-                                          rngs=nnx.Rngs(1)))
+    model = transplant(
+        ref_model, QwenMoe(tiny(dispatcher="ring", routing="expert"), mesh=m, rngs=nnx.Rngs(1))
+    )
     assert model.layers[0].mlp.w_gate.get_value().sharding.spec[0] == rules.expert_axis
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     assert_close(logits, ref_logits, what="logits")
@@ -361,8 +412,10 @@ def test_token_flatten_moves_no_data(names, batch):
     from_tokens inverts to_tokens."""
     m = mesh((2, 4), names)
     rules = rules_for(m)
-    x = jax.device_put(jnp.arange(batch * S * 3, dtype=jnp.float32).reshape(batch, S, 3),
-                       NamedSharding(m, rules.fit((batch, S), "batch", "seq")))
+    x = jax.device_put(
+        jnp.arange(batch * S * 3, dtype=jnp.float32).reshape(batch, S, 3),
+        NamedSharding(m, rules.fit((batch, S), "batch", "seq")),
+    )
     f = jax.jit(lambda x: from_tokens(to_tokens(x, rules) * 2, batch, S, rules))
     np.testing.assert_array_equal(f(x), 2 * np.asarray(x))
     hlo = f.lower(x).compile().as_text()

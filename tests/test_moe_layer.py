@@ -28,7 +28,8 @@ def dense_layer(x, p, shared):
     wts = wts / wts.sum(-1, keepdims=True)
     combine = jnp.einsum("bsk,bske->bse", wts, jax.nn.one_hot(ids, E))
     act = jax.nn.silu(jnp.einsum("bsh,ehf->bsef", x, p["w_gate"])) * jnp.einsum(
-        "bsh,ehf->bsef", x, p["w_up"])
+        "bsh,ehf->bsef", x, p["w_up"]
+    )
     y = jnp.einsum("bsef,efh,bse->bsh", act, p["w_down"], combine)
     if shared:
         s = p["shared_expert"]
@@ -40,19 +41,28 @@ def dense_layer(x, p, shared):
 @pytest.mark.parametrize("dispatcher,shared", [("ring", False), ("alltoall", True)])
 def test_moe_layer_matches_a_dense_layer(dispatcher, shared):
     m, rules = foreign_mesh()
-    cfg = MoEConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F,
-                    shared_expert_intermediate_size=FS if shared else 0, dispatcher=dispatcher)
+    cfg = MoEConfig(
+        hidden_size=H,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=F,
+        shared_expert_intermediate_size=FS if shared else 0,
+        dispatcher=dispatcher,
+    )
     layer = MoELayer(cfg, rules=rules, rngs=nnx.Rngs(0))
     assert layer.w_gate.get_value().sharding.spec == P("fsdp", None, "tp")
     assert layer.w_down.get_metadata()["logical_axes"] == ("experts", "expert_ffn", "embed")
     graphdef, params = nnx.split(layer)
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (4, 8, H)),
-                       NamedSharding(m, P("fsdp", "tp")))
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(1), (4, 8, H)), NamedSharding(m, P("fsdp", "tp"))
+    )
     ours = lambda x, params: nnx.merge(graphdef, params)(x)
     plain = nnx.to_pure_dict(params)
-    rep = lambda a: jax.sharding.reshard(a, NamedSharding(m, P()))   # the dense math, unsharded
-    dense = lambda x, params: (dense_layer(rep(x), jax.tree.map(
-        rep, nnx.to_pure_dict(params)), shared), None)
+    rep = lambda a: jax.sharding.reshard(a, NamedSharding(m, P()))  # the dense math, unsharded
+    dense = lambda x, params: (
+        dense_layer(rep(x), jax.tree.map(rep, nnx.to_pure_dict(params)), shared),
+        None,
+    )
     got, _ = testing.assert_moe_parity(ours, dense, x, params, has_aux=True)
     assert got.y.sharding.is_equivalent_to(x.sharding, 3)
 
@@ -67,36 +77,53 @@ def test_moe_layer_matches_a_dense_layer(dispatcher, shared):
     frac, mean_p = load / len(x64), probs.mean(0)
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_array_equal(np.asarray(aux["expert_load"]), load)
-    np.testing.assert_allclose(np.asarray(aux["router_logits"]).reshape(-1, E), logits,
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(aux["router_logits"]).reshape(-1, E), logits, rtol=0, atol=1e-5
+    )
     np.testing.assert_allclose(float(aux["aux_loss"]), E * np.sum(frac * mean_p), rtol=1e-5)
-    np.testing.assert_allclose(float(aux["z_loss"]), np.mean(lse ** 2), rtol=1e-5)
+    np.testing.assert_allclose(float(aux["z_loss"]), np.mean(lse**2), rtol=1e-5)
     assert int(aux["dropped_pairs"]) == 0
 
 
 def test_expert_bias_update():
     _, rules = foreign_mesh()
-    cfg = MoEConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F,
-                    expert_bias=True, expert_bias_rate=0.25)
+    cfg = MoEConfig(
+        hidden_size=H,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=F,
+        expert_bias=True,
+        expert_bias_rate=0.25,
+    )
     layer = MoELayer(cfg, rules=rules, rngs=nnx.Rngs(0))
     load = np.array([9, 1, 4, 4, 0, 2, 6, 6])
     layer.update_expert_bias(load)
-    np.testing.assert_array_equal(np.asarray(layer.expert_bias[...]),
-                                  0.25 * np.sign(load.mean() - load))
-    plain = MoELayer(cfg.__class__(hidden_size=H, num_experts=E, num_experts_per_tok=K,
-                                   moe_intermediate_size=F), rules=rules, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(
+        np.asarray(layer.expert_bias[...]), 0.25 * np.sign(load.mean() - load)
+    )
+    plain = MoELayer(
+        cfg.__class__(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F),
+        rules=rules,
+        rngs=nnx.Rngs(0),
+    )
     with pytest.raises(ValueError, match="the layer has expert_bias=False"):
         plain.update_expert_bias(load)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(num_experts=0), r"MoEConfig.num_experts=0: expected an int >= 1"),
-    (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds num_experts=8"),
-    (dict(dispatcher="a2a"), r"MoEConfig.dispatcher='a2a': expected one of"),
-    (dict(routing="experts"), r"MoEConfig.routing='experts': expected one of"),
-    (dict(ring="nested"), r"MoEConfig.ring='nested': expected one of \('auto', 'flat', "
-                          r"'hierarchical'\)"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_experts=0), r"MoEConfig.num_experts=0: expected an int >= 1"),
+        (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds num_experts=8"),
+        (dict(dispatcher="a2a"), r"MoEConfig.dispatcher='a2a': expected one of"),
+        (dict(routing="experts"), r"MoEConfig.routing='experts': expected one of"),
+        (
+            dict(ring="nested"),
+            r"MoEConfig.ring='nested': expected one of \('auto', 'flat', "
+            r"'hierarchical'\)",
+        ),
+    ],
+)
 def test_bad_config(kw, match):
     base = dict(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F)
     with pytest.raises(ValueError, match=match):
@@ -106,5 +133,8 @@ def test_bad_config(kw, match):
 def test_experts_must_divide_over_their_axes():
     _, rules = foreign_mesh()
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the 4 devices"):
-        MoELayer(MoEConfig(hidden_size=H, num_experts=6, num_experts_per_tok=K,
-                           moe_intermediate_size=F), rules=rules, rngs=nnx.Rngs(0))
+        MoELayer(
+            MoEConfig(hidden_size=H, num_experts=6, num_experts_per_tok=K, moe_intermediate_size=F),
+            rules=rules,
+            rngs=nnx.Rngs(0),
+        )

@@ -10,6 +10,7 @@ The three processes run at the same time, each as a subprocess with its own devi
 Inconsistent distributed flags are checked in-process: a ValueError before jax is touched. A
 SIGTERM to one process stops both after the same step, checkpointed.
 """
+
 import json
 import math
 import os
@@ -37,21 +38,29 @@ def _free_port() -> int:
 
 
 # `python -m train` with the "relaymoe_jax" logger's INFO lines on stderr (the ring it picks)
-LOG_INFO = ("import logging, runpy, sys; logging.basicConfig(level=logging.INFO); "
-            "sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')")
-HIERARCHICAL = ("moe_ffn(ring='auto'): hierarchical ring, inner 'expert' within each host, "
-                "outer 'node' across hosts")
+LOG_INFO = (
+    "import logging, runpy, sys; logging.basicConfig(level=logging.INFO); "
+    "sys.argv[0] = 'train'; runpy.run_module('train', run_name='__main__')"
+)
+HIERARCHICAL = (
+    "moe_ffn(ring='auto'): hierarchical ring, inner 'expert' within each host, "
+    "outer 'node' across hosts"
+)
 
 
 def _start(name: str, logs: Path, devices: int, argv: list[str], log_info: bool = False):
     """`python -m train ARGS argv` on `devices` CPU devices, output to logs/name.{out,err}."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
     out, err = (open(logs / f"{name}.{k}", "w") for k in ("out", "err"))
     run = ["-c", LOG_INFO] if log_info else ["-m", "train"]
     with out, err:
-        proc = subprocess.Popen([sys.executable, *run, *ARGS, *argv], cwd=ROOT,
-                                env=env, stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, *run, *ARGS, *argv], cwd=ROOT, env=env, stdout=out, stderr=err
+        )
     proc.name = name
     return proc
 
@@ -71,8 +80,10 @@ def _wait_all(procs, logs: Path, timeout: float) -> None:
             break
         time.sleep(0.2)
     if any(p.returncode != 0 for p in procs):
-        report = "\n".join(f"--- {p.name}: rc={p.returncode}\n"
-                           f"{(logs / f'{p.name}.err').read_text()[-3000:]}" for p in procs)
+        report = "\n".join(
+            f"--- {p.name}: rc={p.returncode}\n{(logs / f'{p.name}.err').read_text()[-3000:]}"
+            for p in procs
+        )
         raise AssertionError(f"a trainer process failed or timed out ({timeout} s):\n{report}")
 
 
@@ -85,8 +96,16 @@ def test_two_processes_match_one(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
     mesh = "mesh=node=2,expert=4"
-    procs = [_start(f"p{i}", tmp_path, 4, ["--out", str(multi), *dist, "--process-id", str(i),
-                                           mesh], log_info=True) for i in range(2)]
+    procs = [
+        _start(
+            f"p{i}",
+            tmp_path,
+            4,
+            ["--out", str(multi), *dist, "--process-id", str(i), mesh],
+            log_info=True,
+        )
+        for i in range(2)
+    ]
     procs.append(_start("single", tmp_path, 8, ["--out", str(single), mesh], log_info=True))
     _wait_all(procs, tmp_path, TIMEOUT_S)
     for name in ("p0", "p1"):
@@ -101,7 +120,7 @@ def test_two_processes_match_one(tmp_path):
     for out in (multi, single):
         assert (out / "checkpoints" / "5").is_dir(), sorted((out / "checkpoints").iterdir())
     assert "done: step 5" in (tmp_path / "p0.out").read_text()
-    assert "done:" not in (tmp_path / "p1.out").read_text()          # only process 0 prints
+    assert "done:" not in (tmp_path / "p1.out").read_text()  # only process 0 prints
 
 
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
@@ -109,15 +128,26 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     trainer's handler is installed after it): both processes stop after the same step, save it
     together and exit 143."""
     out = tmp_path / "run"
-    dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
-            "--steps", "60", "--save-every", "50", "--out", str(out)]
+    dist = [
+        "--coordinator-address",
+        f"127.0.0.1:{_free_port()}",
+        "--num-processes",
+        "2",
+        "--steps",
+        "60",
+        "--save-every",
+        "50",
+        "--out",
+        str(out),
+    ]
     procs = [_start(f"p{i}", tmp_path, 4, [*dist, "--process-id", str(i)]) for i in range(2)]
     try:
         deadline = time.monotonic() + TIMEOUT_S
         metrics = out / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
-                (tmp_path / f"p{i}.err").read_text()[-2000:] for i in range(2)]
+                (tmp_path / f"p{i}.err").read_text()[-2000:] for i in range(2)
+            ]
             time.sleep(0.01)
         procs[1].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in procs]
@@ -135,17 +165,24 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
     assert len(_losses(out)) == step
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--num-processes", "2"], "also needs --coordinator-address, --process-id"),
-    (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
-     r"--process-id must be in 0\.\.1"),
-    (["--coordinator-address", "h:1", "--num-processes", "0", "--process-id", "0"],
-     "--num-processes must be >= 1"),
-    (["--coordinator-address", "h", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
-    (["--distributed", "--process-id", "0"], "do not combine it with --process-id"),
-    (["--distributed-timeout", "5"], "needs --distributed"),
-    (["--distributed", "--distributed-timeout", "0"], "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--num-processes", "2"], "also needs --coordinator-address, --process-id"),
+        (
+            ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+            r"--process-id must be in 0\.\.1",
+        ),
+        (
+            ["--coordinator-address", "h:1", "--num-processes", "0", "--process-id", "0"],
+            "--num-processes must be >= 1",
+        ),
+        (["--coordinator-address", "h", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+        (["--distributed", "--process-id", "0"], "do not combine it with --process-id"),
+        (["--distributed-timeout", "5"], "needs --distributed"),
+        (["--distributed", "--distributed-timeout", "0"], "must be >= 1"),
+    ],
+)
 def test_inconsistent_distributed_flags_fail_before_jax(tmp_path, flags, match):
     with pytest.raises(ValueError, match=match):
         cli.main([*ARGS, "--out", str(tmp_path / "x"), *flags])

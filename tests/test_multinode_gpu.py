@@ -8,6 +8,7 @@ collective permute, and three in flight at once: the round's inter-node transfer
 ring's and the loss's all-reduce; with fewer the scheduler starts the inter-node transfer after
 the round).
 """
+
 import functools
 import warnings
 
@@ -19,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn, overlap
 
-needs_plugin = pytest.mark.skipif(not gpu_mesh.plugin_available(),
-                                  reason="needs the gpu-compile extra (jax CUDA plugin)")
+needs_plugin = pytest.mark.skipif(
+    not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+)
 pytestmark = [pytest.mark.gpu_compile, needs_plugin]
 AXES = ("node", "local")
 LOCAL = gpu_mesh.GPUS_PER_HOST
@@ -39,9 +41,14 @@ def _args(mesh, e):
     n = mesh.devices.size
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(AXES)))
     bf = jnp.bfloat16
-    return (sds((n * T_DEV, H), bf), sds((n * T_DEV, K), jnp.int32),
-            sds((n * T_DEV, K), jnp.float32), sds((e, H, F), bf), sds((e, H, F), bf),
-            sds((e, F, H), bf))
+    return (
+        sds((n * T_DEV, H), bf),
+        sds((n * T_DEV, K), jnp.int32),
+        sds((n * T_DEV, K), jnp.float32),
+        sds((e, H, F), bf),
+        sds((e, H, F), bf),
+        sds((e, F, H), bf),
+    )
 
 
 @functools.cache
@@ -50,8 +57,19 @@ def _compiled(nodes, routing, ring, backward=True):
     e = E_GPU * nodes * LOCAL
 
     def fwd(x, ids, wts, wg, wu, wd):
-        return moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh, expert_axis=AXES, routing=routing,
-                       ring=ring, gmm_impl="xla")
+        return moe_ffn(
+            x,
+            ids,
+            wts,
+            wg,
+            wu,
+            wd,
+            mesh=mesh,
+            expert_axis=AXES,
+            routing=routing,
+            ring=ring,
+            gmm_impl="xla",
+        )
 
     def loss(x, ids, wts, wg, wu, wd):
         return jnp.sum(fwd(x, ids, wts, wg, wu, wd).astype(jnp.float32) ** 2)
@@ -59,8 +77,13 @@ def _compiled(nodes, routing, ring, backward=True):
     fn = jax.grad(loss, argnums=(0, 2, 3, 4, 5)) if backward else fwd
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        return jax.jit(fn).trace(*_args(mesh, e)).lower().compile(
-            compiler_options=XLA_OPTIONS).as_text()
+        return (
+            jax.jit(fn)
+            .trace(*_args(mesh, e))
+            .lower()
+            .compile(compiler_options=XLA_OPTIONS)
+            .as_text()
+        )
 
 
 @pytest.mark.parametrize("nodes,routing", [(2, "expert"), (2, "token"), (4, "token")])
@@ -71,8 +94,9 @@ def test_every_inter_node_transfer_hides_behind_a_round(nodes, routing):
     flat ring); or, at 2 hosts, where a pass's two rounds are independent (a ring of two: nothing
     trails), XLA may run the visiting payload's round first, hide the trip home behind the
     owner's round and leave the payload's transfer before it instead (token routing does)."""
-    found = overlap.cross_host_transfers(_compiled(nodes, routing, "hierarchical"),
-                                         hlo.host_of(_mesh(nodes)))
+    found = overlap.cross_host_transfers(
+        _compiled(nodes, routing, "hierarchical"), hlo.host_of(_mesh(nodes))
+    )
     waits = [t for t in found if t.hops < LOCAL - 1]
     assert len(found) > len(waits), found
     assert len(waits) <= 2, waits
@@ -80,8 +104,7 @@ def test_every_inter_node_transfer_hides_behind_a_round(nodes, routing):
 
 def test_the_flat_ring_hides_each_transfer_behind_one_hop_only():
     """The same check fails on the flat ring: its boundary transfers each have one hop."""
-    found = overlap.cross_host_transfers(_compiled(2, "expert", "flat"),
-                                         hlo.host_of(_mesh(2)))
+    found = overlap.cross_host_transfers(_compiled(2, "expert", "flat"), hlo.host_of(_mesh(2)))
     assert [t for t in found if 0 < t.hops < LOCAL - 1], found
 
 

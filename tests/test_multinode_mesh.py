@@ -14,13 +14,16 @@ from train import cli, loop
 from train import mesh as tm
 
 
-@pytest.mark.parametrize("spec, n, want", [
-    ("node=2,expert=4", 8, {"node": 2, "expert": 4}),
-    ("expert=4,node=2", 8, {"node": 2, "expert": 4}),          # mesh order, whatever the spec's
-    ("node=2,expert=-1", 16, {"node": 2, "expert": 8}),
-    ("expert=8,data=2,node=-1", 32, {"data": 2, "node": 2, "expert": 8}),
-    ("node=1,expert=8", 8, {"node": 1, "expert": 8}),
-])
+@pytest.mark.parametrize(
+    "spec, n, want",
+    [
+        ("node=2,expert=4", 8, {"node": 2, "expert": 4}),
+        ("expert=4,node=2", 8, {"node": 2, "expert": 4}),  # mesh order, whatever the spec's
+        ("node=2,expert=-1", 16, {"node": 2, "expert": 8}),
+        ("expert=8,data=2,node=-1", 32, {"data": 2, "node": 2, "expert": 8}),
+        ("node=1,expert=8", 8, {"node": 1, "expert": 8}),
+    ],
+)
 def test_parse_mesh_with_node(spec, n, want):
     sizes = tm.parse_mesh(spec, n)
     assert sizes == want and list(sizes) == list(want)
@@ -29,8 +32,11 @@ def test_parse_mesh_with_node(spec, n, want):
 
 @pytest.mark.parametrize("spec", ["node=8", "node=2,data=4", "node=-1,context=2"])
 def test_node_needs_expert(spec):
-    with pytest.raises(ValueError, match=r"axis 'node' is the outer expert axis and needs an "
-                                         r"'expert' axis too.*node=<hosts>,expert=<GPUs per host>"):
+    with pytest.raises(
+        ValueError,
+        match=r"axis 'node' is the outer expert axis and needs an "
+        r"'expert' axis too.*node=<hosts>,expert=<GPUs per host>",
+    ):
         tm.parse_mesh(spec, 8)
 
 
@@ -43,16 +49,34 @@ def test_axis_order_puts_node_outside_expert():
     np.testing.assert_array_equal(ids, np.sort(ids.ravel()).reshape(2, 4))
 
 
-@pytest.mark.parametrize("names, shape, batch, experts, tokens", [
-    (("node", "expert"), (2, 4), ("node", "expert"), ("node", "expert"), ("node", "expert")),
-    (("data", "node", "expert"), (2, 2, 2), ("data", "node", "expert"), ("node", "expert"),
-     ("data", "node", "expert")),
-    (("node", "expert", "context"), (2, 2, 2), ("node", "expert"), ("node", "expert"),
-     ("node", "expert", "context")),
-    (("node", "expert", "expert_tensor"), (2, 2, 2), ("node", "expert"), ("node", "expert"),
-     ("node", "expert")),
-    (("data", "expert"), (2, 4), ("data", "expert"), ("expert",), ("data", "expert")),
-])
+@pytest.mark.parametrize(
+    "names, shape, batch, experts, tokens",
+    [
+        (("node", "expert"), (2, 4), ("node", "expert"), ("node", "expert"), ("node", "expert")),
+        (
+            ("data", "node", "expert"),
+            (2, 2, 2),
+            ("data", "node", "expert"),
+            ("node", "expert"),
+            ("data", "node", "expert"),
+        ),
+        (
+            ("node", "expert", "context"),
+            (2, 2, 2),
+            ("node", "expert"),
+            ("node", "expert"),
+            ("node", "expert", "context"),
+        ),
+        (
+            ("node", "expert", "expert_tensor"),
+            (2, 2, 2),
+            ("node", "expert"),
+            ("node", "expert"),
+            ("node", "expert"),
+        ),
+        (("data", "expert"), (2, 4), ("data", "expert"), ("expert",), ("data", "expert")),
+    ],
+)
 def test_rules_for_node(names, shape, batch, experts, tokens):
     rules = rules_for(jax.make_mesh(shape, names))
     assert rules.axes("batch") == batch and rules.axes("tokens") == tokens
@@ -81,19 +105,35 @@ def test_ring_option_is_validated():
     assert ModelConfig().ring == "auto"
     for r in ("flat", "hierarchical", "auto"):
         assert ModelConfig(ring=r).ring == r
-    with pytest.raises(ValueError, match=r"ring='nested': expected one of \('auto', 'flat', "
-                                         r"'hierarchical'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ring='nested': expected one of \('auto', 'flat', "
+        r"'hierarchical'\)",
+    ):
         ModelConfig(ring="nested")
     with pytest.raises(ValueError, match=r"tiny\.yaml \(override ring='ring'\): ring='ring'"):
         load_config("tiny", ring="ring")
 
 
 def test_hierarchical_ring_needs_two_expert_axes(tmp_path):
-    with pytest.raises(ValueError, match=r"mesh='expert=8': ring='hierarchical' needs the "
-                                         r"experts over two axes.*\('expert',\)"):
-        cli.parse(["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path),
-                   "mesh=expert=8", "ring=hierarchical"])
-    assert tm.expert_axes({"data": 2, "context": 4}) == ("data", "context")   # folded: two
+    with pytest.raises(
+        ValueError,
+        match=r"mesh='expert=8': ring='hierarchical' needs the "
+        r"experts over two axes.*\('expert',\)",
+    ):
+        cli.parse(
+            [
+                "--config",
+                "configs/tiny.yaml",
+                "--steps",
+                "1",
+                "--out",
+                str(tmp_path),
+                "mesh=expert=8",
+                "ring=hierarchical",
+            ]
+        )
+    assert tm.expert_axes({"data": 2, "context": 4}) == ("data", "context")  # folded: two
     assert tm.expert_axes({"node": 2, "expert": 4}) == ("node", "expert")
 
 

@@ -42,18 +42,23 @@ def test_eager_autodiff_says_what_to_do_and_works_under_set_mesh():
     m = mesh("ep8")
     args = args_on(m)
     loss = lambda x, wg: jnp.sum(moe_ffn(x, args[1], args[2], wg, *args[4:], mesh=m))
-    with pytest.raises(ValueError, match=r"moe_ffn is transformed eagerly \(jax.grad or jax.vmap "
-                                         r"outside jax.jit\) .* wrap the computation in jax.jit, "
-                                         r"or run it under `with jax.set_mesh\(mesh\):`"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_ffn is transformed eagerly \(jax.grad or jax.vmap "
+        r"outside jax.jit\) .* wrap the computation in jax.jit, "
+        r"or run it under `with jax.set_mesh\(mesh\):`",
+    ):
         jax.grad(loss)(args[0], args[3])
-    ref_loss = lambda x, wg: jnp.sum(moe_ffn(x, args[1], args[2], wg, *args[4:], mesh=m,
-                                             dispatcher="reference"))
+    ref_loss = lambda x, wg: jnp.sum(
+        moe_ffn(x, args[1], args[2], wg, *args[4:], mesh=m, dispatcher="reference")
+    )
     with jax.set_mesh(m):
         got = jax.grad(loss, argnums=(0, 1))(args[0], args[3])
     want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(args[0], args[3])
     for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
-                                   atol=1e-5 * float(np.abs(b).max()))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * float(np.abs(b).max())
+        )
 
 
 @pytest.mark.parametrize("dispatcher", ["reference", "ring"])
@@ -83,23 +88,30 @@ def test_a_nan_expert_stays_in_its_tokens(dispatcher):
     np.testing.assert_array_equal(np.isnan(np.asarray(dx)).any(1), routed)
 
 
-@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("ring", "token"),
-                                                ("alltoall", "auto")])
+@pytest.mark.parametrize(
+    "dispatcher,routing", [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
+)
 def test_grad_of_grad_raises_not_implemented(dispatcher, routing):
     m = mesh("ep8")
     args = args_on(m)
-    inner = jax.grad(lambda x: jnp.sum(moe_ffn(x, *args[1:], mesh=m, dispatcher=dispatcher,
-                                                routing=routing) ** 2))
+    inner = jax.grad(
+        lambda x: jnp.sum(
+            moe_ffn(x, *args[1:], mesh=m, dispatcher=dispatcher, routing=routing) ** 2
+        )
+    )
     with pytest.raises(NotImplementedError, match=r"differentiable once, in reverse mode"):
         jax.jit(jax.grad(lambda x: jnp.sum(inner(x))))(args[0])
 
 
-X64 = [("ring", "expert", "xla", jnp.int64), ("ring", "token", "xla", jnp.int32),
-       ("ring", "expert", "pallas-interpret", jnp.int64), ("ring", "token", "ragged_dot",
-                                                          jnp.int64),
-       ("alltoall", "auto", "xla", jnp.int64), ("alltoall", "auto", "pallas-interpret",
-                                                jnp.int32),
-       ("reference", "auto", "auto", jnp.int64)]
+X64 = [
+    ("ring", "expert", "xla", jnp.int64),
+    ("ring", "token", "xla", jnp.int32),
+    ("ring", "expert", "pallas-interpret", jnp.int64),
+    ("ring", "token", "ragged_dot", jnp.int64),
+    ("alltoall", "auto", "xla", jnp.int64),
+    ("alltoall", "auto", "pallas-interpret", jnp.int32),
+    ("reference", "auto", "auto", jnp.int64),
+]
 
 
 @pytest.mark.parametrize("dispatcher,routing,gmm_impl,ids_dtype", X64)
@@ -110,8 +122,9 @@ def test_x64(dispatcher, routing, gmm_impl, ids_dtype):
         args = args_on(m)
         args[1] = args[1].astype(ids_dtype)
         assert args[1].dtype == ids_dtype
-        ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing,
-                                 gmm_impl=gmm_impl)
+        ours = functools.partial(
+            moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, gmm_impl=gmm_impl
+        )
         testing.assert_moe_parity(ours, reference(m), *args)
 
 
@@ -122,9 +135,12 @@ def test_chunk_size_is_capped_at_the_pairs_there_are():
     args = args_on(m)
 
     def temp(chunk):
-        f = jax.jit(jax.grad(lambda *a: jnp.sum(moe_ffn(*a, mesh=m, routing="expert",
-                                                        chunk_size=chunk) ** 2),
-                             argnums=(0, 3)))
+        f = jax.jit(
+            jax.grad(
+                lambda *a: jnp.sum(moe_ffn(*a, mesh=m, routing="expert", chunk_size=chunk) ** 2),
+                argnums=(0, 3),
+            )
+        )
         return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     assert temp(10**9) == temp(32)

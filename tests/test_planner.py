@@ -1,5 +1,6 @@
 """train.planner: the remat plan's budget comes from the compiled fully-recomputed step, the planned
 step is compiled and fits, and its recompute FLOPs (cost_analysis) fall as the budget grows."""
+
 import dataclasses
 
 import jax
@@ -23,17 +24,23 @@ def setup():
 
 def test_budget_respected_and_flops_fall_as_budget_grows(setup):
     cfg, mesh, full = setup
-    per_layer = {o: c for o, c in planner.remat.option_costs(planner.remat.AttentionShape.of(
-        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype)).items()}
+    per_layer = {
+        o: c
+        for o, c in planner.remat.option_costs(
+            planner.remat.AttentionShape.of(
+                cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype
+            )
+        ).items()
+    }
     budgets = [0, per_layer["save_attn_out"].bytes * 2, per_layer["save_all"].bytes * 2]
     reports = [planner.plan_remat(cfg, TC, mesh, full.peak + b) for b in budgets]
     assert reports[0].plan.options == ("full", "full")
     assert reports[1].plan.options == ("save_attn_out", "save_attn_out")
     assert reports[2].plan.options == ("save_all", "save_all")
     for r in reports:
-        assert r.full == full                          # the budget is the compiled full peak
+        assert r.full == full  # the budget is the compiled full peak
         assert r.plan.budget == r.capacity - full.peak
-        assert r.fits, (r.planned.peak, r.capacity)    # measured, compiled
+        assert r.fits, (r.planned.peak, r.capacity)  # measured, compiled
     saved = [r.flops_saved for r in reports]
     assert saved[0] == 0 < saved[1] < saved[2]
     # formula (matmuls) against cost_analysis: P @ V and projections exact up to elementwise
@@ -60,9 +67,16 @@ def test_abstract_state_matches_init_state():
     assert describe(real) == describe(abstract)
 
 
-@pytest.mark.parametrize("text, want", [("H100", 84_929_347_584), ("h200", 143_771 * 2**20),
-                                        ("80GiB", 80 * 2**30), ("12.5MB", 12_500_000),
-                                        ("1e9", 10**9)])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("H100", 84_929_347_584),
+        ("h200", 143_771 * 2**20),
+        ("80GiB", 80 * 2**30),
+        ("12.5MB", 12_500_000),
+        ("1e9", 10**9),
+    ],
+)
 def test_parse_memory(text, want):
     assert planner.parse_memory(text) == want
 
@@ -78,12 +92,21 @@ def test_chunked_attention_cuts_the_step_peak():
     chunked attention keeps O(S x block) (measured 332.5 -> 126.6 MiB per device)."""
     tc = loop.TrainConfig(batch_size=8, seq_len=2048)
     mesh = tm.make_mesh(tc.mesh)
-    peak = {impl: planner.step_cost(load_config("configs/tiny.yaml", attention_impl=impl,
-                                                 attention_remat="full",
-                                                 max_position_embeddings=4096), tc, mesh).peak
-            for impl in ("xla", "chunked")}
-    scores = 4 * 2048 * 2048 * 4              # N S S float32 per device (one sequence each)
-    assert peak["xla"] > 3 * scores               # several score-sized buffers
+    peak = {
+        impl: planner.step_cost(
+            load_config(
+                "configs/tiny.yaml",
+                attention_impl=impl,
+                attention_remat="full",
+                max_position_embeddings=4096,
+            ),
+            tc,
+            mesh,
+        ).peak
+        for impl in ("xla", "chunked")
+    }
+    scores = 4 * 2048 * 2048 * 4  # N S S float32 per device (one sequence each)
+    assert peak["xla"] > 3 * scores  # several score-sized buffers
     assert peak["chunked"] < 0.5 * peak["xla"], peak
 
 
@@ -93,21 +116,30 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     cost_analysis counts a while loop's body once, so with J = 2 key blocks it sees half the
     scan (with one block XLA merges the re-run scores with the backward's, which hides them).
     save_all saves no more FLOPs, so even an unlimited budget plans save_attn_out."""
-    cfg = load_config("configs/tiny.yaml", attention_impl="chunked",
-                      attention_block_k=TC.seq_len // 2)
+    cfg = load_config(
+        "configs/tiny.yaml", attention_impl="chunked", attention_block_k=TC.seq_len // 2
+    )
     mesh = tm.make_mesh(TC.mesh)
-    costs = planner.remat.option_costs(planner.remat.AttentionShape.of(
-        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype))
+    costs = planner.remat.option_costs(
+        planner.remat.AttentionShape.of(
+            cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), TC.compute_dtype
+        )
+    )
     assert costs["save_all"].flops == costs["save_attn_out"].flops
     full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
     r = planner.plan_remat(cfg, TC, mesh, full.peak + 2 * costs["save_attn_out"].bytes)
     assert r.plan.options == ("save_attn_out", "save_attn_out") and r.fits
     scan = costs["save_attn_out"].flops - costs["save_qkv"].flops
-    seen = 2 * (costs["save_qkv"].flops + scan // 2)          # per layer, loop body once
+    seen = 2 * (costs["save_qkv"].flops + scan // 2)  # per layer, loop body once
     assert seen <= r.flops_saved < 1.1 * seen, (r.flops_saved, seen)
     unlimited = planner.remat.plan_attention_remat(
-        cfg, batch=TC.batch_size, seq=TC.seq_len, mesh_shape=dict(mesh.shape),
-        dtype=TC.compute_dtype, budget=10**12)
+        cfg,
+        batch=TC.batch_size,
+        seq=TC.seq_len,
+        mesh_shape=dict(mesh.shape),
+        dtype=TC.compute_dtype,
+        budget=10**12,
+    )
     assert unlimited.options == ("save_attn_out", "save_attn_out")
 
 
@@ -116,8 +148,25 @@ def test_chunked_attention_plan_skips_the_forward_scan():
 def test_target_plans_on_the_gpu_compiler(capsys):
     """--target h100: the steps are compiled by XLA:GPU for abstract H100s (mesh over 8 of them,
     memory the H100's), the planned step fits, and the missing cost_analysis is said, not faked."""
-    assert planner.main(["--config", "configs/tiny.yaml", "--target", "h100", "--batch", "8",
-                         "--seq", "128", "--dispatchers", "ring", "--usable", "0.5"]) == 0
+    assert (
+        planner.main(
+            [
+                "--config",
+                "configs/tiny.yaml",
+                "--target",
+                "h100",
+                "--batch",
+                "8",
+                "--seq",
+                "128",
+                "--dispatchers",
+                "ring",
+                "--usable",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "XLA:GPU buffer assignment for 8 abstract NVIDIA H100 80GB HBM3" in out
     assert f"usable memory {0.5 * gpu_mesh.device_memory('h100') / 2**20:,.1f} MiB" in out
@@ -125,13 +174,19 @@ def test_target_plans_on_the_gpu_compiler(capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[6] == "yes" and cells[7] == "n/a" and float(cells[8]) > 0
     mib = lambda c: float(c.replace(",", ""))
-    assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[5]) + 1e3   # state < peak
+    assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[5]) + 1e3  # state < peak
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--batch", "8", "--seq", "128"], "--memory is required without --target"),
-    (["--batch", "8", "--seq", "128", "--memory", "H100", "--hosts", "2"], "only with --target"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--batch", "8", "--seq", "128"], "--memory is required without --target"),
+        (
+            ["--batch", "8", "--seq", "128", "--memory", "H100", "--hosts", "2"],
+            "only with --target",
+        ),
+    ],
+)
 def test_target_argument_errors(argv, match):
     with pytest.raises(ValueError, match=match):
         planner.main(["--config", "configs/tiny.yaml", *argv])
@@ -143,13 +198,34 @@ def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(capsys):
     """--hosts 2 mesh=node=2,expert=8: the step compiles for 2 abstract hosts of 8 H100s with the
     experts over ("node", "expert"), and ring="auto" picks the hierarchical ring (node across
     the hosts, expert within each), said in the header."""
-    assert planner.main(["--config", "configs/tiny.yaml", "--target", "h100", "--hosts", "2",
-                         "--batch", "16", "--seq", "32", "--dispatchers", "ring",
-                         "mesh=node=2,expert=8", "num_experts=16", "num_hidden_layers=1"]) == 0
+    assert (
+        planner.main(
+            [
+                "--config",
+                "configs/tiny.yaml",
+                "--target",
+                "h100",
+                "--hosts",
+                "2",
+                "--batch",
+                "16",
+                "--seq",
+                "32",
+                "--dispatchers",
+                "ring",
+                "mesh=node=2,expert=8",
+                "num_experts=16",
+                "num_hidden_layers=1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "mesh {'node': 2, 'expert': 8}" in out
     assert "XLA:GPU buffer assignment for 16 abstract NVIDIA H100 80GB HBM3" in out
-    assert ("expert parallelism: ring: hierarchical (ring=auto): inner ring over 'expert' "
-            "(8 devices, within a host), outer over 'node' (2, across hosts)") in out
+    assert (
+        "expert parallelism: ring: hierarchical (ring=auto): inner ring over 'expert' "
+        "(8 devices, within a host), outer over 'node' (2, across hosts)"
+    ) in out
     row = next(line for line in out.splitlines() if line.startswith("| ring |"))
     assert [c.strip() for c in row.strip("|").split("|")][6] == "yes"

@@ -1,6 +1,7 @@
 """relaymoe_jax.remat: the solver against brute force (and brute force against a dynamic-programming
 knapsack), the cost formulas against the residuals jax really saves, the options applied to the
 model (same loss and gradients as no checkpoint), bad input, determinism."""
+
 import contextlib
 import dataclasses
 import io
@@ -25,8 +26,7 @@ def _random_instance(rng, layers):
     for _ in range(layers):
         m = np.cumsum(rng.integers(1, 40, 3))
         c = np.cumsum(rng.integers(0, 100, 3))
-        costs.append({o: Cost(int(mi), int(ci))
-                      for o, mi, ci in zip(remat.OPTIONS[1:], m, c)})
+        costs.append({o: Cost(int(mi), int(ci)) for o, mi, ci in zip(remat.OPTIONS[1:], m, c)})
     return costs
 
 
@@ -37,7 +37,7 @@ def _knapsack_dp(costs, budget):
         new = best.copy()
         for c in layer.values():
             if c.bytes <= budget:
-                new[c.bytes:] = np.maximum(new[c.bytes:], best[: budget + 1 - c.bytes] + c.flops)
+                new[c.bytes :] = np.maximum(new[c.bytes :], best[: budget + 1 - c.bytes] + c.flops)
         best = new
     return int(best[budget])
 
@@ -49,16 +49,19 @@ def test_greedy_against_brute_force():
         costs = _random_instance(rng, int(rng.integers(1, 6)))
         budget = int(rng.integers(0, 150))
         g, b = greedy(costs, budget), brute_force(costs, budget)
-        assert b.flops_saved == _knapsack_dp(costs, budget)          # brute force is optimal
+        assert b.flops_saved == _knapsack_dp(costs, budget)  # brute force is optimal
         for plan in (g, b):
             assert plan.bytes <= budget and len(plan.options) == len(costs)
-            assert plan.bytes == sum(costs[i][o].bytes for i, o in enumerate(plan.options)
-                                     if o != "full")
+            assert plan.bytes == sum(
+                costs[i][o].bytes for i, o in enumerate(plan.options) if o != "full"
+            )
         assert g.flops_saved <= b.flops_saved
         gaps.append(optimality_gap(g, b))
     gaps = np.array(gaps)
-    print(f"greedy optimality gap over 300 random instances: mean {gaps.mean():.3f}, "
-          f"max {gaps.max():.3f}, optimal in {np.mean(gaps == 0):.0%}")
+    print(
+        f"greedy optimality gap over 300 random instances: mean {gaps.mean():.3f}, "
+        f"max {gaps.max():.3f}, optimal in {np.mean(gaps == 0):.0%}"
+    )
     assert np.mean(gaps == 0) > 0.6 and gaps.mean() < 0.05
 
 
@@ -70,8 +73,11 @@ def test_uniform_is_the_best_single_option_plan():
         budget = int(rng.integers(0, 200))
         plan = uniform(costs, budget)
         assert len(set(plan.options)) == 1 and plan.bytes <= budget
-        fits = [(sum(c[o].flops for c in costs), -sum(c[o].bytes for c in costs), o)
-                for o in remat.OPTIONS[1:] if sum(c[o].bytes for c in costs) <= budget]
+        fits = [
+            (sum(c[o].flops for c in costs), -sum(c[o].bytes for c in costs), o)
+            for o in remat.OPTIONS[1:]
+            if sum(c[o].bytes for c in costs) <= budget
+        ]
         best = max((f for f in fits if f[0] > 0), default=None)
         assert plan.options[0] == (best[2] if best else "full"), (costs, budget, plan)
         assert plan.flops_saved == (best[0] if best else 0)
@@ -81,13 +87,19 @@ def test_uniform_is_the_best_single_option_plan():
 def test_scanned_model_gets_a_uniform_plan():
     cfg = load_config("configs/tiny.yaml", num_hidden_layers=4)
     costs = remat.layer_costs(cfg, 8, 256, {"expert": 8}, "float32")
-    budget = int(2.5 * costs[0]["save_attn_out"].bytes)   # fits 2 layers' save_attn_out, not 4
-    mixed = remat.plan_attention_remat(cfg, batch=8, seq=256, mesh_shape={"expert": 8},
-                                       dtype="float32", budget=budget)
+    budget = int(2.5 * costs[0]["save_attn_out"].bytes)  # fits 2 layers' save_attn_out, not 4
+    mixed = remat.plan_attention_remat(
+        cfg, batch=8, seq=256, mesh_shape={"expert": 8}, dtype="float32", budget=budget
+    )
     assert len(set(mixed.options)) > 1
-    scanned = remat.plan_attention_remat(dataclasses.replace(cfg, scan_layers=True), batch=8,
-                                         seq=256, mesh_shape={"expert": 8}, dtype="float32",
-                                         budget=budget)
+    scanned = remat.plan_attention_remat(
+        dataclasses.replace(cfg, scan_layers=True),
+        batch=8,
+        seq=256,
+        mesh_shape={"expert": 8},
+        dtype="float32",
+        budget=budget,
+    )
     assert len(set(scanned.options)) == 1 and scanned.bytes <= budget
     assert scanned.flops_saved <= mixed.flops_saved
 
@@ -105,37 +117,41 @@ def test_greedy_on_model_costs_and_gap():
 
 
 def test_greedy_ranks_by_flops_per_byte():
-    costs = [{"save_qkv": Cost(10, 100)}, {"save_qkv": Cost(10, 300)},
-             {"save_qkv": Cost(10, 200)}]
+    costs = [{"save_qkv": Cost(10, 100)}, {"save_qkv": Cost(10, 300)}, {"save_qkv": Cost(10, 200)}]
     assert greedy(costs, 20).options == ("full", "save_qkv", "save_qkv")
     assert greedy(costs, 10).options == ("full", "save_qkv", "full")
 
 
 def test_determinism():
-    costs = [{"save_qkv": Cost(8, 16), "save_all": Cost(16, 32)} for _ in range(5)]   # all ties
+    costs = [{"save_qkv": Cost(8, 16), "save_all": Cost(16, 32)} for _ in range(5)]  # all ties
     plans = {greedy([dict(c) for c in costs], 40) for _ in range(5)}
     assert len(plans) == 1
     assert plans.pop().options == ("save_all", "save_all", "save_qkv", "full", "full")
     cfg = load_config("configs/tiny.yaml")
-    a = remat.plan_attention_remat(cfg, batch=8, seq=256, mesh_shape={"expert": 8},
-                                   dtype="float32", budget=10**6)
-    b = remat.plan_attention_remat(cfg, batch=8, seq=256, mesh_shape={"expert": 8},
-                                   dtype="float32", budget=10**6)
+    a = remat.plan_attention_remat(
+        cfg, batch=8, seq=256, mesh_shape={"expert": 8}, dtype="float32", budget=10**6
+    )
+    b = remat.plan_attention_remat(
+        cfg, batch=8, seq=256, mesh_shape={"expert": 8}, dtype="float32", budget=10**6
+    )
     assert a == b
 
 
-@pytest.mark.parametrize("call, msg", [
-    (lambda: greedy([{"save_qkv": Cost(1, 1)}], -1), "budget=-1"),
-    (lambda: greedy([{"save_qkv": Cost(1, 1)}], "lots"), "budget='lots'"),
-    (lambda: greedy([{"save_everything": Cost(1, 1)}], 10), "save_everything"),
-    (lambda: greedy([{"full": Cost(1, 1)}], 10), "'full' is the baseline"),
-    (lambda: greedy([{"save_qkv": Cost(0, 1)}], 10), "bytes=0"),
-    (lambda: remat.policy("nothing"), "'nothing'"),
-    (lambda: load_config("configs/tiny.yaml", attention_remat="fast"), "attention_remat"),
-    (lambda: load_config("configs/tiny.yaml", attention_remat=("full",)), "2 \\(num_hidden"),
-    (lambda: load_config("configs/tiny.yaml", moe_remat="yes"), "moe_remat"),
-    (lambda: brute_force([{"save_qkv": Cost(1, 1)}] * 30, 5), "BRUTE_FORCE_LIMIT"),
-])
+@pytest.mark.parametrize(
+    "call, msg",
+    [
+        (lambda: greedy([{"save_qkv": Cost(1, 1)}], -1), "budget=-1"),
+        (lambda: greedy([{"save_qkv": Cost(1, 1)}], "lots"), "budget='lots'"),
+        (lambda: greedy([{"save_everything": Cost(1, 1)}], 10), "save_everything"),
+        (lambda: greedy([{"full": Cost(1, 1)}], 10), "'full' is the baseline"),
+        (lambda: greedy([{"save_qkv": Cost(0, 1)}], 10), "bytes=0"),
+        (lambda: remat.policy("nothing"), "'nothing'"),
+        (lambda: load_config("configs/tiny.yaml", attention_remat="fast"), "attention_remat"),
+        (lambda: load_config("configs/tiny.yaml", attention_remat=("full",)), "2 \\(num_hidden"),
+        (lambda: load_config("configs/tiny.yaml", moe_remat="yes"), "moe_remat"),
+        (lambda: brute_force([{"save_qkv": Cost(1, 1)}] * 30, 5), "BRUTE_FORCE_LIMIT"),
+    ],
+)
 def test_bad_input(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
@@ -147,12 +163,13 @@ def _residual_bytes(cfg, option, b, s, dtype):
     mesh = jax.make_mesh((1,), ("expert",))
     layer = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0), dtype=dtype).layers[0]
     x = jax.random.normal(jax.random.key(1), (b, s, cfg.hidden_size)).astype(dtype)
-    cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(s), (b, s)), cfg.head_size,
-                            cfg.rope_theta, dtype)
+    cos, sin = rope_cos_sin(
+        jnp.broadcast_to(jnp.arange(s), (b, s)), cfg.head_size, cfg.rope_theta, dtype
+    )
     graphdef, state = nnx.split((layer.input_layernorm, layer.self_attn))
 
     def residual_bytes(option):
-        def block(x, state):      # cos, sin closed over: constants, as in the model
+        def block(x, state):  # cos, sin closed over: constants, as in the model
             norm, attn = nnx.merge(graphdef, state)
             f = qwen._attention_block
             if option != "save_all":
@@ -175,9 +192,15 @@ def _residual_bytes(cfg, option, b, s, dtype):
     return residual_bytes(option) - residual_bytes("full")
 
 
-@pytest.mark.parametrize("config, dtype, impl", [
-    ("tiny", jnp.float32, "xla"), ("tiny", jnp.bfloat16, "xla"), ("tiny-qwen2", jnp.float32, "xla"),
-    ("tiny", jnp.bfloat16, "chunked")])
+@pytest.mark.parametrize(
+    "config, dtype, impl",
+    [
+        ("tiny", jnp.float32, "xla"),
+        ("tiny", jnp.bfloat16, "xla"),
+        ("tiny-qwen2", jnp.float32, "xla"),
+        ("tiny", jnp.bfloat16, "chunked"),
+    ],
+)
 def test_memory_formula_matches_saved_residuals(config, dtype, impl):
     cfg = load_config(f"configs/{config}.yaml", attention_impl=impl, attention_block_k=64)
     b, s = 2, 256
@@ -193,12 +216,13 @@ def test_attention_shape_follows_the_mesh():
     sh = remat.AttentionShape.of(cfg, 16, 512, {"data": 2, "expert": 2, "context": 2}, "bfloat16")
     assert (sh.b, sh.s, sh.S, sh.e) == (4, 256, 512, 2)
     sh = remat.AttentionShape.of(cfg, 2, 64, {"data": 4, "expert": 2}, "float32")
-    assert sh.b == 2                     # batch 2 does not split over data=4: replicated
-    c = remat.option_costs(remat.AttentionShape.of(cfg, 16, 512, {"data": 2, "context": 2},
-                                                   "float32"))
+    assert sh.b == 2  # batch 2 does not split over data=4: replicated
+    c = remat.option_costs(
+        remat.AttentionShape.of(cfg, 16, 512, {"data": 2, "context": 2}, "float32")
+    )
     plain = remat.option_costs(remat.AttentionShape.of(cfg, 8, 256, {}, "float32"))
-    assert c["save_qkv"] == plain["save_qkv"]                 # same local q, k, v
-    assert c["save_all"].flops > plain["save_all"].flops      # local queries see all keys
+    assert c["save_qkv"] == plain["save_qkv"]  # same local q, k, v
+    assert c["save_all"].flops > plain["save_all"].flops  # local queries see all keys
 
 
 def test_options_give_the_same_loss_and_gradients():
@@ -221,8 +245,10 @@ def test_options_give_the_same_loss_and_gradients():
             return jax.value_and_grad(f)(params)
 
     ref_loss, ref_grads = loss_and_grads(attention_remat="save_all")
-    for over in (dict(attention_remat=("save_qkv", "save_attn_out"), moe_remat=True),
-                 dict(attention_remat="full", moe_remat=True, dispatcher="alltoall")):
+    for over in (
+        dict(attention_remat=("save_qkv", "save_attn_out"), moe_remat=True),
+        dict(attention_remat="full", moe_remat=True, dispatcher="alltoall"),
+    ):
         loss, grads = loss_and_grads(**over)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(over))
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -243,7 +269,11 @@ def test_full_recompute_keeps_only_each_layer_input(moe_remat, layer_outputs):
     out = io.StringIO()
     with jax.set_mesh(mesh), contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(
-            lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids)[0]), params)
-    adds = [line for line in out.getvalue().splitlines()
-            if re.match(rf"f32\[8(@\w+)?,32,{cfg.hidden_size}\] output of add .*qwen\.py", line)]
+            lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids)[0]), params
+        )
+    adds = [
+        line
+        for line in out.getvalue().splitlines()
+        if re.match(rf"f32\[8(@\w+)?,32,{cfg.hidden_size}\] output of add .*qwen\.py", line)
+    ]
     assert cfg.num_hidden_layers == 2 and len(adds) == layer_outputs, out.getvalue()

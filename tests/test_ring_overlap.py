@@ -20,6 +20,7 @@ T_LOCAL, H, F, E, K = 64, 16, 24, 16, 4
 
 def _sub_jaxprs(eqn):
     """The jaxprs in an equation's parameters (open `Jaxpr`s, closed ones unwrapped)."""
+
     def walk(v):
         if hasattr(v, "eqns"):
             yield v
@@ -28,6 +29,7 @@ def _sub_jaxprs(eqn):
         elif isinstance(v, (tuple, list)):
             for x in v:
                 yield from walk(x)
+
     for v in eqn.params.values():
         yield from walk(v)
 
@@ -54,8 +56,7 @@ def _sends(eqn):
     operands are what leaves this level (conservative for a call)."""
     if eqn.primitive.name == "ppermute":
         return True
-    return not _is_loop(eqn) and any(_contains(e, _sends) for j in _sub_jaxprs(eqn)
-                                     for e in j.eqns)
+    return not _is_loop(eqn) and any(_contains(e, _sends) for j in _sub_jaxprs(eqn) for e in j.eqns)
 
 
 def _computes(eqn):
@@ -64,7 +65,7 @@ def _computes(eqn):
 
 
 def _vars(atoms):
-    return [a for a in atoms if not hasattr(a, "val")]   # drop literals
+    return [a for a in atoms if not hasattr(a, "val")]  # drop literals
 
 
 def ring_bodies_with_dependent_sends(jaxpr):
@@ -77,7 +78,8 @@ def ring_bodies_with_dependent_sends(jaxpr):
         for eqn in jaxpr.eqns:
             for body in _loop_bodies(eqn):
                 if any(_sends(e) for e in body.eqns) and any(
-                        _is_loop(e) and _computes(e) for e in body.eqns):
+                    _is_loop(e) and _computes(e) for e in body.eqns
+                ):
                     found.append((body, _dependent_sends(body)))
             for sub in _sub_jaxprs(eqn):
                 visit(sub)
@@ -87,7 +89,7 @@ def ring_bodies_with_dependent_sends(jaxpr):
 
 
 def _dependent_sends(body):
-    tainted = set()             # vars that depend on an inner while's outputs
+    tainted = set()  # vars that depend on an inner while's outputs
     bad = []
     for eqn in body.eqns:
         if _sends(eqn) and any(v in tainted for v in _vars(eqn.invars)):
@@ -117,5 +119,7 @@ def test_ring_loop_bodies_send_nothing_computed_in_the_same_body(routing):
     # One forward and one backward ring loop (hops 0..N-2, or 1..N-2 with hop 0 peeled).
     assert len(bodies) == 2, f"expected 2 ring loop bodies, found {len(bodies)}"
     for _body, bad in bodies:
-        assert not bad, (f"{routing} routing: a ring loop body sends what its own chunk loop "
-                         f"computed (the transfer cannot overlap): {bad}")
+        assert not bad, (
+            f"{routing} routing: a ring loop body sends what its own chunk loop "
+            f"computed (the transfer cannot overlap): {bad}"
+        )

@@ -8,13 +8,16 @@ import pytest
 from relaymoe_jax import gpu_mesh
 from scripts import load_script
 
-pytestmark = [pytest.mark.gpu_compile,
-              pytest.mark.skipif(not gpu_mesh.plugin_available(),
-                                 reason="needs the gpu-compile extra (jax CUDA plugin)")]
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(
+        not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+    ),
+]
 scaling = load_script("benchmarks/scaling.py", "scaling")
 E, K, H, F, T, EP = 16, 2, 64, 32, 256, 16
 HOSTS, LOCAL = 2, 8
-BOUNDARY = {LOCAL - 1, 2 * LOCAL - 1}        # local index 7: the flat ring's hop to the next host
+BOUNDARY = {LOCAL - 1, 2 * LOCAL - 1}  # local index 7: the flat ring's hop to the next host
 HIER = scaling.has_ring_option()
 
 
@@ -22,8 +25,26 @@ HIER = scaling.has_ring_option()
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
     variants = ["ring-expert", "a2a-cap1.0"] + (["hier-expert"] if HIER else [])
-    scaling.main(["--ep", str(EP), "-E", str(E), "-k", str(K), "-H", str(H), "-F", str(F),
-                  "-T", str(T), "--variants", *variants, "--json", str(out)])
+    scaling.main(
+        [
+            "--ep",
+            str(EP),
+            "-E",
+            str(E),
+            "-k",
+            str(K),
+            "-H",
+            str(H),
+            "-F",
+            str(F),
+            "-T",
+            str(T),
+            "--variants",
+            *variants,
+            "--json",
+            str(out),
+        ]
+    )
     record = json.loads(out.read_text())
     assert record["command"].startswith("python ") and record["target"] == "h100"
     return {r["variant"]: r for r in record["rows"]}
@@ -31,13 +52,14 @@ def rows(tmp_path_factory):
 
 def test_flat_ring_crosses_hosts_at_the_boundary_only(rows):
     r = rows["ring-expert"]
-    partition = E // EP * 3 * H * F * 2      # one GPU's experts, bf16: what one hop sends
-    sent = (EP - 1) * partition    # forward: EP - 1 hops, to the next GPU
+    partition = E // EP * 3 * H * F * 2  # one GPU's experts, bf16: what one hop sends
+    sent = (EP - 1) * partition  # forward: EP - 1 hops, to the next GPU
     assert r["hop_fwd"] == partition
     for i in range(EP):
         # the next GPU is on another host at local index 7 only
         assert (r["fwd_permute_inter"][i], r["fwd_permute_intra"][i]) == (
-            (sent, 0) if i in BOUNDARY else (0, sent))
+            (sent, 0) if i in BOUNDARY else (0, sent)
+        )
         # fwd+bwd: every GPU sends the same bytes to its ring neighbour, more than the forward
         assert r["fwdbwd_permute_inter"][i] == (r["intra"][0] if i in BOUNDARY else 0)
         assert r["inter"][i] == r["fwdbwd_permute_inter"][i]
@@ -50,9 +72,9 @@ def test_all_to_all_sends_half_across(rows):
     ceil(T*k/E) rows of H bf16 per GPU, 1/EP of it to each GPU: 8 of 16 on the other host."""
     r = rows["a2a-cap1.0"]
     buffer = E * -(-T * K // E) * H * 2
-    across = 2 * buffer * LOCAL // EP            # the other host's 8 slices of both
+    across = 2 * buffer * LOCAL // EP  # the other host's 8 slices of both
     for i in range(EP):
-        assert across <= r["fwd_a2a_inter"][i] <= across + E * 4   # + per-expert counts, int32
+        assert across <= r["fwd_a2a_inter"][i] <= across + E * 4  # + per-expert counts, int32
         assert r["fwdbwd_a2a_inter"][i] * (LOCAL - 1) == r["fwdbwd_a2a_intra"][i] * LOCAL
     assert r["fwdbwd_permute_inter"] == r["fwd_permute_intra"] == [0] * EP
     assert r["fwdbwd"] > rows["ring-expert"]["fwdbwd"]
@@ -72,8 +94,16 @@ def test_hierarchical_ring_sends_one_partition_across_per_round(rows):
     assert scaling.hidden_hops(rows["a2a-cap1.0"]) == "-"
 
 
-@pytest.mark.parametrize("argv", [["--ep", "12"], ["--ep", "16", "-E", "24"], ["--ep", "0"],
-                                  ["-k", "200"], ["--variants", "ring"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ep", "12"],
+        ["--ep", "16", "-E", "24"],
+        ["--ep", "0"],
+        ["-k", "200"],
+        ["--variants", "ring"],
+    ],
+)
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         scaling.parse_args(argv)

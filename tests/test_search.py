@@ -1,5 +1,6 @@
 """train.search and the planner's size search: the largest size found against an exhaustive scan
 (pure), and against compiled steps (the found size fits, one step more does not)."""
+
 import pytest
 
 from relaymoe_jax.models.configs import load_config
@@ -7,35 +8,46 @@ from train import loop, planner, search
 from train import mesh as tm
 
 
-@pytest.mark.parametrize("slope, capacity, step, limit", [
-    (3, 100, 1, 64), (3, 100, 8, 64), (1, 10**6, 8, 64), (5, 4, 1, 10), (2, 41, 4, 4),
-    (7, 700, 16, 1000)])
+@pytest.mark.parametrize(
+    "slope, capacity, step, limit",
+    [
+        (3, 100, 1, 64),
+        (3, 100, 8, 64),
+        (1, 10**6, 8, 64),
+        (5, 4, 1, 10),
+        (2, 41, 4, 4),
+        (7, 700, 16, 1000),
+    ],
+)
 def test_largest_against_exhaustive_scan(slope, capacity, step, limit):
     peak = lambda n: slope * n + 1
     want = max((n for n in range(step, limit + 1, step) if peak(n) <= capacity), default=None)
     got, rec = search.largest(peak, capacity, step, limit)
     assert got == want
-    assert len(rec.probes) <= 2 * (limit // step).bit_length() + 1      # logarithmic
+    assert len(rec.probes) <= 2 * (limit // step).bit_length() + 1  # logarithmic
     assert all(size % step == 0 and size <= limit for size, _ in rec.probes)
 
 
 PAPER = [40960, 65536, 92160, 100352, 116736, 126976, 153600]
 
 
-@pytest.mark.parametrize("peak", [
-    lambda s: 0.35 * s + 28_000,                  # affine, as the full-size steps nearly are
-    lambda s: s * s / 300_000 + 20_000,           # convex
-    lambda s: 60_000 if s > 90_000 else 10_000,   # a step
-    lambda s: 2 ** (s // 20_000),                 # wildly non-affine
-])
+@pytest.mark.parametrize(
+    "peak",
+    [
+        lambda s: 0.35 * s + 28_000,  # affine, as the full-size steps nearly are
+        lambda s: s * s / 300_000 + 20_000,  # convex
+        lambda s: 60_000 if s > 90_000 else 10_000,  # a step
+        lambda s: 2 ** (s // 20_000),  # wildly non-affine
+    ],
+)
 @pytest.mark.parametrize("capacity", [5_000, 30_000, 50_000, 60_000, 72_000, 10**9])
 def test_largest_listed_against_exhaustive_scan(peak, capacity):
     want = max((s for s in PAPER if peak(s) <= capacity), default=None)
     got, rec = search.largest_listed(peak, capacity, PAPER[::-1])
     assert got == want
     probed = dict(rec.probes)
-    assert len(probed) == len(rec.probes) <= len(PAPER)           # never twice
-    if want is not None:                                          # the boundary was measured
+    assert len(probed) == len(rec.probes) <= len(PAPER)  # never twice
+    if want is not None:  # the boundary was measured
         assert probed[want] <= capacity
         assert want == PAPER[-1] or probed[PAPER[PAPER.index(want) + 1]] > capacity
 
@@ -46,7 +58,7 @@ def test_largest_listed_few_probes_when_affine():
         _, rec = search.largest_listed(peak, capacity, PAPER)
         assert len(rec.probes) <= 4, (capacity, rec.probes)
     _, rec = search.largest_listed(peak, 1_000, PAPER)
-    assert rec.probes == [(40960, peak(40960))]                   # smallest first
+    assert rec.probes == [(40960, peak(40960))]  # smallest first
 
 
 def test_largest_bad_input():
@@ -62,9 +74,8 @@ def test_largest_sequence_by_compiling():
     cfg = load_config("configs/tiny.yaml")
     tc = loop.TrainConfig(batch_size=8, seq_len=64)
     mesh = tm.make_mesh(tc.mesh)
-    capacity = 16 * 2**20                      # seq 256 needs 8.5 MiB, 384 more than 16
-    seq, rec = planner.largest_size(cfg, tc, mesh, capacity, field="seq_len", step=128,
-                                    limit=384)
-    peaks = dict(rec.probes)                   # each a compiled step's memory_analysis
+    capacity = 16 * 2**20  # seq 256 needs 8.5 MiB, 384 more than 16
+    seq, rec = planner.largest_size(cfg, tc, mesh, capacity, field="seq_len", step=128, limit=384)
+    peaks = dict(rec.probes)  # each a compiled step's memory_analysis
     assert seq == 256 and list(peaks) == [128, 256, 384]
     assert peaks[128] < peaks[256] <= capacity < peaks[384]

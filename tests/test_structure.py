@@ -15,8 +15,7 @@ E, K, H = 16, 8, 32
 T_LOCAL = 64
 
 
-def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring", routing="expert",
-           **extra):
+def _setup(mesh_name="ep8", token_axes=("expert",), dispatcher="ring", routing="expert", **extra):
     m = mesh(mesh_name)
     shards = int(np.prod([m.shape[a] for a in token_axes]))
     ids = uniform_ids(np.random.default_rng(0), T_LOCAL * shards, E, K)
@@ -103,18 +102,18 @@ def test_no_expanded_buffer_in_the_compiled_ring(routing):
     assert _largest_array(hlo) < limit, f"ring holds an array of {_largest_array(hlo)} elements"
     _, _, grad_a2a, _ = _setup(dispatcher="alltoall")
     hlo_a2a = jax.jit(grad_a2a).lower(*args).compile().as_text()
-    assert _largest_array(hlo_a2a) >= limit       # the check can fail: the baseline fails it
+    assert _largest_array(hlo_a2a) >= limit  # the check can fail: the baseline fails it
 
 
 @pytest.mark.parametrize("routing", ["expert", "token"])
 def test_poisoning_really_puts_nan_in_the_program(routing):
     nan = "0x7FC00000"
-    _, fwd, _, args = _setup(routing=routing)   # fresh each time: jit caches traces per function
+    _, fwd, _, args = _setup(routing=routing)  # fresh each time: jit caches traces per function
     plain = jax.jit(fwd).lower(*args).as_text().count(nan)
     _, fwd, _, args = _setup(routing=routing)
     with relaymoe_jax.poison_unwritten():
         poisoned = jax.jit(fwd).lower(*args).as_text().count(nan)
-    assert poisoned >= plain + 2        # chunk token rows (forward) and dy rows are NaN-filled
+    assert poisoned >= plain + 2  # chunk token rows (forward) and dy rows are NaN-filled
 
 
 def _eqns(jaxpr):
@@ -135,8 +134,11 @@ def test_pallas_kernel_reads_token_rows_without_a_gathered_chunk(routing):
 
     def gathered_chunks(gmm_impl):
         _, _, grad, args = _setup(routing=routing, gmm_impl=gmm_impl)
-        return [e for e in _eqns(jax.make_jaxpr(grad)(*args).jaxpr)
-                if e.primitive.name == "gather" and e.outvars[0].aval.shape == (chunk, H)]
+        return [
+            e
+            for e in _eqns(jax.make_jaxpr(grad)(*args).jaxpr)
+            if e.primitive.name == "gather" and e.outvars[0].aval.shape == (chunk, H)
+        ]
 
     assert gathered_chunks("xla")
     assert not gathered_chunks("pallas-interpret")

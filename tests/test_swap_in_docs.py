@@ -22,12 +22,15 @@ def sections():
 
 
 def test_the_doc_has_the_two_swaps_and_the_chex_section():
-    assert list(sections()) == ["Swap 1: an existing shard_map expert step",
-                                "Swap 2: an NNX MoE layer", "Test your integration with chex"]
+    assert list(sections()) == [
+        "Swap 1: an existing shard_map expert step",
+        "Swap 2: an NNX MoE layer",
+        "Test your integration with chex",
+    ]
 
 
 @pytest.mark.parametrize("title", list(sections()))
 def test_section_runs(title):
     code = sections()[title]
-    assert "assert_moe_parity" in code          # every section checks something
+    assert "assert_moe_parity" in code  # every section checks something
     exec(compile(code, f"{DOC.name}: {title}", "exec"), {"__name__": "swap_in_doc"})

@@ -58,23 +58,25 @@ def test_routing_cases_have_their_properties(t, k, e, n):
         counts = _counts(cases["ragged"], e)
         assert counts[0] == 0 and _rows_distinct(cases["ragged"])
         if n > 1:
-            assert np.all(counts[e - e_local:] == 0)          # a whole partition is empty
-        assert counts.max() >= 2 * t * k / e                   # the busiest: twice the mean
+            assert np.all(counts[e - e_local :] == 0)  # a whole partition is empty
+        assert counts.max() >= 2 * t * k / e  # the busiest: twice the mean
     if "ties" in cases:
         ids = cases["ties"]
         assert np.all(ids[:, 0] == ids[:, 1]) and np.all(ids[::3] == min(e // 2 + 1, e - 1))
     ids = cases["out_of_range"]
     bad = (ids < 0) | (ids >= e)
     assert sorted(ids[bad].tolist()) == [-1, e, 2**31 - 1]
-    assert _rows_distinct(np.where(bad, -1 - np.arange(k), ids))   # the rest: uniform
+    assert _rows_distinct(np.where(bad, -1 - np.arange(k), ids))  # the rest: uniform
 
 
 def test_routing_case_refuses_shapes_it_does_not_apply_to():
-    for name, shape, msg in [("all_experts", (8, 4, 16, 8), "top_k=4 != num_experts=16"),
-                             ("one_partition", (8, 4, 16, 8), "experts per partition 2"),
-                             ("ties", (8, 1, 16, 8), "top_k=1"),
-                             ("nope", (8, 1, 16, 8), "unknown case"),
-                             ("uniform", (8, 2, 15, 8), "num_experts % num_partitions")]:
+    for name, shape, msg in [
+        ("all_experts", (8, 4, 16, 8), "top_k=4 != num_experts=16"),
+        ("one_partition", (8, 4, 16, 8), "experts per partition 2"),
+        ("ties", (8, 1, 16, 8), "top_k=1"),
+        ("nope", (8, 1, 16, 8), "unknown case"),
+        ("uniform", (8, 2, 15, 8), "num_experts % num_partitions"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             testing.routing_case(name, *shape)
 
@@ -82,8 +84,15 @@ def test_routing_case_refuses_shapes_it_does_not_apply_to():
 def test_moe_inputs():
     ids = testing.routing_case("uniform", 8, 2, 4, 2)
     inp = testing.moe_inputs(ids, 4, hidden=6, ffn=5, dtype=jnp.bfloat16, seed=1)
-    assert [a.shape for a in inp] == [(8, 6), (8, 2), (8, 2), (4, 6, 5), (4, 6, 5), (4, 5, 6),
-                                      (8, 6)]
+    assert [a.shape for a in inp] == [
+        (8, 6),
+        (8, 2),
+        (8, 2),
+        (4, 6, 5),
+        (4, 6, 5),
+        (4, 5, 6),
+        (8, 6),
+    ]
     assert inp.x.dtype == jnp.bfloat16 and inp.r.dtype == jnp.float32 and len(inp.args) == 6
     assert np.all(np.asarray(inp.expert_ids) == ids)
     assert not np.allclose(np.asarray(inp.expert_weights, np.float32).sum(1), 1)  # not normalised
@@ -96,7 +105,7 @@ def test_moe_inputs():
 # ---------------------------------------------------------------------------------------------
 # the parity assertion on an 8-device mesh
 
-T, K, E = 32, 2, 16                    # 4 tokens per device
+T, K, E = 32, 2, 16  # 4 tokens per device
 M = mesh("ep8")
 REP = NamedSharding(M, P())
 OURS = jax.jit(functools.partial(relaymoe_jax.moe_ffn, mesh=M))
@@ -120,7 +129,7 @@ def test_parity_passes_for_moe_ffn_against_the_dense_reference():
     got, want = testing.assert_moe_parity(OURS, dense, *sharded_args("ragged"))
     assert list(got.grads) == ["x", "expert_weights", "w_gate", "w_up", "w_down"]
     assert got.y.shape == (T, 8) and got.grads["w_down"].shape == (E, 8, 8)
-    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in want.grads.values())   # nothing vacuous
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in want.grads.values())  # nothing vacuous
 
 
 def _one_pair(args):
@@ -135,11 +144,12 @@ def _mask():
     return mask
 
 
-BROKEN = {   # dense with one pair changed, written without relaymoe_jax.testing's perturbations
+BROKEN = {  # dense with one pair changed, written without relaymoe_jax.testing's perturbations
     "drop": lambda x, ids, wts, *w: dense(x, jnp.where(_mask(), -1, ids), wts, *w),
     "misweight": lambda x, ids, wts, *w: dense(x, ids, wts * np.where(_mask(), 1.5, 1.0), *w),
     "duplicate": lambda x, ids, wts, *w: dense(  # slot 1 of token 0 also takes slot 0's expert
-        x, jnp.where(np.roll(_mask(), 1, axis=1), _one_pair(sharded_args())[2], ids), wts, *w),
+        x, jnp.where(np.roll(_mask(), 1, axis=1), _one_pair(sharded_args())[2], ids), wts, *w
+    ),
 }
 
 
@@ -168,8 +178,9 @@ def test_parity_takes_pytrees_and_names_the_leaf_that_differs():
     layer = lambda x, ids, wts, p: dense(x, ids, wts, p["w_gate"], p["w_up"], p["w_down"])
     got, _ = testing.assert_moe_parity(layer, layer, x, ids, wts, params)
     assert list(got.grads) == ["x", "wts", "p"] and got.grads["p"]["w_up"].shape == wu.shape
-    frozen = lambda x, ids, wts, p: layer(x, ids, wts, dict(p, w_up=jax.lax.stop_gradient(
-        p["w_up"])))
+    frozen = lambda x, ids, wts, p: layer(
+        x, ids, wts, dict(p, w_up=jax.lax.stop_gradient(p["w_up"]))
+    )
     with pytest.raises(AssertionError, match=r"gradient w\.r\.t\. p\['w_up'\] differs"):
         testing.assert_moe_parity(frozen, layer, x, ids, wts, params)
 
@@ -201,12 +212,13 @@ def test_disabled_chex_assertions_are_refused():
 # ---------------------------------------------------------------------------------------------
 # emulated devices
 
+
 def test_use_cpu_devices_refuses_another_count_once_jax_started():
     if devices.user_set_cpu_devices():
         pytest.skip("the CPU device count was chosen by XLA_FLAGS / JAX_NUM_CPU_DEVICES")
     assert testing.use_cpu_devices is devices.use_cpu_devices
     assert jax.device_count("cpu") == 8
-    testing.use_cpu_devices(8)                                 # the same count: nothing to do
+    testing.use_cpu_devices(8)  # the same count: nothing to do
     with pytest.raises(RuntimeError, match="already initialised with 8 CPU devices"):
         testing.use_cpu_devices(4)
     assert jax.device_count("cpu") == 8

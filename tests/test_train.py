@@ -3,6 +3,7 @@
 Steps are numbered from 1 in metrics.jsonl. Resume is checked bitwise on CPU: a 6-step run
 continued to 9 steps logs exactly the losses of an uninterrupted 9-step run.
 """
+
 import json
 import math
 import re
@@ -38,7 +39,7 @@ def test_train_resume_matches_uninterrupted(tmp_path):
 
     assert cli.main([*SMALL, "--steps", "9", "--out", str(b), "--save-every", "4"]) == 0
     straight = _metrics(b)
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]      # bitwise on CPU
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # bitwise on CPU
 
     # a rerun at the same step count does nothing and keeps the log
     assert cli.main([*SMALL, "--steps", "9", "--out", str(a)]) == 0
@@ -51,7 +52,7 @@ def test_metrics_past_checkpoint_are_dropped_on_resume(tmp_path):
     log = out / "metrics.jsonl"
     lines = log.read_text().splitlines()
     fake = json.dumps({**json.loads(lines[-1]), "step": 3, "loss": -1.0})
-    log.write_text("\n".join([*lines, fake, '{"step": 4, "lo']) + "\n")    # crash after save
+    log.write_text("\n".join([*lines, fake, '{"step": 4, "lo']) + "\n")  # crash after save
     assert cli.main([*SMALL, "--steps", "3", "--out", str(out), "--synthetic"]) == 0
     recs = _metrics(out)
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -70,8 +71,21 @@ def test_expert_bias_is_checkpointed(tmp_path):
 def test_nonfinite_loss_stops_and_keeps_checkpoint(tmp_path):
     out = tmp_path / "nan"
     with pytest.raises(cli.NonFiniteLossError, match="last good checkpoint is step") as e:
-        cli.main([*SMALL, "--steps", "6", "--out", str(out), "--save-every", "1",
-                  "--synthetic", "lr=1e30", "warmup_steps=0", "clip_norm=1e30"])
+        cli.main(
+            [
+                *SMALL,
+                "--steps",
+                "6",
+                "--out",
+                str(out),
+                "--save-every",
+                "1",
+                "--synthetic",
+                "lr=1e30",
+                "warmup_steps=0",
+                "clip_norm=1e30",
+            ]
+        )
     bad = int(re.search(r"at step (\d+)", str(e.value))[1])
     assert 2 <= bad <= 6
     assert f"checkpoint is step {bad - 1} " in str(e.value)
@@ -88,20 +102,23 @@ def test_text_data_is_deterministic_and_cycles():
         np.testing.assert_array_equal(d.batch(s), again.batch(s))
         assert d.batch(s).shape == (8, 32) and d.batch(s).dtype == np.int32
     epoch0 = np.concatenate([d.batch(s) for s in range(steps_per_epoch)])
-    assert len({r.tobytes() for r in epoch0}) == len(epoch0)      # no repeats within an epoch
+    assert len({r.tobytes() for r in epoch0}) == len(epoch0)  # no repeats within an epoch
     other = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=4, vocab_size=256)
     assert not np.array_equal(d.batch(0), other.batch(0))
     syn = SyntheticData(16, 4, 0, 256)
     np.testing.assert_array_equal(syn.batch(7), SyntheticData(16, 4, 0, 256).batch(7))
 
 
-@pytest.mark.parametrize("extra, err, match", [
-    (["--data", "/nonexistent/x.txt"], FileNotFoundError, "data file not found"),
-    (["seq_len=100000"], ValueError, "max_position_embeddings"),
-    (["seq_len=9000", "max_position_embeddings=16384"], ValueError, "cannot fill"),
-    (["num_experts=6"], ValueError, "num_experts"),
-    (["lr=fast"], ValueError, "lr"),
-])
+@pytest.mark.parametrize(
+    "extra, err, match",
+    [
+        (["--data", "/nonexistent/x.txt"], FileNotFoundError, "data file not found"),
+        (["seq_len=100000"], ValueError, "max_position_embeddings"),
+        (["seq_len=9000", "max_position_embeddings=16384"], ValueError, "cannot fill"),
+        (["num_experts=6"], ValueError, "num_experts"),
+        (["lr=fast"], ValueError, "lr"),
+    ],
+)
 def test_bad_input_fails_before_compiling(tmp_path, extra, err, match):
     argv = ["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path / "x"), *extra]
     if not any(a.startswith("seq_len=") for a in extra):
@@ -110,10 +127,13 @@ def test_bad_input_fails_before_compiling(tmp_path, extra, err, match):
         cli.main(argv)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("hidden_size: 64\nhiden_layers: 2\n", r"bad\.yaml:2.*hiden_layers"),
-    ("hidden_size: [64\n", r"bad\.yaml"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("hidden_size: 64\nhiden_layers: 2\n", r"bad\.yaml:2.*hiden_layers"),
+        ("hidden_size: [64\n", r"bad\.yaml"),
+    ],
+)
 def test_bad_config_file_fails_before_compiling(tmp_path, text, match):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
@@ -125,11 +145,17 @@ def test_memory_table_compares_dispatchers(tmp_path, capsys):
     from relaymoe_jax.models.configs import load_config
     from train import loop, report
     from train import mesh as tm
-    assert cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "--synthetic",
-                     "--memory-table"]) == 0
+
+    assert (
+        cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "--synthetic", "--memory-table"])
+        == 0
+    )
     out = capsys.readouterr().out
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
-            if line.startswith("| ring") or line.startswith("| alltoall")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in out.splitlines()
+        if line.startswith("| ring") or line.startswith("| alltoall")
+    }
     assert list(rows) == [label for label, _ in report.DISPATCHERS]
     assert rows["ring"][0].strip() == "trained"
     assert {r[0].strip() for lbl, r in rows.items() if lbl != "ring"} == {"compile-only"}
@@ -145,6 +171,7 @@ def test_memory_table_compares_dispatchers(tmp_path, capsys):
 def test_the_trainer_runs_under_x64(tmp_path):
     """jax_enable_x64=True (int64 indices everywhere by default): the same losses as without."""
     import jax
+
     args = [*SMALL, "--steps", "2", "--synthetic"]
     assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
     with jax.enable_x64(True):

@@ -1,5 +1,6 @@
 """Trainer data (`train.data`) with a local HF tokenizer.json and the byte-level default, and the
 loss-curve plot (`train.plot`). The byte-level determinism/cycling test is in test_train.py."""
+
 import json
 import subprocess
 import sys
@@ -10,8 +11,10 @@ import pytest
 from train import plot
 from train.data import TextData, byte_tokenize, make_data
 
-TEXTS = ["the cat sat on the mat\nthe dog sat on the log\n",
-         "a cat and a dog\nthe mat and the log and the cat\n"]
+TEXTS = [
+    "the cat sat on the mat\nthe dog sat on the log\n",
+    "a cat and a dog\nthe mat and the log and the cat\n",
+]
 
 
 def _tokenizer_json(path, specials, *, bos_template=False):
@@ -24,7 +27,8 @@ def _tokenizer_json(path, specials, *, bos_template=False):
     tok.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=specials))
     if bos_template:
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     tok.save(str(path))
     return tok
 
@@ -43,11 +47,14 @@ def _sorted_rows(rows):
     return sorted(r.tobytes() for r in rows)
 
 
-@pytest.mark.parametrize("specials, eos", [
-    (["[UNK]", "<s>", "<|endoftext|>"], "<|endoftext|>"),
-    (["[UNK]", "<s>", "</s>"], "</s>"),
-    (["[UNK]", "<s>"], None),
-])
+@pytest.mark.parametrize(
+    "specials, eos",
+    [
+        (["[UNK]", "<s>", "<|endoftext|>"], "<|endoftext|>"),
+        (["[UNK]", "<s>", "</s>"], "</s>"),
+        (["[UNK]", "<s>"], None),
+    ],
+)
 def test_hf_tokenizer_packs_independent_tokenization(tmp_path, files, specials, eos):
     tok = _tokenizer_json(tmp_path / "tokenizer.json", specials, bos_template=True)
     sep = [] if eos is None else [tok.token_to_id(eos)]
@@ -55,19 +62,32 @@ def test_hf_tokenizer_packs_independent_tokenization(tmp_path, files, specials, 
     seq_len = 4
     n = len(ids) // seq_len
     want = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
-    d = make_data([str(f) for f in files], synthetic=False, seq_len=seq_len, batch_size=1,
-                  seed=1, vocab_size=tok.get_vocab_size() + 3,
-                  tokenizer=tmp_path / "tokenizer.json")
+    d = make_data(
+        [str(f) for f in files],
+        synthetic=False,
+        seq_len=seq_len,
+        batch_size=1,
+        seed=1,
+        vocab_size=tok.get_vocab_size() + 3,
+        tokenizer=tmp_path / "tokenizer.json",
+    )
     np.testing.assert_array_equal(d.seqs, want)
     assert d.seqs.dtype == np.int32 and d.num_seqs == n
-    assert tok.token_to_id("<s>") not in ids                   # no post-processor tokens
+    assert tok.token_to_id("<s>") not in ids  # no post-processor tokens
     epoch = np.concatenate([d.batch(s) for s in range(n)])
-    assert _sorted_rows(epoch) == _sorted_rows(want)           # an epoch is a permutation
+    assert _sorted_rows(epoch) == _sorted_rows(want)  # an epoch is a permutation
     b = d.batch(n + 3)
     assert b.shape == (1, seq_len) and b.dtype == np.int32
-    again = make_data(files, synthetic=False, seq_len=seq_len, batch_size=1, seed=1,
-                      vocab_size=64, tokenizer=str(tmp_path / "tokenizer.json"))
-    np.testing.assert_array_equal(again.batch(n + 3), b)    # order fixed by (seed, step)
+    again = make_data(
+        files,
+        synthetic=False,
+        seq_len=seq_len,
+        batch_size=1,
+        seed=1,
+        vocab_size=64,
+        tokenizer=str(tmp_path / "tokenizer.json"),
+    )
+    np.testing.assert_array_equal(again.batch(n + 3), b)  # order fixed by (seed, step)
 
 
 def test_hf_tokenizer_errors(tmp_path, files):
@@ -83,10 +103,16 @@ def test_hf_tokenizer_errors(tmp_path, files):
             TextData(files, vocab_size=64, tokenizer=bad, **kw)
     with pytest.raises(ValueError, match=rf"has {n} tokens, .*vocab_size={n - 1}"):
         TextData(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
-    TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)      # exactly fits
+    TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
     with pytest.raises(ValueError, match="cannot fill one sequence"):
-        TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", seq_len=10_000,
-                 batch_size=1, seed=0)
+        TextData(
+            files,
+            vocab_size=n,
+            tokenizer=tmp_path / "tok.json",
+            seq_len=10_000,
+            batch_size=1,
+            seed=0,
+        )
 
 
 def test_byte_tokenizer_packs_files_joined_by_newline(files):
@@ -101,9 +127,11 @@ def test_byte_tokenizer_packs_files_joined_by_newline(files):
 
 
 def test_default_data_does_not_import_tokenizers():
-    code = ("import sys; from train.data import make_data; "
-            "d = make_data(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
-            "vocab_size=256); d.batch(0); assert 'tokenizers' not in sys.modules")
+    code = (
+        "import sys; from train.data import make_data; "
+        "d = make_data(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
+        "vocab_size=256); d.batch(0); assert 'tokenizers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -135,7 +163,7 @@ def test_curves_equal_records(runs):
         np.testing.assert_array_equal(got[label][0], _want(recs, "loss")[0])
         np.testing.assert_array_equal(got[label][1], _want(recs, "loss")[1])
     lm = plot.curves({"a": runs["a"], "list": RUN_A[::-1]}, key="lm_loss")
-    for label in lm:                                  # lists taken as is, sorted by step
+    for label in lm:  # lists taken as is, sorted by step
         np.testing.assert_array_equal(np.stack(lm[label]), np.array(_want(RUN_A, "lm_loss")))
 
 

@@ -8,6 +8,7 @@ only records the signal. The planner's "nothing fits" is exit status 1 and bad s
 argument errors; the benchmarks refuse bad arguments in argparse. Disk-full during a run and the
 SIGINT / SIGTERM stops are subprocess tests in tests/test_train_kill.py.
 """
+
 import os
 import shutil
 import signal
@@ -35,11 +36,13 @@ class _Built(Exception):
 def no_build(monkeypatch):
     def refuse(*args, **kwargs):
         raise _Built("got as far as building the model")
+
     monkeypatch.setattr(loop, "init_state", refuse)
     monkeypatch.setattr(loop, "compile_step", refuse)
 
 
 # --------------------------------------------------------------------------- --out
+
 
 def test_out_is_a_file(tmp_path, no_build):
     f = tmp_path / "afile"
@@ -70,17 +73,24 @@ def test_out_read_only_directory_one_line(tmp_path):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-m", "train", *TINY, "--out", str(ro)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-m", "train", *TINY, "--out", str(ro)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         ro.chmod(0o755)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.splitlines() == [f"error: --out {ro}: the run directory is not writable: "
-                                        "Permission denied"]
+    assert proc.stderr.splitlines() == [
+        f"error: --out {ro}: the run directory is not writable: Permission denied"
+    ]
     assert proc.stdout == "" and list(ro.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- memory
+
 
 def test_paper_config_refused_before_building(tmp_path, no_build):
     """Qwen3-30B-A3B's train state on this machine's emulated devices: refused in seconds
@@ -88,21 +98,34 @@ def test_paper_config_refused_before_building(tmp_path, no_build):
     if (guards.host_available() or 0) > 600 * 2**30:
         pytest.skip("this host could hold Qwen3-30B-A3B's train state on 8 devices")
     t0 = time.perf_counter()
-    with pytest.raises(guards.DoesNotFitError,
-                       match=r"the train state alone needs [\d,.]+ GiB \([\d,.]+ GiB per device x "
-                             r"8 cpu devices: 30\.53B parameters.*more than the [\d,.]+ GiB of "
-                             r"available host RAM.*--force to try anyway"):
-        cli.main(["--config", "configs/qwen3-30b-a3b.yaml", "--steps", "1",
-                  "--out", str(tmp_path / "big")])
+    with pytest.raises(
+        guards.DoesNotFitError,
+        match=r"the train state alone needs [\d,.]+ GiB \([\d,.]+ GiB per device x "
+        r"8 cpu devices: 30\.53B parameters.*more than the [\d,.]+ GiB of "
+        r"available host RAM.*--force to try anyway",
+    ):
+        cli.main(
+            [
+                "--config",
+                "configs/qwen3-30b-a3b.yaml",
+                "--steps",
+                "1",
+                "--out",
+                str(tmp_path / "big"),
+            ]
+        )
     assert time.perf_counter() - t0 < 60
 
 
 def test_fit_check_host_ram_and_force(tmp_path, no_build, monkeypatch):
     monkeypatch.setattr(guards, "host_available", lambda: 2**20)
-    with pytest.raises(guards.DoesNotFitError, match=r"more than the 1\.0 MiB of available host "
-                                                     r"RAM"):
+    with pytest.raises(
+        guards.DoesNotFitError,
+        match=r"more than the 1\.0 MiB of available host "
+        r"RAM",
+    ):
         cli.main([*TINY, "--out", str(tmp_path / "a")])
-    with pytest.raises(_Built):             # --force: past the check, on to building
+    with pytest.raises(_Built):  # --force: past the check, on to building
         cli.main([*TINY, "--out", str(tmp_path / "b"), "--force"])
 
 
@@ -118,30 +141,37 @@ def test_fit_check_uses_an_accelerators_bytes_limit():
     cfg, mesh = load_config("configs/tiny.yaml"), tm.make_mesh(tc.mesh)
     est = guards.estimate(cfg, tc, mesh)
     assert est.params == 255_360 and est.grads < est.state < 4 * est.grads
-    with pytest.raises(guards.DoesNotFitError,
-                       match=r"needs 1\.\d MiB \(per device: .*more than the 1\.0 MiB of memory "
-                             r"of one FakeGPU 1MB \(bytes_limit\)"):
+    with pytest.raises(
+        guards.DoesNotFitError,
+        match=r"needs 1\.\d MiB \(per device: .*more than the 1\.0 MiB of memory "
+        r"of one FakeGPU 1MB \(bytes_limit\)",
+    ):
         guards.check_fits(cfg, tc, mesh, devices=[_FakeGPU()])
     assert guards.check_fits(cfg, tc, mesh, devices=[_FakeGPU()], force=True) == est
 
 
 # --------------------------------------------------------------------------- keys and files
 
+
 def test_unknown_command_line_key_lists_both_and_suggests(tmp_path, no_build):
     with pytest.raises(ValueError) as e:
         cli.main([*TINY, "--out", str(tmp_path), "batch_sze=8"])
     msg = str(e.value)
-    assert msg.startswith("command line batch_sze=8: unknown key(s) ['batch_sze']; did you mean "
-                          "'batch_size'"), msg
+    assert msg.startswith(
+        "command line batch_sze=8: unknown key(s) ['batch_sze']; did you mean 'batch_size'"
+    ), msg
     assert "trainer keys: ['b1', 'b2', 'batch_size'" in msg and "model config keys: [" in msg
-    assert "tiny.yaml" not in msg           # the file is not to blame
+    assert "tiny.yaml" not in msg  # the file is not to blame
 
 
 def test_trainer_key_in_the_yaml_file(tmp_path, no_build):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text((ROOT / "configs" / "tiny.yaml").read_text() + "batch_size: 8\n")
-    with pytest.raises(ValueError, match=r"cfg\.yaml:\d+: batch_size is a trainer setting, not a "
-                                         r"model config key"):
+    with pytest.raises(
+        ValueError,
+        match=r"cfg\.yaml:\d+: batch_size is a trainer setting, not a "
+        r"model config key",
+    ):
         cli.main(["--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "x")])
 
 
@@ -153,6 +183,7 @@ def test_empty_config_file_is_an_error(tmp_path, no_build):
 
 
 # --------------------------------------------------------------------------- --help, start-up
+
 
 def test_help_documents_every_flag_and_setting():
     p = cli.build_parser()
@@ -172,16 +203,19 @@ def test_help_documents_every_flag_and_setting():
 def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
     def stop(*args, **kwargs):
         raise _Built("compiling")
+
     monkeypatch.setattr(loop, "compile_step", stop)
     with pytest.raises(_Built):
         cli.main([*TINY, "--out", str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("building configs/tiny.yaml: 255,360 parameters, train state and "
-                             "gradients "), out
+    assert out[0].startswith(
+        "building configs/tiny.yaml: 255,360 parameters, train state and gradients "
+    ), out
     assert out[-1].startswith("compiling the train step (dispatcher=ring"), out
 
 
 # --------------------------------------------------------------------------- signals, errors
+
 
 def test_stop_records_signals_and_restores_handlers(capfd):
     before = signal.getsignal(signal.SIGTERM)
@@ -189,7 +223,7 @@ def test_stop_records_signals_and_restores_handlers(capfd):
         assert stop.requested() is None
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() == signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGINT)         # the first signal stays the one
+        os.kill(os.getpid(), signal.SIGINT)  # the first signal stays the one
         assert stop.requested() == signal.SIGTERM and stop.count == 2
     assert signal.getsignal(signal.SIGTERM) is before
     assert "SIGINT again: still finishing" in capfd.readouterr().err
@@ -200,6 +234,7 @@ def test_stop_records_signals_and_restores_handlers(capfd):
 def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     """A signal during the compile: no step ran, so nothing new is saved; the handlers are
     restored afterwards."""
+
     class Compiled:
         def memory_analysis(self):
             return None
@@ -207,10 +242,14 @@ def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     def compile_and_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return Compiled()
+
     monkeypatch.setattr(loop, "compile_step", compile_and_signal)
-    with pytest.raises(interrupt.Interrupted, match=r"interrupted by SIGTERM before the first "
-                                                    r"step; nothing new to save \(no checkpoint "
-                                                    r"yet\)") as e:
+    with pytest.raises(
+        interrupt.Interrupted,
+        match=r"interrupted by SIGTERM before the first "
+        r"step; nothing new to save \(no checkpoint "
+        r"yet\)",
+    ) as e:
         cli.main([*TINY, "--out", str(tmp_path)])
     assert e.value.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -219,12 +258,15 @@ def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
 
 
 def test_describe_write_error():
-    ts = ValueError('OUT_OF_RANGE: Error writing "000001/0.0" in OCDBT database at local file '
-                    '"/run/checkpoints/1.orbax-checkpoint-tmp/state/": Failed writing: '
-                    '"/run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12": Failed to write '
-                    "310345 bytes to file 6: No space left on device [os_error_code='28']")
-    assert guards.describe_write_error(ts) == ("No space left on device (ENOSPC): "
-                                               "/run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12")
+    ts = ValueError(
+        'OUT_OF_RANGE: Error writing "000001/0.0" in OCDBT database at local file '
+        '"/run/checkpoints/1.orbax-checkpoint-tmp/state/": Failed writing: '
+        '"/run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12": Failed to write '
+        "310345 bytes to file 6: No space left on device [os_error_code='28']"
+    )
+    assert guards.describe_write_error(ts) == (
+        "No space left on device (ENOSPC): /run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12"
+    )
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = PermissionError(13, "Permission denied", "/ro/x")
     assert guards.describe_write_error(wrapped) == "Permission denied (EACCES): /ro/x"
@@ -233,8 +275,15 @@ def test_describe_write_error():
 
 # --------------------------------------------------------------------------- planner, benchmarks
 
-@pytest.mark.parametrize("argv", [["--batch", "0", "--seq", "32"], ["--batch", "8", "--seq", "x"],
-                                  ["--batch", "8", "--seq", "32", "--max-seq", "-5"]])
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--batch", "0", "--seq", "32"],
+        ["--batch", "8", "--seq", "x"],
+        ["--batch", "8", "--seq", "32", "--max-seq", "-5"],
+    ],
+)
 def test_planner_bad_sizes_are_argument_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         planner.main(["--config", "configs/tiny.yaml", "--memory", "1GiB", *argv])
@@ -243,12 +292,25 @@ def test_planner_bad_sizes_are_argument_errors(argv, capsys):
 
 
 def test_planner_nothing_fits_exits_1(capsys):
-    code = planner.main(["--config", "configs/tiny.yaml", "--memory", "64KiB", "--batch", "8",
-                         "--seq", "32", "--dispatchers", "ring"])
+    code = planner.main(
+        [
+            "--config",
+            "configs/tiny.yaml",
+            "--memory",
+            "64KiB",
+            "--batch",
+            "8",
+            "--seq",
+            "32",
+            "--dispatchers",
+            "ring",
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("error: nothing fits in 0.1 MiB per device (0.9 x 64KiB) at batch "
-                              "8 x seq 32"), err
+    assert err[-1].startswith(
+        "error: nothing fits in 0.1 MiB per device (0.9 x 64KiB) at batch 8 x seq 32"
+    ), err
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +318,18 @@ def moe_layer():
     return load_script("benchmarks/moe_layer.py", "moe_layer_bench_errors")
 
 
-@pytest.mark.parametrize("argv, said", [
-    (["-E", "0"], "argument --experts/-E: expected a positive integer, got 0"),
-    (["-E", "6"], "--top-k 8 is more than --experts 6"),
-    (["-E", "12"], "--experts 12 does not split over --ep 8 devices"),
-    (["--ep", "0"], "argument --ep: expected a positive integer"),
-    (["--runs", "0"], "argument --runs"),
-    (["--chunk", "-1"], "argument --chunk"),
-    (["-T", "many"], "expected a positive integer, got 'many'"),
-])
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["-E", "0"], "argument --experts/-E: expected a positive integer, got 0"),
+        (["-E", "6"], "--top-k 8 is more than --experts 6"),
+        (["-E", "12"], "--experts 12 does not split over --ep 8 devices"),
+        (["--ep", "0"], "argument --ep: expected a positive integer"),
+        (["--runs", "0"], "argument --runs"),
+        (["--chunk", "-1"], "argument --chunk"),
+        (["-T", "many"], "expected a positive integer, got 'many'"),
+    ],
+)
 def test_moe_layer_bad_arguments(moe_layer, capsys, argv, said):
     with pytest.raises(SystemExit) as e:
         moe_layer.parse_args(argv)
@@ -272,13 +337,16 @@ def test_moe_layer_bad_arguments(moe_layer, capsys, argv, said):
     assert said in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script, call", [
-    ("benchmarks/capacity.py", lambda m: m.main(["--batch", "0"])),
-    ("benchmarks/compile_time.py", lambda m: m.main(["--layers", "0"])),
-    ("benchmarks/gpu.py", lambda m: m.parse_args(["--runs", "0"])),
-    ("benchmarks/gpu.py", lambda m: m.parse_args(["--budget-min", "-1"])),
-    ("benchmarks/train_parity.py", lambda m: m.main(["--steps", "0"])),
-])
+@pytest.mark.parametrize(
+    "script, call",
+    [
+        ("benchmarks/capacity.py", lambda m: m.main(["--batch", "0"])),
+        ("benchmarks/compile_time.py", lambda m: m.main(["--layers", "0"])),
+        ("benchmarks/gpu.py", lambda m: m.parse_args(["--runs", "0"])),
+        ("benchmarks/gpu.py", lambda m: m.parse_args(["--budget-min", "-1"])),
+        ("benchmarks/train_parity.py", lambda m: m.main(["--steps", "0"])),
+    ],
+)
 def test_benchmark_bad_sizes(script, call, capsys):
     module = load_script(script, "bench_" + Path(script).stem + "_errors")
     with pytest.raises(SystemExit) as e:

@@ -16,6 +16,7 @@ disk gives ENOSPC) during a checkpoint save or a metrics write is one line and e
 The in-process tests check `train.checkpoint.restore` on a toy state: silent bit flips are
 caught by the checksums, a wrong structure is refused, and all-corrupt runs fail clearly.
 """
+
 import fcntl
 import json
 import os
@@ -38,10 +39,18 @@ from train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 10, 3
-ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8",
-        "--save-every", str(SAVE_EVERY), "--steps", str(STEPS)]
+ARGS = [
+    "--config",
+    "configs/tiny.yaml",
+    "seq_len=32",
+    "batch_size=8",
+    "--save-every",
+    str(SAVE_EVERY),
+    "--steps",
+    str(STEPS),
+]
 TIMING = {"tokens_per_s", "step_time"}
-TIMEOUT_S = 300            # one trainer process (compiles in ~10-20 s)
+TIMEOUT_S = 300  # one trainer process (compiles in ~10-20 s)
 
 
 def _cmd(out: Path) -> list[str]:
@@ -63,8 +72,15 @@ def _env(fault: str | None = None) -> dict:
 
 def _run(out: Path, fault: str | None = None) -> subprocess.CompletedProcess:
     """The trainer on `out` to the end (or its fault), stdout and stderr together."""
-    return subprocess.run(_cmd(out), cwd=ROOT, env=_env(fault), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        _cmd(out),
+        cwd=ROOT,
+        env=_env(fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 def _run_ok(out: Path) -> str:
@@ -100,8 +116,12 @@ def _assert_checkpoints_intact(out: Path, steps: list[int]) -> None:
     with ocp.CheckpointManager(out / "checkpoints", options=opts) as mngr:
         assert list(mngr.all_steps()) == steps
         for s in steps:
-            got = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                          meta=ocp.args.JsonRestore()))
+            got = mngr.restore(
+                s,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
+                ),
+            )
             leaves = [got["state"][k] for k in sorted(got["state"])]
             assert got["meta"]["step"] == s
             assert ckpt.checksums(leaves) == got["meta"]["checksums"], s
@@ -115,9 +135,11 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
     out = root / "kill_reference"
-    _CACHE.update(JAX_COMPILATION_CACHE_DIR=str(root / "kill_jax_cache"),
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    _CACHE.update(
+        JAX_COMPILATION_CACHE_DIR=str(root / "kill_jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     with open(root / "kill_reference.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / "kill_reference.done").exists():
@@ -148,11 +170,15 @@ def test_sigkill_mid_training_then_restart_matches(tmp_path, reference):
     """Killed once step 3 is committed and at least 5 steps are logged: resumes from 3 or 6."""
     out = tmp_path / "run"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(_cmd(out), cwd=ROOT, env=_env(), stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _cmd(out), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT
+        )
         try:
-            _wait_until(lambda: _lines(out / "metrics.jsonl") >= 5
-                        and (out / "checkpoints" / "3").is_dir(), proc, TIMEOUT_S)
+            _wait_until(
+                lambda: _lines(out / "metrics.jsonl") >= 5 and (out / "checkpoints" / "3").is_dir(),
+                proc,
+                TIMEOUT_S,
+            )
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(timeout=30) == -signal.SIGKILL
         finally:
@@ -175,8 +201,8 @@ def test_sigkill_during_checkpoint_write_is_never_restored(tmp_path, reference):
     tmp = [n for n in names if n.startswith("9" + ckpt.TMP_MARK)]
     assert [n for n in names if n not in tmp] == ["3", "6"] and len(tmp) == 1, names
     written = [p for p in (out / "checkpoints" / tmp[0]).rglob("*") if p.is_file()]
-    assert any(p.parent.name == "d" for p in written), written      # array data was written
-    logged = [r["step"] for r in _metrics(out)]        # step 10 runs while 9 is written
+    assert any(p.parent.name == "d" for p in written), written  # array data was written
+    logged = [r["step"] for r in _metrics(out)]  # step 10 runs while 9 is written
     assert logged in (list(range(1, 10)), list(range(1, 11))), logged
 
     log = _run_ok(out)
@@ -205,6 +231,7 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, reference):
 
 
 # --- SIGINT / SIGTERM: checkpoint the last completed step, exit 130 / 143 -------------------
+
 
 def _tmp_dirs(out: Path, min_step: int = 0) -> list[Path]:
     """The temporary directories of saves in progress (of steps >= min_step)."""
@@ -238,16 +265,24 @@ def _interrupt(tmp_path: Path, signum: int, again_while_saving: bool = False):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    return (out, code, (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text(),
-            sent_again)
+    return (
+        out,
+        code,
+        (tmp_path / "out.log").read_text(),
+        (tmp_path / "err.log").read_text(),
+        sent_again,
+    )
 
 
 def _check_stopped(out: Path, err: str, name: str) -> int:
     """The stop line names the step it saved, which is the last logged one, finalized."""
     lines = [ln for ln in err.splitlines() if not ln.startswith(f"{name} again: ")]
     assert len(lines) == 1, err
-    m = re.fullmatch(rf"interrupted by {name} after step (\d+): checkpoint step (\d+) saved in "
-                     rf"(\S+); rerun the same command to resume", lines[0])
+    m = re.fullmatch(
+        rf"interrupted by {name} after step (\d+): checkpoint step (\d+) saved in "
+        rf"(\S+); rerun the same command to resume",
+        lines[0],
+    )
     assert m and m[1] == m[2] and Path(m[3]) == (out / "checkpoints").resolve(), lines[0]
     step = int(m[1])
     assert 4 <= step < STEPS
@@ -261,8 +296,11 @@ def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refer
     assert code == 130, (stdout[-2000:], err)
     assert "Traceback" not in stdout + err
     head = stdout.splitlines()
-    assert head[0].startswith("building configs/tiny.yaml: ") and head[1].startswith(
-        "compiling the train step (") and head[2].startswith("train step ready in "), head[:3]
+    assert (
+        head[0].startswith("building configs/tiny.yaml: ")
+        and head[1].startswith("compiling the train step (")
+        and head[2].startswith("train step ready in ")
+    ), head[:3]
     step = _check_stopped(out, err, "SIGINT")
     assert _resumed_step(_run_ok(out)) == step
     assert _values(out) == reference[1]
@@ -271,8 +309,9 @@ def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refer
 def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(tmp_path, reference):
     """The second SIGTERM lands while the checkpoint of the stop is being written: a note, the
     save completes, the run exits 143 and resumes from that step."""
-    out, code, stdout, err, sent_again = _interrupt(tmp_path, signal.SIGTERM,
-                                                    again_while_saving=True)
+    out, code, stdout, err, sent_again = _interrupt(
+        tmp_path, signal.SIGTERM, again_while_saving=True
+    )
     assert code == 143, (stdout[-2000:], err)
     assert "Traceback" not in stdout + err
     step = _check_stopped(out, err, "SIGTERM")
@@ -286,9 +325,11 @@ def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(tmp_path, refere
 
 # a fresh interpreter sets the limit and execs the trainer (a preexec_fn would run Python in a
 # fork of this multithreaded process); SIGXFSZ ignored, kept across exec: EFBIG, not a kill
-_LIMITED = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
-            "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+_LIMITED = (
+    "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
 
 
 def _with_file_size_limit(nbytes: int, cmd: list[str]) -> list[str]:
@@ -296,23 +337,38 @@ def _with_file_size_limit(nbytes: int, cmd: list[str]) -> list[str]:
     return [sys.executable, "-c", _LIMITED, str(nbytes), *cmd[1:]]
 
 
-@pytest.mark.parametrize("limit, extra, said", [
-    (100_000, [], r"error: saving a checkpoint in (\S+) failed: File too large \(EFBIG\): "
-                  r"\S+/3\.orbax-checkpoint-tmp\S* \(the newest complete checkpoint: none\)"),
-    (1_500, ["--save-every", "100"], r"error: writing (\S+) failed: File too large \(EFBIG\)"),
-], ids=["checkpoint", "metrics"])
+@pytest.mark.parametrize(
+    "limit, extra, said",
+    [
+        (
+            100_000,
+            [],
+            r"error: saving a checkpoint in (\S+) failed: File too large \(EFBIG\): "
+            r"\S+/3\.orbax-checkpoint-tmp\S* \(the newest complete checkpoint: none\)",
+        ),
+        (1_500, ["--save-every", "100"], r"error: writing (\S+) failed: File too large \(EFBIG\)"),
+    ],
+    ids=["checkpoint", "metrics"],
+)
 def test_disk_full_is_one_line(tmp_path, reference, limit, extra, said):
     """A checkpoint file or the metrics log cannot grow: one line naming the path and the
     operating system's message (no orbax or asyncio tracebacks), exit status 1."""
     out = tmp_path / "run"
-    proc = subprocess.run(_with_file_size_limit(limit, [*_cmd(out), *extra]), cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        _with_file_size_limit(limit, [*_cmd(out), *extra]),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert re.fullmatch(said, proc.stderr.strip()), proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout
 
 
 # --- in-process: restore() on a toy state ---------------------------------------------------
+
 
 def _toy_state(seed: int):
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
@@ -343,8 +399,10 @@ def _restore_toy(run: Path, like):
 
 
 def _equal(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def test_bit_flips_never_restore_wrong_values(tmp_path):
@@ -364,12 +422,12 @@ def test_bit_flips_never_restore_wrong_values(tmp_path):
         step, state, _ = _restore_toy(run, states[1])
         assert _equal(state, states[step]), (trial, step)
         outcomes.append(step)
-    assert 1 in outcomes, outcomes      # random floats compress badly: flips change values
+    assert 1 in outcomes, outcomes  # random floats compress badly: flips change values
 
 
 def test_checksum_mismatch_falls_back(tmp_path, capfd):
     ckdir, states = _save_toy(tmp_path)
-    _break_checksum(ckdir / "2", leaf=0)             # leaf 0 in jax.tree order: "b"
+    _break_checksum(ckdir / "2", leaf=0)  # leaf 0 in jax.tree order: "b"
     step, state, _ = _restore_toy(tmp_path, states[1])
     assert step == 1 and _equal(state, states[1])
     err = capfd.readouterr().err
@@ -396,4 +454,4 @@ def test_all_checkpoints_corrupt_or_mismatched_raise(tmp_path):
         _break_checksum(ckdir / str(s))
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"steps \[2, 1\] all failed"):
         _restore_toy(tmp_path, states[1])
-    assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]     # nothing moved
+    assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved

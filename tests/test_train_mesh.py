@@ -4,6 +4,7 @@ References: the loss of step 1 against float64 numpy cross-entropy of the initia
 and every other mesh against the EP=8 mesh (the model itself is checked against Hugging Face in
 test_hf_import.py).
 """
+
 import json
 
 import jax
@@ -48,16 +49,23 @@ def test_first_loss_matches_numpy(ep8):
     np.testing.assert_allclose(ep8[0]["lm_loss"], _numpy_first_loss("expert=8"), rtol=1e-6)
 
 
-@pytest.mark.parametrize("spec", [
-    "mesh=data=2,context=4", "mesh=fsdp=2,expert=4", "mesh=expert=4,expert_tensor=2",
-    "mesh=data=2,context=4 attention_impl=chunked attention_block_k=12"])   # last block padded
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "mesh=data=2,context=4",
+        "mesh=fsdp=2,expert=4",
+        "mesh=expert=4,expert_tensor=2",
+        "mesh=data=2,context=4 attention_impl=chunked attention_block_k=12",
+    ],
+)  # last block padded
 def test_meshes_match_ep8(tmp_path, ep8, spec):
     recs = _run(tmp_path, *spec.split())
-    rtol = 1e-5 if "chunked" in spec else 2e-6     # another summation order in the softmax
+    rtol = 1e-5 if "chunked" in spec else 2e-6  # another summation order in the softmax
     for a, b in zip(recs, ep8, strict=True):
         for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
-            np.testing.assert_allclose(a[k], b[k], rtol=rtol,
-                                       err_msg=f"{spec} step {a['step']} {k}")
+            np.testing.assert_allclose(
+                a[k], b[k], rtol=rtol, err_msg=f"{spec} step {a['step']} {k}"
+            )
 
 
 def test_fsdp_stores_params_and_moments_sharded():
@@ -78,36 +86,41 @@ def test_bf16_compute_keeps_f32_master_weights(tmp_path, ep8):
     recs = _run(tmp_path, "compute_dtype=bfloat16")
     for a, b in zip(recs, ep8, strict=True):
         np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-2)
-    assert recs[0]["lm_loss"] != ep8[0]["lm_loss"]          # it really computed in bf16
+    assert recs[0]["lm_loss"] != ep8[0]["lm_loss"]  # it really computed in bf16
     tc = loop.TrainConfig(compute_dtype="bfloat16")
     _, state, _, _ = loop.init_state(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
     assert {p.dtype for p in jax.tree.leaves(state["params"])} == {np.dtype("float32")}
 
 
-@pytest.mark.parametrize("spec, msg", [
-    ("expert=4", "has 4 devices but 8"),
-    ("expert=3,data=-1", "do not divide by 3"),
-    ("data=-1,expert=-1", "at most one axis may be -1"),
-    ("tensor=8", "axis=size with axis one of"),
-    ("expert=two", "must be an integer"),
-    ("expert=8,expert=8", "given twice"),
-    ("expert=0,data=8", "must be >= 1 or -1"),
-])
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        ("expert=4", "has 4 devices but 8"),
+        ("expert=3,data=-1", "do not divide by 3"),
+        ("data=-1,expert=-1", "at most one axis may be -1"),
+        ("tensor=8", "axis=size with axis one of"),
+        ("expert=two", "must be an integer"),
+        ("expert=8,expert=8", "given twice"),
+        ("expert=0,data=8", "must be >= 1 or -1"),
+    ],
+)
 def test_bad_mesh(spec, msg):
     with pytest.raises(ValueError, match=msg):
         tm.parse_mesh(spec, 8)
 
 
-@pytest.mark.parametrize("over, msg", [
-    (["mesh=expert=16"], "16 devices but 8"),
-    (["mesh=expert=4,expert_tensor=2", "moe_intermediate_size=63"], "does not split over"),
-    (["mesh=data=2,context=4", "seq_len=30"], "seq_len=30 does not split over context=4"),
-    (["compute_dtype=float16"], "compute_dtype='float16'"),
-])
+@pytest.mark.parametrize(
+    "over, msg",
+    [
+        (["mesh=expert=16"], "16 devices but 8"),
+        (["mesh=expert=4,expert_tensor=2", "moe_intermediate_size=63"], "does not split over"),
+        (["mesh=data=2,context=4", "seq_len=30"], "seq_len=30 does not split over context=4"),
+        (["compute_dtype=float16"], "compute_dtype='float16'"),
+    ],
+)
 def test_bad_mesh_fails_before_compiling(tmp_path, over, msg):
     with pytest.raises(ValueError, match=msg):
-        cli.parse(["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path),
-                   *over])
+        cli.parse(["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path), *over])
 
 
 @pytest.mark.parametrize("spec", ["fsdp=2,context=4", "fsdp=8"])
@@ -135,5 +148,8 @@ def test_fsdp_gather_keeps_folded_experts_sharded(spec):
             assert "fsdp" in str(model_spec)
     assert experts == 3 * load_config("configs/tiny.yaml").num_hidden_layers
     stored = [v.get_value().sharding.spec for v in variables]
-    assert any("fsdp" in str(s) for s, v in zip(stored, variables)
-               if "experts" not in v.get_metadata()["logical_axes"])   # storage added fsdp
+    assert any(
+        "fsdp" in str(s)
+        for s, v in zip(stored, variables)
+        if "experts" not in v.get_metadata()["logical_axes"]
+    )  # storage added fsdp

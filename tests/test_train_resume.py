@@ -6,6 +6,7 @@ is refused naming each key old -> new; `--allow-changes` resumes anyway; a same-
 plot; a data change is refused; a checkpoint without the identity warns. The schedule follows
 --steps, is kept on resume, and its lr is logged per step.
 """
+
 import dataclasses
 import json
 import shutil
@@ -21,7 +22,7 @@ from train import cli, identity, loop, plot, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8"]
-BASE = [*SMALL, "schedule_steps=20"]     # a fixed horizon: resuming to more steps keeps it
+BASE = [*SMALL, "schedule_steps=20"]  # a fixed horizon: resuming to more steps keeps it
 
 
 def _metrics(out):
@@ -53,18 +54,29 @@ def test_checkpoint_records_the_identity(base):
     assert meta["data"]["tokenizer"] is None
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["num_experts_per_tok=4", "lr=0.001"],
-     r"num_experts_per_tok 2 -> 4, lr 0\.003 -> 0\.001 would change the math.*"
-     r"--allow-changes num_experts_per_tok,lr"),
-    (["dispatcher=alltoall", "capacity_factor=1.0"],
-     r"dispatcher ring -> alltoall, capacity_factor null -> 1\.0 would change"),
-    (["rope_theta=500.0", "compute_dtype=bfloat16"],
-     r"rope_theta 10000\.0 -> 500\.0, compute_dtype float32 -> bfloat16 would"),
-    (["--data", "OTHER"], r"data declaration\.txt \(sha256 \w+\) -> other\.txt \(sha256 \w+\)"),
-    (["scan_layers=true", "--allow-changes", "scan_layers"],
-     r"scan_layers false -> true changes the parameter layout"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            ["num_experts_per_tok=4", "lr=0.001"],
+            r"num_experts_per_tok 2 -> 4, lr 0\.003 -> 0\.001 would change the math.*"
+            r"--allow-changes num_experts_per_tok,lr",
+        ),
+        (
+            ["dispatcher=alltoall", "capacity_factor=1.0"],
+            r"dispatcher ring -> alltoall, capacity_factor null -> 1\.0 would change",
+        ),
+        (
+            ["rope_theta=500.0", "compute_dtype=bfloat16"],
+            r"rope_theta 10000\.0 -> 500\.0, compute_dtype float32 -> bfloat16 would",
+        ),
+        (["--data", "OTHER"], r"data declaration\.txt \(sha256 \w+\) -> other\.txt \(sha256 \w+\)"),
+        (
+            ["scan_layers=true", "--allow-changes", "scan_layers"],
+            r"scan_layers false -> true changes the parameter layout",
+        ),
+    ],
+)
 def test_math_change_is_refused(run, tmp_path, extra, match):
     other = tmp_path / "other.txt"
     other.write_text("another text, long enough to fill a few sequences of 32 bytes. " * 20)
@@ -77,30 +89,61 @@ def test_math_change_is_refused(run, tmp_path, extra, match):
 
 
 def test_refusal_is_one_line_on_the_command_line(run):
-    p = subprocess.run([sys.executable, "-m", "train", *BASE, "--steps", "3", "--out", str(run),
-                        "num_experts_per_tok=4"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            *BASE,
+            "--steps",
+            "3",
+            "--out",
+            str(run),
+            "num_experts_per_tok=4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr[-2000:]
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     err = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert err == [f"error: cannot resume {run} at step 2: num_experts_per_tok 2 -> 4 would "
-                   "change the math; rerun with --allow-changes num_experts_per_tok to resume "
-                   "anyway, or use a new --out"], p.stderr[-2000:]
+    assert err == [
+        f"error: cannot resume {run} at step 2: num_experts_per_tok 2 -> 4 would "
+        "change the math; rerun with --allow-changes num_experts_per_tok to resume "
+        "anyway, or use a new --out"
+    ], p.stderr[-2000:]
 
 
 def test_allow_changes_resumes_and_records(run, capsys):
     argv = [*BASE, "--quiet", "--out", str(run), "num_experts_per_tok=4", "lr=0.001"]
-    assert cli.main([*argv, "--steps", "3", "--allow-changes", "num_experts_per_tok",
-                     "--allow-changes", "lr"]) == 0
+    assert (
+        cli.main(
+            [
+                *argv,
+                "--steps",
+                "3",
+                "--allow-changes",
+                "num_experts_per_tok",
+                "--allow-changes",
+                "lr",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("resuming from step 2 with changed settings: num_experts_per_tok 2 -> 4 (allowed by "
-            "--allow-changes); lr 0.003 -> 0.001 (allowed by --allow-changes)") in out
+    assert (
+        "resuming from step 2 with changed settings: num_experts_per_tok 2 -> 4 (allowed by "
+        "--allow-changes); lr 0.003 -> 0.001 (allowed by --allow-changes)"
+    ) in out
     recs = _metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert "resume_changes" not in recs[1]
     assert recs[2]["resume_changes"] == [
         {"key": "num_experts_per_tok", "old": 2, "new": 4, "same_math": False},
-        {"key": "lr", "old": 0.003, "new": 0.001, "same_math": False}]
+        {"key": "lr", "old": 0.003, "new": 0.001, "same_math": False},
+    ]
     # the new checkpoint holds the new identity: continuing needs no flag
     assert cli.main([*argv, "--steps", "4"]) == 0
     assert "changed settings" not in capsys.readouterr().out
@@ -110,15 +153,31 @@ def test_allow_changes_resumes_and_records(run, capsys):
 
 
 def test_same_math_change_is_allowed_logged_recorded_and_plotted(run, tmp_path, capsys):
-    assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run),
-                     "dispatcher=alltoall", "moe_remat=true"]) == 0
+    assert (
+        cli.main(
+            [
+                *BASE,
+                "--quiet",
+                "--steps",
+                "3",
+                "--out",
+                str(run),
+                "dispatcher=alltoall",
+                "moe_remat=true",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("resuming from step 2 with changed settings: dispatcher ring -> alltoall (same "
-            "math); moe_remat false -> true (same math)") in out
+    assert (
+        "resuming from step 2 with changed settings: dispatcher ring -> alltoall (same "
+        "math); moe_remat false -> true (same math)"
+    ) in out
     recs = _metrics(run)
     assert recs[2]["resume_changes"] == [
         {"key": "dispatcher", "old": "ring", "new": "alltoall", "same_math": True},
-        {"key": "moe_remat", "old": False, "new": True, "same_math": True}]
+        {"key": "moe_remat", "old": False, "new": True, "same_math": True},
+    ]
     # the same math: step 3 as an uninterrupted ring run's, to float rounding
     straight = tmp_path / "straight"
     assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(straight)]) == 0
@@ -135,8 +194,9 @@ def test_same_math_change_is_allowed_logged_recorded_and_plotted(run, tmp_path, 
     assert curve.get_label() == label and ax.get_legend().get_texts()[0].get_text() == label
     assert list(vline.get_xdata()) == [2.5, 2.5]
     assert [t.get_text() for t in ax.texts] == [
-        "step 3: dispatcher ring -> alltoall, moe_remat false -> true"]
-    assert plot.curves({"x": run})["x"][0].tolist() == [1, 2, 3]       # readers still work
+        "step 3: dispatcher ring -> alltoall, moe_remat false -> true"
+    ]
+    assert plot.curves({"x": run})["x"][0].tolist() == [1, 2, 3]  # readers still work
 
 
 def test_old_checkpoint_without_identity_warns(run, capsys):
@@ -150,9 +210,11 @@ def test_old_checkpoint_without_identity_warns(run, capsys):
     capsys.readouterr()
     assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run)]) == 0
     warn = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
-    assert warn == ["warning: checkpoint step 2 was written by an older trainer that did not "
-                    "record its model config and data: those cannot be checked (its trainer "
-                    "settings are)"]
+    assert warn == [
+        "warning: checkpoint step 2 was written by an older trainer that did not "
+        "record its model config and data: those cannot be checked (its trainer "
+        "settings are)"
+    ]
 
 
 def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
@@ -167,16 +229,19 @@ def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
     meta = json.loads((out / "checkpoints" / "3" / "meta" / "metadata").read_text())
     assert meta["train_config"]["schedule_steps"] == 3
 
-    with pytest.raises(identity.ResumeRefusedError,
-                       match=r"schedule_steps 3 -> 5 would change the math \(the cosine horizon "
-                             r"follows --steps unless schedule_steps is set: add "
-                             r"schedule_steps=3 to keep the checkpoint's schedule\)"):
+    with pytest.raises(
+        identity.ResumeRefusedError,
+        match=r"schedule_steps 3 -> 5 would change the math \(the cosine horizon "
+        r"follows --steps unless schedule_steps is set: add "
+        r"schedule_steps=3 to keep the checkpoint's schedule\)",
+    ):
         cli.main([*argv, "--steps", "5"])
     capsys.readouterr()
-    assert cli.main([*argv, "--steps", "5", "schedule_steps=3"]) == 0      # kept: at the floor
-    assert ("warning: schedule_steps=3 < --steps 5: the lr reaches its floor 0.0003 (lr * "
-            "min_lr_ratio) at step 4 and stays there for the last 2 steps"
-            ) in capsys.readouterr().out
+    assert cli.main([*argv, "--steps", "5", "schedule_steps=3"]) == 0  # kept: at the floor
+    assert (
+        "warning: schedule_steps=3 < --steps 5: the lr reaches its floor 0.0003 (lr * "
+        "min_lr_ratio) at step 4 and stays there for the last 2 steps"
+    ) in capsys.readouterr().out
     recs = _metrics(out)
     assert [r["lr"] for r in recs[:3]] == lr
     np.testing.assert_allclose([r["lr"] for r in recs[3:]], [3e-4, 3e-4], rtol=1e-6)
@@ -198,10 +263,19 @@ def test_schedule_steps_is_checked_and_unset_by_default(tmp_path):
 
 
 def test_progress_line_shows_lr():
-    rec = {"step": 2, "loss": 1.0, "lm_loss": 1.0, "aux_loss": 0.0, "z_loss": 0.0,
-           "grad_norm": 0.5, "lr": 0.00125, "tokens_per_s": 100.0, "step_time": 0.1}
+    rec = {
+        "step": 2,
+        "loss": 1.0,
+        "lm_loss": 1.0,
+        "aux_loss": 0.0,
+        "z_loss": 0.0,
+        "grad_norm": 0.5,
+        "lr": 0.00125,
+        "tokens_per_s": 100.0,
+        "step_time": 0.1,
+    }
     assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.Progress(0, 4).line(rec)
-    del rec["lr"]                                       # a record of an older run
+    del rec["lr"]  # a record of an older run
     assert " gnorm 0.500 100 tok/s " in progress.Progress(0, 4).line(rec)
 
 

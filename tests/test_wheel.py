@@ -8,6 +8,7 @@ appended to sys.path (the `.pth` files inside it are not run), so this environme
 install of the checkout does not leak in; the test checks that the modules come from the venv.
 No network: nothing is downloaded.
 """
+
 import json
 import os
 import shutil
@@ -57,19 +58,25 @@ print(json.dumps(out))
 
 def _expected_files() -> set[str]:
     """The checkout's package files by their names in the wheel."""
-    want = {f"relaymoe_jax/{p.relative_to(ROOT / 'relaymoe_jax')}"
-            for p in (ROOT / "relaymoe_jax").rglob("*")
-            if p.suffix in (".py", ".txtpb") and "__pycache__" not in p.parts}
-    want |= {f"relaymoe_train/{p.relative_to(ROOT / 'train')}" for p in (ROOT / "train").rglob("*")
-             if p.suffix in (".py", ".txt", ".md") and "__pycache__" not in p.parts}
+    want = {
+        f"relaymoe_jax/{p.relative_to(ROOT / 'relaymoe_jax')}"
+        for p in (ROOT / "relaymoe_jax").rglob("*")
+        if p.suffix in (".py", ".txtpb") and "__pycache__" not in p.parts
+    }
+    want |= {
+        f"relaymoe_train/{p.relative_to(ROOT / 'train')}"
+        for p in (ROOT / "train").rglob("*")
+        if p.suffix in (".py", ".txt", ".md") and "__pycache__" not in p.parts
+    }
     want |= {f"relaymoe_jax/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
     return want
 
 
 def _run(cmd, **kw) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert p.returncode == 0, (f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n"
-                               f"{p.stderr[-3000:]}")
+    assert p.returncode == 0, (
+        f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    )
     return p
 
 
@@ -78,13 +85,28 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     src, dist, env_dir, work = (tmp_path / n for n in ("src", "dist", "venv", "work"))
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(
+                ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-          "--no-index", str(src), "-w", str(dist)], timeout=300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            str(src),
+            "-w",
+            str(dist),
+        ],
+        timeout=300,
+    )
     (whl,) = dist.glob("relaymoe_jax-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     assert not _expected_files() - names, sorted(_expected_files() - names)
@@ -92,18 +114,35 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
 
     venv.create(env_dir, symlinks=True, with_pip=False)
     py = env_dir / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-          "--no-index", str(whl)], timeout=300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(whl),
+        ],
+        timeout=300,
+    )
     site = env_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
     deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "_relaymoe_test_deps.pth").write_text("".join(f"{d}\n" for d in deps))
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "XLA_FLAGS", "RELAYMOE_TRAIN_FAULT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "XLA_FLAGS", "RELAYMOE_TRAIN_FAULT")
+    }
     env.update(JAX_PLATFORMS="cpu", PYTHONNOUSERSITE="1")
     work.mkdir()
-    got = json.loads(_run([py, "-c", CHECK], cwd=work, env=env,
-                          timeout=300).stdout.splitlines()[-1])
+    got = json.loads(
+        _run([py, "-c", CHECK], cwd=work, env=env, timeout=300).stdout.splitlines()[-1]
+    )
     assert got["xla_flags_before"] is None and got["xla_flags_after"] is None
     for mod in ("relaymoe_jax", "relaymoe_train"):
         assert Path(got[mod]).is_relative_to(site), (mod, got[mod])
@@ -116,9 +155,24 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     assert 'pip install "relaymoe-jax[train]"' in got["no_extra_stderr"]
 
     out = tmp_path / "run"
-    p = _run([env_dir / "bin" / "relaymoe-train", "--config", "tiny", "--steps", "2", "--out",
-              str(out), "seq_len=32", "batch_size=8", "--quiet"], cwd=work, env=env, timeout=600)
-    assert "on 8 cpu devices" in p.stdout, p.stdout       # use_cpu_devices(8), no XLA_FLAGS
+    p = _run(
+        [
+            env_dir / "bin" / "relaymoe-train",
+            "--config",
+            "tiny",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+            "seq_len=32",
+            "batch_size=8",
+            "--quiet",
+        ],
+        cwd=work,
+        env=env,
+        timeout=600,
+    )
+    assert "on 8 cpu devices" in p.stdout, p.stdout  # use_cpu_devices(8), no XLA_FLAGS
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert (out / "checkpoints" / "2").is_dir() and (out / "loss.png").is_file()

@@ -65,9 +65,14 @@ def manager(out_dir: Path, max_to_keep: int = 2) -> ocp.CheckpointManager:
     async_opts = None
     if fault is not None:
         async_opts = ocp.AsyncOptions(
-            post_finalization_callback=functools.partial(_kill_if_saving, directory, fault))
-    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_interval_steps=1,
-                                        cleanup_tmp_directories=True, async_options=async_opts)
+            post_finalization_callback=functools.partial(_kill_if_saving, directory, fault)
+        )
+    opts = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        save_interval_steps=1,
+        cleanup_tmp_directories=True,
+        async_options=async_opts,
+    )
     return ocp.CheckpointManager(directory, options=opts)
 
 
@@ -85,11 +90,17 @@ def _fault_step() -> int | None:
 def _kill_if_saving(directory: Path, step: int) -> None:
     """Orbax's post-finalization callback (all files written, not yet renamed): SIGKILL this
     process if the save being committed is `step`'s temporary directory, with files in it."""
-    tmp = [p for p in directory.glob(f"{step}{TMP_MARK}*")
-           if p.is_dir() and any(f.is_file() for f in p.rglob("*"))]
+    tmp = [
+        p
+        for p in directory.glob(f"{step}{TMP_MARK}*")
+        if p.is_dir() and any(f.is_file() for f in p.rglob("*"))
+    ]
     if tmp and not (directory / str(step)).exists():
-        print(f"{FAULT_ENV}: killing the process during the save of step {step} ({tmp[0]})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{FAULT_ENV}: killing the process during the save of step {step} ({tmp[0]})",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -129,28 +140,40 @@ def _all_sums(leaves):
 
 def checksums(state) -> list[list[int]]:
     """Per leaf (in `jax.tree` order) the two uint32 sums of `_leaf_sums`, as Python ints."""
-    return [[int(v) for v in np.asarray(s)] for s in jax.device_get(_all_sums(
-        jax.tree.leaves(state)))]
+    return [
+        [int(v) for v in np.asarray(s)] for s in jax.device_get(_all_sums(jax.tree.leaves(state)))
+    ]
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
     """Start an (async) save of `state` and `meta` (plus step, leaf paths, types, checksums)."""
     leaves = jax.tree.leaves(state)
     flat = {f"{i:06d}": x for i, x in enumerate(leaves)}
-    meta = {**meta, "step": step, "leaf_paths": _paths(state), "leaf_types": _types(state),
-            "checksums": checksums(state)}
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                                            meta=ocp.args.JsonSave(meta)), force=True)
+    meta = {
+        **meta,
+        "step": step,
+        "leaf_paths": _paths(state),
+        "leaf_types": _types(state),
+        "checksums": checksums(state),
+    }
+    mngr.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)),
+        force=True,
+    )
 
 
 def _check_structure(mngr, step: int, meta: dict, like_state) -> None:
     """StateMismatchError if the checkpoint's leaves are not `like_state`'s (another model or
     optimizer)."""
     same = meta.get("leaf_paths") == _paths(like_state) and (
-        "leaf_types" not in meta or meta["leaf_types"] == _types(like_state))
+        "leaf_types" not in meta or meta["leaf_types"] == _types(like_state)
+    )
     if not same:
-        raise StateMismatchError(f"checkpoint step {step} in {mngr.directory} does not match this "
-                                 "model and optimizer (different state structure); use a new --out")
+        raise StateMismatchError(
+            f"checkpoint step {step} in {mngr.directory} does not match this "
+            "model and optimizer (different state structure); use a new --out"
+        )
 
 
 def _restore_step(mngr: ocp.CheckpointManager, step: int, like_state, check_meta=None):
@@ -161,14 +184,15 @@ def _restore_step(mngr: ocp.CheckpointManager, step: int, like_state, check_meta
         check_meta(meta)
     _check_structure(mngr, step, meta, like_state)
     leaves, treedef = jax.tree.flatten(like_state)
-    abstract = {f"{i:06d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                for i, x in enumerate(leaves)}
+    abstract = {
+        f"{i:06d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        for i, x in enumerate(leaves)
+    }
     out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     state = jax.tree.unflatten(treedef, [out["state"][f"{i:06d}"] for i in range(len(leaves))])
     if "checksums" in meta:
         paths = _paths(like_state)
-        bad = [p for p, want, got in zip(paths, meta["checksums"], checksums(state))
-               if want != got]
+        bad = [p for p, want, got in zip(paths, meta["checksums"], checksums(state)) if want != got]
         if bad:
             raise CorruptCheckpointError(f"checksum mismatch in {len(bad)} leaves, e.g. {bad[0]}")
     return state, meta
@@ -211,16 +235,20 @@ def restore(mngr: ocp.CheckpointManager, like_state, check_meta=None):
             state, meta = _restore_step(mngr, step, like_state, check_meta)
         except StateMismatchError:
             raise
-        except Exception as e:          # tensorstore raises plain Exception
-            _warn(f"checkpoint step {step} in {mngr.directory} cannot be restored "
-                  f"({type(e).__name__}: {_short(e)}); trying the previous step")
+        except Exception as e:  # tensorstore raises plain Exception
+            _warn(
+                f"checkpoint step {step} in {mngr.directory} cannot be restored "
+                f"({type(e).__name__}: {_short(e)}); trying the previous step"
+            )
             failed.append(step)
             continue
         _quarantine(mngr, failed)
         return step, state, meta
     if failed:
-        raise CorruptCheckpointError(f"no checkpoint in {mngr.directory} can be restored (steps "
-                                     f"{failed} all failed; see the warnings above)")
+        raise CorruptCheckpointError(
+            f"no checkpoint in {mngr.directory} can be restored (steps "
+            f"{failed} all failed; see the warnings above)"
+        )
     return None
 
 
@@ -228,8 +256,9 @@ def _short(err: BaseException, limit: int = 400) -> str:
     """The first line of an error and of its cause, cut to `limit` characters (tensorstore's
     messages go on with a whole JSON spec)."""
     parts = [err] if err.__cause__ is None else [err, err.__cause__]
-    lines = [(str(e).splitlines() or [""])[0].split(" See full TensorStore details")[0]
-             for e in parts]
+    lines = [
+        (str(e).splitlines() or [""])[0].split(" See full TensorStore details")[0] for e in parts
+    ]
     return " <- ".join(lines)[:limit]
 
 
@@ -244,7 +273,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:        # a line cut short by a crash
+        except json.JSONDecodeError:  # a line cut short by a crash
             continue
         if rec.get("step", 0) <= last_step:
             keep.append(line)

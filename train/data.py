@@ -44,12 +44,13 @@ def load_hf_tokenizer(path, vocab_size: int):
 
     try:
         tok = Tokenizer.from_file(str(path))
-    except Exception as e:           # the Rust side raises plain Exception
+    except Exception as e:  # the Rust side raises plain Exception
         raise ValueError(f"not a valid tokenizer.json: {path} ({e})") from e
     n = tok.get_vocab_size(with_added_tokens=True)
     if n > vocab_size:
-        raise ValueError(f"the tokenizer {path} has {n} tokens, more than the model's "
-                         f"vocab_size={vocab_size}")
+        raise ValueError(
+            f"the tokenizer {path} has {n} tokens, more than the model's vocab_size={vocab_size}"
+        )
     return tok
 
 
@@ -80,8 +81,9 @@ class TextData:
     """Fixed-length sequences packed from the tokens of `paths` (see the module docstring);
     `tokenizer` is the path of a HF tokenizer.json, or None for the byte-level tokenizer."""
 
-    def __init__(self, paths, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                 tokenizer=None):
+    def __init__(
+        self, paths, seq_len: int, batch_size: int, seed: int, vocab_size: int, tokenizer=None
+    ):
         paths = [Path(p) for p in paths]
         for p in paths:
             if not p.is_file():
@@ -90,14 +92,17 @@ class TextData:
             tok = None
             if vocab_size < 256:
                 raise ValueError(
-                    f"the byte-level tokenizer needs vocab_size >= 256, got {vocab_size}")
+                    f"the byte-level tokenizer needs vocab_size >= 256, got {vocab_size}"
+                )
         else:
             tok = load_hf_tokenizer(tokenizer, vocab_size)
         tokens = tokenize_files(paths, tok)
         self.num_seqs = len(tokens) // seq_len
         if self.num_seqs < 1:
-            raise ValueError(f"the data ({len(tokens)} tokens in {[str(p) for p in paths]}) "
-                             f"cannot fill one sequence of seq_len={seq_len}")
+            raise ValueError(
+                f"the data ({len(tokens)} tokens in {[str(p) for p in paths]}) "
+                f"cannot fill one sequence of seq_len={seq_len}"
+            )
         self.seqs = tokens[: self.num_seqs * seq_len].reshape(self.num_seqs, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self._perm_cache: dict[int, np.ndarray] = {}
@@ -131,8 +136,16 @@ class SyntheticData:
         return ((start + stride * np.arange(self.seq_len)) % self.vocab).astype(np.int32)
 
 
-def make_data(paths, *, synthetic: bool, seq_len: int, batch_size: int, seed: int,
-              vocab_size: int, tokenizer=None):
+def make_data(
+    paths,
+    *,
+    synthetic: bool,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    vocab_size: int,
+    tokenizer=None,
+):
     """The trainer's data source: `SyntheticData` if `synthetic` (then `paths` and `tokenizer`
     are ignored), else `TextData` over `paths` (default: the shipped text) tokenized by
     `tokenizer` (a tokenizer.json path, or None for bytes)."""

@@ -20,22 +20,33 @@ from pathlib import Path
 import jax
 
 DEFAULT_TIMEOUT_S = 300
-HEARTBEAT_TIMEOUT_S = 100          # jax's default; lowered to the run's timeout when that is less
+HEARTBEAT_TIMEOUT_S = 100  # jax's default; lowered to the run's timeout when that is less
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The distributed flags of `python -m train`."""
     g = p.add_argument_group("multi-process (jax.distributed)")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="address of process 0's coordinator, the same on every process")
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordinator, the same on every process",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="number of processes")
     g.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1")
-    g.add_argument("--distributed", action="store_true",
-                   help="let jax.distributed.initialize() detect the cluster from the environment "
-                        "(SLURM, Open MPI, Kubernetes, Cloud TPU)")
-    g.add_argument("--distributed-timeout", type=int, default=None, metavar="SECONDS",
-                   help=f"bound on connecting, on shutdown and on the heartbeat "
-                        f"(default {DEFAULT_TIMEOUT_S})")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="let jax.distributed.initialize() detect the cluster from the environment "
+        "(SLURM, Open MPI, Kubernetes, Cloud TPU)",
+    )
+    g.add_argument(
+        "--distributed-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help=f"bound on connecting, on shutdown and on the heartbeat (default {DEFAULT_TIMEOUT_S})",
+    )
 
 
 def _check_address(address: str) -> None:
@@ -47,28 +58,38 @@ def _check_address(address: str) -> None:
 def mode(args) -> str:
     """The run mode the flags ask for: "explicit", "auto" or "off"; ValueError for inconsistent
     flags. Touches no jax state."""
-    explicit = {"--coordinator-address": args.coordinator_address,
-                "--num-processes": args.num_processes, "--process-id": args.process_id}
+    explicit = {
+        "--coordinator-address": args.coordinator_address,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
     given = [k for k, v in explicit.items() if v is not None]
     if args.distributed and given:
-        raise ValueError(f"--distributed detects the cluster from the environment; "
-                         f"do not combine it with {', '.join(given)}")
+        raise ValueError(
+            f"--distributed detects the cluster from the environment; "
+            f"do not combine it with {', '.join(given)}"
+        )
     if given and len(given) < len(explicit):
         missing = [k for k in explicit if k not in given]
-        raise ValueError(f"{', '.join(given)} also needs {', '.join(missing)} "
-                         "(give all three, or none)")
+        raise ValueError(
+            f"{', '.join(given)} also needs {', '.join(missing)} (give all three, or none)"
+        )
     if given:
         _check_address(args.coordinator_address)
         if args.num_processes < 1:
             raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
         if not 0 <= args.process_id < args.num_processes:
-            raise ValueError(f"--process-id must be in 0..{args.num_processes - 1} "
-                             f"(--num-processes {args.num_processes}), got {args.process_id}")
+            raise ValueError(
+                f"--process-id must be in 0..{args.num_processes - 1} "
+                f"(--num-processes {args.num_processes}), got {args.process_id}"
+            )
     run = "explicit" if given else "auto" if args.distributed else "off"
     if args.distributed_timeout is not None:
         if run == "off":
-            raise ValueError("--distributed-timeout needs --distributed or --coordinator-address "
-                             "--num-processes --process-id")
+            raise ValueError(
+                "--distributed-timeout needs --distributed or --coordinator-address "
+                "--num-processes --process-id"
+            )
         if args.distributed_timeout < 1:
             raise ValueError(f"--distributed-timeout must be >= 1, got {args.distributed_timeout}")
     return run
@@ -80,14 +101,22 @@ def initialize(args) -> bool:
     run = mode(args)
     if run == "off":
         return False
-    if jax.distributed.is_initialized():           # a second in-process run: already connected
+    if jax.distributed.is_initialized():  # a second in-process run: already connected
         return True
     timeout = args.distributed_timeout or DEFAULT_TIMEOUT_S
-    kw = dict(initialization_timeout=timeout, shutdown_timeout_seconds=timeout,
-              heartbeat_timeout_seconds=min(HEARTBEAT_TIMEOUT_S, timeout))
+    kw = dict(
+        initialization_timeout=timeout,
+        shutdown_timeout_seconds=timeout,
+        heartbeat_timeout_seconds=min(HEARTBEAT_TIMEOUT_S, timeout),
+    )
     if run == "explicit":
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   cluster_detection_method="deactivate", **kw)
+        jax.distributed.initialize(
+            args.coordinator_address,
+            args.num_processes,
+            args.process_id,
+            cluster_detection_method="deactivate",
+            **kw,
+        )
     else:
         jax.distributed.initialize(**kw)
     return True

@@ -50,6 +50,7 @@ class WriteError(Exception):
 
 # --------------------------------------------------------------------------- --out
 
+
 def prepare_run_dir(out: Path) -> Path:
     """Create `out` (and its parents) if needed and check that files can be created in it."""
     out = Path(out)
@@ -61,15 +62,17 @@ def prepare_run_dir(out: Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunDirError(f"--out {out}: cannot create the run directory: "
-                          f"{_os_message(e)}") from None
+        raise RunDirError(
+            f"--out {out}: cannot create the run directory: {_os_message(e)}"
+        ) from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".relaymoe-write-test-", dir=out)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise RunDirError(f"--out {out}: the run directory is not writable: "
-                          f"{e.strerror or e}") from None
+        raise RunDirError(
+            f"--out {out}: the run directory is not writable: {e.strerror or e}"
+        ) from None
     for sub in ("checkpoints", "metrics.jsonl"):
         p = out / sub
         if sub == "checkpoints" and p.exists() and not p.is_dir():
@@ -86,11 +89,12 @@ def _os_message(e: OSError) -> str:
 
 # --------------------------------------------------------------------------- memory
 
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    params: int            # parameters of the model (`param_count`)
-    state: int             # bytes per device of the train state (params, moments, the rest)
-    grads: int             # bytes per device of the gradients (the parameters' shards)
+    params: int  # parameters of the model (`param_count`)
+    state: int  # bytes per device of the train state (params, moments, the rest)
+    grads: int  # bytes per device of the gradients (the parameters' shards)
 
     @property
     def per_device(self) -> int:
@@ -104,6 +108,7 @@ def _shard_bytes(x) -> int:
 def estimate(cfg, tc, mesh) -> Estimate:
     """Per-device bytes of the train state and gradients, from shapes and shardings only."""
     from . import loop  # the train extra (optax); this module itself needs only jax
+
     _, state, _, _ = loop.abstract_state(cfg, tc, mesh)
     total = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
     grads = sum(_shard_bytes(x) for x in jax.tree.leaves(state["params"]))
@@ -132,7 +137,7 @@ def capacity(devices) -> tuple[int, int, str] | None:
     d = devices[0]
     try:
         stats = d.memory_stats() or {}
-    except Exception:            # backends without memory stats raise
+    except Exception:  # backends without memory stats raise
         stats = {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), 1, f"memory of one {d.device_kind} (bytes_limit)"
@@ -161,13 +166,17 @@ def check_fits(cfg, tc, mesh, force: bool = False, devices=None) -> Estimate:
     limit, sharing, what = cap
     need = est.per_device * sharing
     if need > limit:
-        per = (f"{fmt_bytes(est.per_device)} per device x {sharing} {devices[0].platform} "
-               f"devices" if sharing > 1 else "per device")
+        per = (
+            f"{fmt_bytes(est.per_device)} per device x {sharing} {devices[0].platform} devices"
+            if sharing > 1
+            else "per device"
+        )
         raise DoesNotFitError(
             f"the train state alone needs {fmt_bytes(need)} ({per}: {_fmt_count(est.params)} "
             f"parameters, AdamW moments and gradients in float32, before any activation), more "
             f"than the {fmt_bytes(limit)} of {what}; use a smaller config, more devices or an "
-            f"fsdp axis (mesh=fsdp=N,...), or --force to try anyway")
+            f"fsdp axis (mesh=fsdp=N,...), or --force to try anyway"
+        )
     return est
 
 
@@ -194,21 +203,25 @@ def os_error_text(e: BaseException) -> str | None:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno:
-            return (f"{err.strerror or os.strerror(err.errno)} "
-                    f"({errno_mod.errorcode.get(err.errno, err.errno)})"
-                    + (f": {err.filename}" if err.filename else ""))
+            return (
+                f"{err.strerror or os.strerror(err.errno)} "
+                f"({errno_mod.errorcode.get(err.errno, err.errno)})"
+                + (f": {err.filename}" if err.filename else "")
+            )
         text = str(err)
         code = _OS_CODE.search(text)
         if code:
             n = int(code[1])
             paths = _QUOTED_PATH.findall(text)
-            return (f"{os.strerror(n)} ({errno_mod.errorcode.get(n, n)})"
-                    + (f": {paths[-1]}" if paths else ""))
+            return f"{os.strerror(n)} ({errno_mod.errorcode.get(n, n)})" + (
+                f": {paths[-1]}" if paths else ""
+            )
         err = err.__cause__ or err.__context__
     return None
 
 
 # --------------------------------------------------------------------------- logging
+
 
 class _DropBackgroundSaveErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -231,13 +244,16 @@ def _closed_loop_callback(exc_type, exc, tb) -> bool:
     last = None
     while tb is not None:
         last, tb = tb, tb.tb_next
-    return last is not None and last.tb_frame.f_code.co_name in ("_check_closed",
-                                                                  "call_soon_threadsafe")
+    return last is not None and last.tb_frame.f_code.co_name in (
+        "_check_closed",
+        "call_soon_threadsafe",
+    )
 
 
 def _unraisablehook(unraisable, _previous=sys.unraisablehook):
-    if not _closed_loop_callback(unraisable.exc_type, unraisable.exc_value,
-                                 unraisable.exc_traceback):
+    if not _closed_loop_callback(
+        unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback
+    ):
         _previous(unraisable)
 
 
@@ -251,10 +267,13 @@ def quiet_background_errors(keep: bool = False):
     for lg in loggers:
         lg.addFilter(_FILTER)
     # the abandoned write tasks' coroutines, garbage collected unawaited (up to the exit)
-    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
-                            category=RuntimeWarning)
-    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(
-        _unraisablehook, _previous=sys.unraisablehook)
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning
+    )
+    hook, sys.unraisablehook = (
+        sys.unraisablehook,
+        functools.partial(_unraisablehook, _previous=sys.unraisablehook),
+    )
     try:
         yield
     finally:

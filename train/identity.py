@@ -61,10 +61,22 @@ from . import loop
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer")
 # same math up to float rounding (see the module docstring)
-SAME_MATH = frozenset({"routing", "ring", "chunk_size", "gmm_impl", "attention_impl",
-                       "attention_block_k", "attention_remat", "moe_remat",
-                       "max_position_embeddings", "loss_chunk", "save_every"})
-DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})   # same math while dropless
+SAME_MATH = frozenset(
+    {
+        "routing",
+        "ring",
+        "chunk_size",
+        "gmm_impl",
+        "attention_impl",
+        "attention_block_k",
+        "attention_remat",
+        "moe_remat",
+        "max_position_embeddings",
+        "loss_chunk",
+        "save_every",
+    }
+)
+DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})  # same math while dropless
 LAYOUT_KEYS = frozenset({"scan_layers"})
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(loop.TrainConfig))
@@ -75,15 +87,20 @@ class ResumeRefusedError(ckpt.StateMismatchError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(ALLOW_FLAG, action="append", default=[], metavar="KEY[,KEY...]",
-                   help="resume even though these settings differ from the checkpoint's "
-                        "(model config or trainer keys, 'data', 'tokenizer'). Without it a "
-                        "resume that changes the math (top-k, lr, data, the schedule's horizon, "
-                        "...) is refused; same-math changes (ring <-> dropless alltoall, "
-                        "routing, remat, chunk sizes) are always allowed and logged. The cosine "
-                        "horizon is schedule_steps if set, else --steps, and is recorded: a "
-                        "resume with another --steps needs schedule_steps=<old> (keep) or "
-                        f"{ALLOW_FLAG} schedule_steps (switch)")
+    p.add_argument(
+        ALLOW_FLAG,
+        action="append",
+        default=[],
+        metavar="KEY[,KEY...]",
+        help="resume even though these settings differ from the checkpoint's "
+        "(model config or trainer keys, 'data', 'tokenizer'). Without it a "
+        "resume that changes the math (top-k, lr, data, the schedule's horizon, "
+        "...) is refused; same-math changes (ring <-> dropless alltoall, "
+        "routing, remat, chunk sizes) are always allowed and logged. The cosine "
+        "horizon is schedule_steps if set, else --steps, and is recorded: a "
+        "resume with another --steps needs schedule_steps=<old> (keep) or "
+        f"{ALLOW_FLAG} schedule_steps (switch)",
+    )
 
 
 def allowed_keys(items) -> frozenset:
@@ -91,8 +108,10 @@ def allowed_keys(items) -> frozenset:
     keys = {k.strip() for item in items or () for k in item.split(",") if k.strip()}
     unknown = sorted(keys - set(MODEL_FIELDS) - set(TRAIN_FIELDS) - set(DATA_KEYS))
     if unknown:
-        raise ValueError(f"{ALLOW_FLAG}: unknown key(s) {unknown}; expected model config or "
-                         f"trainer keys, 'data' or 'tokenizer'")
+        raise ValueError(
+            f"{ALLOW_FLAG}: unknown key(s) {unknown}; expected model config or "
+            f"trainer keys, 'data' or 'tokenizer'"
+        )
     return frozenset(keys)
 
 
@@ -109,9 +128,12 @@ def data_identity(paths, tokenizer, synthetic: bool) -> dict:
     if synthetic:
         return {"synthetic": True}
     files = [Path(p) for p in (paths or [data_mod.DEFAULT_TEXT])]
-    return {"files": [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in files],
-            "tokenizer": None if tokenizer is None else
-            {"path": str(Path(tokenizer).resolve()), "sha256": sha256_file(tokenizer)}}
+    return {
+        "files": [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in files],
+        "tokenizer": None
+        if tokenizer is None
+        else {"path": str(Path(tokenizer).resolve()), "sha256": sha256_file(tokenizer)},
+    }
 
 
 def _json(x):
@@ -178,7 +200,8 @@ def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
         if [f["sha256"] for f in old_d["files"]] != [f["sha256"] for f in data["files"]]:
             changes.append(Change("data", _files(old_d), _files(data), False))
         if (old_d.get("tokenizer") or {}).get("sha256") != (data.get("tokenizer") or {}).get(
-                "sha256"):
+            "sha256"
+        ):
             changes.append(Change("tokenizer", _tokenizer(old_d), _tokenizer(data), False))
     return changes
 
@@ -187,8 +210,18 @@ class RunIdentity:
     """This run's identity (`meta`, saved with every checkpoint) and the resume check
     (`check`, the `check_meta` hook of `train.checkpoint.restore`)."""
 
-    def __init__(self, cfg, tc: loop.TrainConfig, *, steps: int, data_paths, tokenizer,
-                 allow=frozenset(), explicit_schedule: bool = True, out=None):
+    def __init__(
+        self,
+        cfg,
+        tc: loop.TrainConfig,
+        *,
+        steps: int,
+        data_paths,
+        tokenizer,
+        allow=frozenset(),
+        explicit_schedule: bool = True,
+        out=None,
+    ):
         self.model = _json(dataclasses.asdict(cfg))
         self.train = _json(dataclasses.asdict(tc))
         self.data = data_identity(data_paths, tokenizer, tc.synthetic)
@@ -206,7 +239,7 @@ class RunIdentity:
         step = meta.get("step")
         self.resumed_at, self.changes, self.notes = step, [], []
         if step is not None and step >= self.steps:
-            return                          # nothing left to train
+            return  # nothing left to train
         where = f"{self.out} at step {step}" if self.out is not None else f"step {step}"
         changes = compare(meta, self.model, self.train, self.data)
         layout = [c for c in changes if c.layout]
@@ -214,29 +247,39 @@ class RunIdentity:
             raise ResumeRefusedError(
                 f"cannot resume {where}: {', '.join(c.text() for c in layout)} changes the "
                 f"parameter layout (the layers stacked on one axis), so the checkpoint cannot be "
-                f"restored with it; keep {layout[0].key}={_fmt(layout[0].old)} or use a new --out")
+                f"restored with it; keep {layout[0].key}={_fmt(layout[0].old)} or use a new --out"
+            )
         refused = [c for c in changes if not c.same_math and c.key not in self.allow]
         if refused:
             keys = ",".join(c.key for c in refused)
             hint = ""
             sched = next((c for c in refused if c.key == "schedule_steps"), None)
             if sched is not None and not self.explicit_schedule:
-                hint = (f" (the cosine horizon follows --steps unless schedule_steps is set: add "
-                        f"schedule_steps={_fmt(sched.old)} to keep the checkpoint's schedule)")
+                hint = (
+                    f" (the cosine horizon follows --steps unless schedule_steps is set: add "
+                    f"schedule_steps={_fmt(sched.old)} to keep the checkpoint's schedule)"
+                )
             raise ResumeRefusedError(
                 f"cannot resume {where}: {', '.join(c.text() for c in refused)} would change "
                 f"the math{hint}; rerun with {ALLOW_FLAG} {keys} to resume anyway, or use a new "
-                f"--out")
+                f"--out"
+            )
         self.changes = changes
         if "model_config" not in meta:
             what = "its trainer settings are" if meta.get("train_config") else "nothing is"
-            self.notes.append(f"warning: checkpoint step {step} was written by an older trainer "
-                              f"that did not record its model config and data: those cannot be "
-                              f"checked ({what})")
+            self.notes.append(
+                f"warning: checkpoint step {step} was written by an older trainer "
+                f"that did not record its model config and data: those cannot be "
+                f"checked ({what})"
+            )
         if changes:
-            self.notes.append(f"resuming from step {step} with changed settings: " + "; ".join(
-                c.text() + (" (same math)" if c.same_math else f" (allowed by {ALLOW_FLAG})")
-                for c in changes))
+            self.notes.append(
+                f"resuming from step {step} with changed settings: "
+                + "; ".join(
+                    c.text() + (" (same math)" if c.same_math else f" (allowed by {ALLOW_FLAG})")
+                    for c in changes
+                )
+            )
 
     def report(self, log) -> None:
         """Logs the notes of the last `check` (a warning and/or the accepted changes)."""
@@ -259,16 +302,26 @@ def prepare(args, tc: loop.TrainConfig, cfg, log=print):
     the end; `args.data`, `args.tokenizer` and `args.allow_changes` read."""
     explicit = tc.schedule_steps is not None
     if explicit and tc.schedule_steps < 1:
-        raise ValueError(f"schedule_steps={tc.schedule_steps}: expected an int >= 1 (or unset: "
-                         f"follow --steps)")
+        raise ValueError(
+            f"schedule_steps={tc.schedule_steps}: expected an int >= 1 (or unset: follow --steps)"
+        )
     allow = allowed_keys(getattr(args, "allow_changes", None))
     tc = dataclasses.replace(tc, schedule_steps=loop.schedule_horizon(tc, args.steps))
     if tc.schedule_steps < args.steps:
-        log(f"warning: schedule_steps={tc.schedule_steps} < --steps {args.steps}: the lr "
+        log(
+            f"warning: schedule_steps={tc.schedule_steps} < --steps {args.steps}: the lr "
             f"reaches its floor {tc.lr * tc.min_lr_ratio:.3g} (lr * min_lr_ratio) at step "
             f"{tc.schedule_steps + 1} and stays there for the last "
-            f"{args.steps - tc.schedule_steps} steps")
-    run = RunIdentity(cfg, tc, steps=args.steps, data_paths=getattr(args, "data", None),
-                      tokenizer=getattr(args, "tokenizer", None), allow=allow,
-                      explicit_schedule=explicit, out=getattr(args, "out", None))
+            f"{args.steps - tc.schedule_steps} steps"
+        )
+    run = RunIdentity(
+        cfg,
+        tc,
+        steps=args.steps,
+        data_paths=getattr(args, "data", None),
+        tokenizer=getattr(args, "tokenizer", None),
+        allow=allow,
+        explicit_schedule=explicit,
+        out=getattr(args, "out", None),
+    )
     return tc, run

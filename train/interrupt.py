@@ -83,9 +83,14 @@ class Stop:
             self.signum = signum
             return
         # os.write, not print: the main thread may be inside a print to the same stream
-        os.write(2, (f"{signal_name(signum)} again: still finishing the step in progress and its "
-                     "checkpoint, then exiting (SIGKILL stops at once; an unfinished save is "
-                     "never restored)\n").encode())
+        os.write(
+            2,
+            (
+                f"{signal_name(signum)} again: still finishing the step in progress and its "
+                "checkpoint, then exiting (SIGKILL stops at once; an unfinished save is "
+                "never restored)\n"
+            ).encode(),
+        )
 
     def requested(self) -> int | None:
         """The signal to stop on, or None. In a multi-process run, an all-gather of every
@@ -93,7 +98,8 @@ class Stop:
         if jax.process_count() == 1:
             return self.signum
         from jax.experimental import multihost_utils
-        mine = self.signum or 0     # read once: a signal landing after the all-gather waits for
-        got = np.asarray(multihost_utils.process_allgather(np.int32(mine)))   # the next step,
-        flags = [int(s) for s in got.ravel() if s]     # so every process decides the same way
+
+        mine = self.signum or 0  # read once: a signal landing after the all-gather waits for
+        got = np.asarray(multihost_utils.process_allgather(np.int32(mine)))  # the next step,
+        flags = [int(s) for s in got.ravel() if s]  # so every process decides the same way
         return (mine or max(flags)) if flags else None

@@ -31,10 +31,11 @@ from relaymoe_jax.xla_options import XLA_OPTIONS
 @dataclasses.dataclass
 class TrainConfig:
     """Trainer settings (model settings are the `ModelConfig` of the YAML file)."""
+
     batch_size: int = 8
     seq_len: int = 64
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1          # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
     schedule_steps: int | None = None  # cosine horizon; None: the run's --steps (train.identity)
     weight_decay: float = 0.1
@@ -44,9 +45,9 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     synthetic: bool = False
-    mesh: str = "expert=-1"            # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
-    compute_dtype: str = "float32"     # "bfloat16": bf16 compute, float32 master weights
-    loss_chunk: int = DEFAULT_CHUNK    # tokens per device per LM-head chunk (models/loss.py)
+    mesh: str = "expert=-1"  # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, float32 master weights
+    loss_chunk: int = DEFAULT_CHUNK  # tokens per device per LM-head chunk (models/loss.py)
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -75,8 +76,12 @@ def make_schedule(tc: TrainConfig, steps: int | None = None):
     """optax schedule: lr at optimizer count c (step s uses c = s - 1): linear warmup from 0 over
     `warmup_steps`, then cosine to `lr * min_lr_ratio` at c = `schedule_horizon`, flat after."""
     return optax.warmup_cosine_decay_schedule(
-        0.0, tc.lr, max(tc.warmup_steps, 0), schedule_horizon(tc, steps),
-        end_value=tc.lr * tc.min_lr_ratio)
+        0.0,
+        tc.lr,
+        max(tc.warmup_steps, 0),
+        schedule_horizon(tc, steps),
+        end_value=tc.lr * tc.min_lr_ratio,
+    )
 
 
 def _weight_ndim(x) -> int:
@@ -94,11 +99,13 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     stacked layer axis does not count, so a scanned model's [L, H] norms are not decayed
     either)."""
     sched = make_schedule(tc)
-    mask = lambda params: jax.tree.map(lambda p: _weight_ndim(p) >= 2, params,
-                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                       optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
-                                   mask=mask))
+    mask = lambda params: jax.tree.map(
+        lambda p: _weight_ndim(p) >= 2, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=mask),
+    )
 
 
 def abstract_state(cfg, tc: TrainConfig, mesh):
@@ -110,11 +117,14 @@ def abstract_state(cfg, tc: TrainConfig, mesh):
     params = jax.tree.map(lambda x: sds(x, fsdp_sharding(x, mesh)), params)
     rest = jax.tree.map(lambda x: sds(x, x.sharding), rest)
     tx = make_optimizer(tc)
-    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params),
-                             _opt_shardings(tx, params, mesh))
+    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params), _opt_shardings(tx, params, mesh))
     key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-    state = {"params": params, "opt_state": opt_state, "rest": rest,
-             "rng": sds(key, NamedSharding(mesh, P()))}
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "rest": rest,
+        "rng": sds(key, NamedSharding(mesh, P())),
+    }
     return graphdef, state, tx, model.rules
 
 
@@ -182,8 +192,11 @@ def _opt_shardings(tx, params, mesh):
     like_params = lambda t: jax.tree.structure(t) == pdef
     own = jax.tree.map(lambda p: p.sharding, params)
     rep = NamedSharding(mesh, P())
-    return jax.tree.map(lambda t: own if like_params(t) else rep, jax.eval_shape(tx.init, params),
-                        is_leaf=like_params)
+    return jax.tree.map(
+        lambda t: own if like_params(t) else rep,
+        jax.eval_shape(tx.init, params),
+        is_leaf=like_params,
+    )
 
 
 def init_state(cfg, tc: TrainConfig, mesh):
@@ -212,12 +225,12 @@ def next_token_targets(ids_bs):
     targets = jax.sharding.reshard(jnp.roll(whole, -1, axis=1), sharding)
     s = ids_bs.shape[1]
     weights = jax.sharding.reshard(
-        jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape).astype(jnp.float32), sharding)
+        jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape).astype(jnp.float32), sharding
+    )
     return targets, weights
 
 
-def make_step(graphdef, tx, cfg, compute_dtype: str = "float32",
-              loss_chunk: int = DEFAULT_CHUNK):
+def make_step(graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK):
     """step(state, ids) -> (state, metrics): one AdamW update on next-token cross-entropy plus
     the router losses. The parameters are gathered from their `fsdp` storage (if any) and, with
     `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
@@ -248,15 +261,22 @@ def make_step(graphdef, tx, cfg, compute_dtype: str = "float32",
 
     def step(state, ids):
         (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], state["rest"], ids)
+            state["params"], state["rest"], ids
+        )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         rest = state["rest"]
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
-        metrics = {"loss": loss, "lm_loss": lm, "aux_loss": aux["aux_loss"],
-                   "z_loss": aux["z_loss"], "router_loss": aux["router_loss"],
-                   "grad_norm": optax.tree.norm(grads),
-                   "dropped_pairs": aux["dropped_pairs"], "expert_load": aux["expert_load"]}
+        metrics = {
+            "loss": loss,
+            "lm_loss": lm,
+            "aux_loss": aux["aux_loss"],
+            "z_loss": aux["z_loss"],
+            "router_loss": aux["router_loss"],
+            "grad_norm": optax.tree.norm(grads),
+            "dropped_pairs": aux["dropped_pairs"],
+            "expert_load": aux["expert_load"],
+        }
         return {"params": params, "opt_state": opt_state, "rest": rest, "rng": rng}, metrics
 
     return step
@@ -288,9 +308,13 @@ def compile_step(step, state, ids_sharding, batch_shape, key=None):
     shardings = jax.tree.map(lambda x: x.sharding, state)
     # without these XLA:GPU waits for most of a ring hop's transfer before its compute
     # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
-    jitted = jax.jit(step, in_shardings=(shardings, ids_sharding),
-                     out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
-                     donate_argnums=0, compiler_options=XLA_OPTIONS)
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, ids_sharding),
+        out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
+        donate_argnums=0,
+        compiler_options=XLA_OPTIONS,
+    )
     abstract_ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
     compiled = jitted.lower(state, abstract_ids).compile()
     if key is not None:
@@ -306,8 +330,9 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True):
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
     step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
-    return compile_step(step, state, ids_sharding, shape,
-                        key=step_key(cfg, tc, shape, mesh) if memo else None)
+    return compile_step(
+        step, state, ids_sharding, shape, key=step_key(cfg, tc, shape, mesh) if memo else None
+    )
 
 
 def memory_summary(compiled) -> str:
@@ -316,11 +341,17 @@ def memory_summary(compiled) -> str:
     if m is None:
         return "memory_analysis() unavailable on this backend"
     mib = lambda b: f"{b / 2**20:.2f} MiB"
-    fields = ["argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-              "temp_size_in_bytes", "peak_memory_in_bytes"]
+    fields = [
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "peak_memory_in_bytes",
+    ]
     return "per-device memory of the train step: " + ", ".join(
         f"{f.removesuffix('_size_in_bytes').removesuffix('_in_bytes')}={mib(getattr(m, f, 0))}"
-        for f in fields)
+        for f in fields
+    )
 
 
 def put_batch(batch: np.ndarray, sharding):

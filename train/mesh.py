@@ -36,21 +36,25 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
         name, eq, val = item.partition("=")
         name = name.strip()
         if not eq or name not in AXES:
-            raise ValueError(f"mesh={spec!r}: items are axis=size with axis one of {AXES}; "
-                             f"got {item!r}")
+            raise ValueError(
+                f"mesh={spec!r}: items are axis=size with axis one of {AXES}; got {item!r}"
+            )
         if name in sizes:
             raise ValueError(f"mesh={spec!r}: axis {name!r} given twice")
         try:
             sizes[name] = int(val)
         except ValueError:
-            raise ValueError(f"mesh={spec!r}: size of {name!r} must be an integer, "
-                             f"got {val!r}") from None
+            raise ValueError(
+                f"mesh={spec!r}: size of {name!r} must be an integer, got {val!r}"
+            ) from None
         if sizes[name] < 1 and sizes[name] != -1:
             raise ValueError(f"mesh={spec!r}: size of {name!r} must be >= 1 or -1, got {val}")
     if "node" in sizes and "expert" not in sizes:
-        raise ValueError(f"mesh={spec!r}: axis 'node' is the outer expert axis and needs an "
-                         f"'expert' axis too (the intra-node ring): "
-                         f"mesh=node=<hosts>,expert=<GPUs per host>, e.g. node=2,expert=8")
+        raise ValueError(
+            f"mesh={spec!r}: axis 'node' is the outer expert axis and needs an "
+            f"'expert' axis too (the intra-node ring): "
+            f"mesh=node=<hosts>,expert=<GPUs per host>, e.g. node=2,expert=8"
+        )
     rest = [a for a, s in sizes.items() if s == -1]
     if len(rest) > 1:
         raise ValueError(f"mesh={spec!r}: at most one axis may be -1, got {rest}")
@@ -60,8 +64,10 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
             raise ValueError(f"mesh={spec!r}: {n_devices} devices do not divide by {known}")
         sizes[rest[0]] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        raise ValueError(f"mesh={spec!r} has {math.prod(sizes.values())} devices but "
-                         f"{n_devices} are available (jax.device_count())")
+        raise ValueError(
+            f"mesh={spec!r} has {math.prod(sizes.values())} devices but "
+            f"{n_devices} are available (jax.device_count())"
+        )
     return {a: sizes[a] for a in AXES if a in sizes}
 
 
@@ -89,17 +95,23 @@ def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) 
     """The config and batch fit the mesh (ValueError naming the values otherwise)."""
     etp = sizes.get("expert_tensor", 1)
     if cfg.moe_intermediate_size % etp:
-        raise ValueError(f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
-                         f"does not split over expert_tensor={etp}")
+        raise ValueError(
+            f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
+            f"does not split over expert_tensor={etp}"
+        )
     if cfg.dispatcher == "ring" and cfg.ring == "hierarchical" and len(expert_axes(sizes)) < 2:
-        raise ValueError(f"mesh={spec!r}: ring='hierarchical' needs the experts over two axes, "
-                         f"e.g. mesh=node=<hosts>,expert=<GPUs per host>; this mesh has "
-                         f"{expert_axes(sizes)}")
+        raise ValueError(
+            f"mesh={spec!r}: ring='hierarchical' needs the experts over two axes, "
+            f"e.g. mesh=node=<hosts>,expert=<GPUs per host>; this mesh has "
+            f"{expert_axes(sizes)}"
+        )
     ctx = sizes.get("context", 1)
     if seq_len % ctx:
         raise ValueError(f"mesh={spec!r}: seq_len={seq_len} does not split over context={ctx}")
     tokens = batch_size * seq_len
     token_shards = math.prod(s for a, s in sizes.items() if a != "expert_tensor")
     if tokens % token_shards:
-        raise ValueError(f"mesh={spec!r}: batch_size*seq_len={tokens} tokens do not split over "
-                         f"the {token_shards} token shards")
+        raise ValueError(
+            f"mesh={spec!r}: batch_size*seq_len={tokens} tokens do not split over "
+            f"the {token_shards} token shards"
+        )

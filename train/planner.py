@@ -49,7 +49,7 @@ import os
 import re
 import sys
 
-if __name__ == "__main__" and "--target" in sys.argv:   # before jax: see relaymoe_jax.gpu_mesh
+if __name__ == "__main__" and "--target" in sys.argv:  # before jax: see relaymoe_jax.gpu_mesh
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
@@ -66,8 +66,18 @@ from .report import footprint
 
 # device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
 DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_memory(text: str) -> int:
@@ -76,8 +86,10 @@ def parse_memory(text: str) -> int:
         return DEVICES[text.upper()]
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if not m or m[2].upper() not in _UNITS:
-        raise ValueError(f"--memory {text!r}: expected one of {sorted(DEVICES)} or a size like "
-                         "80GiB, 12.5MB, 1e9")
+        raise ValueError(
+            f"--memory {text!r}: expected one of {sorted(DEVICES)} or a size like "
+            "80GiB, 12.5MB, 1e9"
+        )
     value = float(m[1]) * _UNITS[m[2].upper()]
     if value <= 0:
         raise ValueError(f"--memory {text!r}: must be > 0")
@@ -86,10 +98,10 @@ def parse_memory(text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    peak: int             # bytes per device (report.footprint)
-    flops: float | None   # cost_analysis()["flops"] of the whole step, per device; None when the
-                          # compiler gives none (XLA:GPU without a device)
-    state: int | None = None   # bytes of the step's arguments per device: the train state
+    peak: int  # bytes per device (report.footprint)
+    flops: float | None  # cost_analysis()["flops"] of the whole step, per device; None when the
+    # compiler gives none (XLA:GPU without a device)
+    state: int | None = None  # bytes of the step's arguments per device: the train state
 
 
 def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
@@ -101,8 +113,17 @@ def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
     return StepCost(footprint(m), cost["flops"] if cost else None, m.argument_size_in_bytes)
 
 
-def largest_size(cfg, tc: loop.TrainConfig, mesh, capacity: int, *, field: str, step: int,
-                 limit: int, log=lambda msg: None):
+def largest_size(
+    cfg,
+    tc: loop.TrainConfig,
+    mesh,
+    capacity: int,
+    *,
+    field: str,
+    step: int,
+    limit: int,
+    log=lambda msg: None,
+):
     """(largest batch_size or seq_len (`field`), a multiple of `step` up to `limit`, whose fully
     recomputed step fits `capacity`, or None; the `search.Search` record)."""
     full = dataclasses.replace(cfg, attention_remat="full")
@@ -136,15 +157,25 @@ def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
     fully recomputed step does not fit `capacity` bytes."""
     full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
     if full.peak > capacity:
-        raise ValueError(f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
-                         f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
-                         f"MiB available (dispatcher={cfg.dispatcher}, batch {tc.batch_size}, "
-                         f"seq {tc.seq_len}): nothing to plan")
-    plan = remat.plan_attention_remat(cfg, batch=tc.batch_size, seq=tc.seq_len,
-                                      mesh_shape=dict(mesh.shape), dtype=tc.compute_dtype,
-                                      budget=capacity - full.peak)
-    planned = full if set(plan.options) == {"full"} else step_cost(
-        dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
+        raise ValueError(
+            f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
+            f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
+            f"MiB available (dispatcher={cfg.dispatcher}, batch {tc.batch_size}, "
+            f"seq {tc.seq_len}): nothing to plan"
+        )
+    plan = remat.plan_attention_remat(
+        cfg,
+        batch=tc.batch_size,
+        seq=tc.seq_len,
+        mesh_shape=dict(mesh.shape),
+        dtype=tc.compute_dtype,
+        budget=capacity - full.peak,
+    )
+    planned = (
+        full
+        if set(plan.options) == {"full"}
+        else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
+    )
     return RematReport(cfg.dispatcher, capacity, full, plan, planned)
 
 
@@ -160,14 +191,21 @@ def expert_parallelism(cfg, mesh) -> str:
         return f"{cfg.dispatcher}: experts over {over} ({size(axes)} devices), no ring"
     inner, outer = axes[-1], axes[:-1]
     outer_s = f"{outer[0]!r}" if len(outer) == 1 else f"{outer}"
-    found = topology.spans(mesh, axes)          # (inner within a host, outer across hosts)
+    found = topology.spans(mesh, axes)  # (inner within a host, outer across hosts)
     if topology.choose_ring(cfg.ring, mesh, axes):
-        where = (("", "") if found is None else
-                 (", within a host" if found[0] else ", crossing hosts",
-                  ", across hosts" if found[1] else ", within a host"))
-        return (f"ring: hierarchical (ring={cfg.ring}): inner ring over {inner!r} "
-                f"({mesh.shape[inner]} devices{where[0]}), outer over {outer_s} "
-                f"({size(outer)}{where[1]})")
+        where = (
+            ("", "")
+            if found is None
+            else (
+                ", within a host" if found[0] else ", crossing hosts",
+                ", across hosts" if found[1] else ", within a host",
+            )
+        )
+        return (
+            f"ring: hierarchical (ring={cfg.ring}): inner ring over {inner!r} "
+            f"({mesh.shape[inner]} devices{where[0]}), outer over {outer_s} "
+            f"({size(outer)}{where[1]})"
+        )
     why = ""
     if cfg.ring == "auto":
         if len(axes) < 2:
@@ -183,27 +221,36 @@ def expert_parallelism(cfg, mesh) -> str:
 
 def table(reports: list[RematReport]) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"
-    rows = ["| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
-            "planned peak MiB | fits | recompute GFLOP saved (cost_analysis) | (formula) |",
-            "|---|---:|---:|---:|---|---:|---|---:|---:|"]
+    rows = [
+        "| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
+        "planned peak MiB | fits | recompute GFLOP saved (cost_analysis) | (formula) |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|",
+    ]
     for r in reports:
         plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
         measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
         state = "" if r.full.state is None else mib(r.full.state)
-        rows.append(f"| {r.dispatcher} | {mib(r.full.peak)} | {state} | {mib(r.plan.budget)} | "
-                    f"{plan} | "
-                    f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
-                    f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |")
+        rows.append(
+            f"| {r.dispatcher} | {mib(r.full.peak)} | {state} | {mib(r.plan.budget)} | "
+            f"{plan} | "
+            f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
+            f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |"
+        )
     return "\n".join(rows)
 
 
 def size_table(title: str, field: str, found: list) -> str:
-    rows = [title, f"| dispatcher | largest {field} | full-recompute peak MiB | probes | "
-            "remat plan at that size |", "|---|---:|---:|---:|---|"]
+    rows = [
+        title,
+        f"| dispatcher | largest {field} | full-recompute peak MiB | probes | "
+        "remat plan at that size |",
+        "|---|---:|---:|---:|---|",
+    ]
     for d, size, rec, rep in found:
         if size is None:
-            rows.append(f"| {d} | none fits | {rec.probes[0][1] / 2**20:,.1f} | "
-                        f"{len(rec.probes)} | |")
+            rows.append(
+                f"| {d} | none fits | {rec.probes[0][1] / 2**20:,.1f} | {len(rec.probes)} | |"
+            )
             continue
         peak = dict(rec.probes)[size]
         plan = ", ".join(f"{n}x {o}" for o, n in rep.plan.counts().items())
@@ -214,27 +261,58 @@ def size_table(title: str, field: str, found: list) -> str:
 def main(argv=None) -> int:
     """Print the plans; 0 if something fits, 1 (with a line on stderr) if nothing does: no
     dispatcher's step fits at --batch x --seq and no searched size fits either."""
-    p = argparse.ArgumentParser(prog=f"python -m {__package__}.planner",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog=f"python -m {__package__}.planner", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--config", required=True)
-    p.add_argument("--memory", default=None,
-                   help="H100, H200, or a size (80GiB, 1e9, ...); default: --target's")
-    p.add_argument("--target", choices=[t for t in gpu_mesh.TARGETS], default=None,
-                   help="compile for abstract GPUs of this kind with XLA:GPU (no GPU needed; "
-                        "the gpu-compile extra) instead of the emulated CPU devices")
-    p.add_argument("--hosts", type=positive_int, default=1,
-                   help=f"with --target: hosts of {gpu_mesh.GPUS_PER_HOST} GPUs (default 1)")
-    p.add_argument("--usable", type=float, default=0.9,
-                   help="fraction of --memory the step may use (default 0.9)")
-    p.add_argument("--batch", type=positive_int, required=True,
-                   help="global micro-batch (sequences)")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="H100, H200, or a size (80GiB, 1e9, ...); default: --target's",
+    )
+    p.add_argument(
+        "--target",
+        choices=[t for t in gpu_mesh.TARGETS],
+        default=None,
+        help="compile for abstract GPUs of this kind with XLA:GPU (no GPU needed; "
+        "the gpu-compile extra) instead of the emulated CPU devices",
+    )
+    p.add_argument(
+        "--hosts",
+        type=positive_int,
+        default=1,
+        help=f"with --target: hosts of {gpu_mesh.GPUS_PER_HOST} GPUs (default 1)",
+    )
+    p.add_argument(
+        "--usable",
+        type=float,
+        default=0.9,
+        help="fraction of --memory the step may use (default 0.9)",
+    )
+    p.add_argument(
+        "--batch", type=positive_int, required=True, help="global micro-batch (sequences)"
+    )
     p.add_argument("--seq", type=positive_int, required=True, help="sequence length")
-    p.add_argument("--max-batch", type=positive_int, default=None, metavar="LIMIT",
-                   help="also find the largest micro-batch <= LIMIT at --seq")
-    p.add_argument("--max-seq", type=positive_int, default=None, metavar="LIMIT",
-                   help="also find the largest sequence length <= LIMIT at --batch")
-    p.add_argument("--seq-step", type=positive_int, default=128, help="sequence lengths searched: "
-                   "multiples of this (default 128)")
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=None,
+        metavar="LIMIT",
+        help="also find the largest micro-batch <= LIMIT at --seq",
+    )
+    p.add_argument(
+        "--max-seq",
+        type=positive_int,
+        default=None,
+        metavar="LIMIT",
+        help="also find the largest sequence length <= LIMIT at --batch",
+    )
+    p.add_argument(
+        "--seq-step",
+        type=positive_int,
+        default=128,
+        help="sequence lengths searched: multiples of this (default 128)",
+    )
     p.add_argument("--dispatchers", default="ring,alltoall")
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
     args = p.parse_args(argv)
@@ -252,63 +330,89 @@ def main(argv=None) -> int:
     if args.target:
         sizes = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu_mesh.GPUS_PER_HOST)
         mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes), target=args.target)
-        where = (f"XLA:GPU buffer assignment for {math.prod(sizes.values())} abstract "
-                 f"{gpu_mesh.device_kind(args.target)}, compile only, no GPU: no timing, and "
-                 f"no cost_analysis (the FLOPs are the solver's formula)")
+        where = (
+            f"XLA:GPU buffer assignment for {math.prod(sizes.values())} abstract "
+            f"{gpu_mesh.device_kind(args.target)}, compile only, no GPU: no timing, and "
+            f"no cost_analysis (the FLOPs are the solver's formula)"
+        )
     else:
         sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
         mesh = train_mesh.make_mesh(tc.mesh)
-        where = ("XLA:CPU buffer assignment, compile only. A GPU assigns buffers differently "
-                 "(other fusions, cuDNN attention without [S, S] scores, allocator "
-                 "fragmentation, the CUDA context): treat the sizes as a model, not a promise")
+        where = (
+            "XLA:CPU buffer assignment, compile only. A GPU assigns buffers differently "
+            "(other fusions, cuDNN attention without [S, S] scores, allocator "
+            "fragmentation, the CUDA context): treat the sizes as a model, not a promise"
+        )
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
     reports, by_batch, by_seq, notes, rings = [], [], [], [], []
     for d in args.dispatchers.split(","):
-        cfg = load_config(args.config, expert_size=train_mesh.expert_size(sizes), dispatcher=d,
-                          other_keys={"trainer": loop.TRAIN_FIELDS}, **over)
+        cfg = load_config(
+            args.config,
+            expert_size=train_mesh.expert_size(sizes),
+            dispatcher=d,
+            other_keys={"trainer": loop.TRAIN_FIELDS},
+            **over,
+        )
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
         rings.append(expert_parallelism(cfg, mesh))
         if cfg.attention_impl == "chunked" and not any("while loop" in n for n in notes):
-            notes.append("chunked attention: XLA's cost_analysis counts a while loop's body "
-                         "once, so its column sees one key block of the attention; the formula "
-                         "column counts them all")
+            notes.append(
+                "chunked attention: XLA's cost_analysis counts a while loop's body "
+                "once, so its column sees one key block of the attention; the formula "
+                "column counts them all"
+            )
         print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
         try:
             reports.append(plan_remat(cfg, tc, mesh, capacity))
-        except ValueError as e:          # does not fit at this size: say so, still search
+        except ValueError as e:  # does not fit at this size: say so, still search
             print(f"# {d}: {e}", flush=True)
             notes.append(f"{d}: {e}")
-        for limit, field, step, out in ((args.max_batch, "batch_size", batch_step, by_batch),
-                                        (args.max_seq, "seq_len", args.seq_step, by_seq)):
+        for limit, field, step, out in (
+            (args.max_batch, "batch_size", batch_step, by_batch),
+            (args.max_seq, "seq_len", args.seq_step, by_seq),
+        ):
             if limit is None:
                 continue
             print(f"# {d}: searching the largest {field} <= {limit} ...", flush=True)
-            size, rec = largest_size(cfg, tc, mesh, capacity, field=field, step=step,
-                                     limit=limit, log=print)
-            rep = None if size is None else plan_remat(
-                cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
+            size, rec = largest_size(
+                cfg, tc, mesh, capacity, field=field, step=step, limit=limit, log=print
+            )
+            rep = (
+                None
+                if size is None
+                else plan_remat(cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
+            )
             out.append((d, size, rec, rep))
-    head = (f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
-            f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}")
-    print(f"\n{head}\nexpert parallelism: " + "; ".join(rings)
-          + f"\nbatch {tc.batch_size} x seq {tc.seq_len}:\n" + table(reports)
-          + "".join(f"\n- {n}" for n in notes))
+    head = (
+        f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
+        f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}"
+    )
+    print(
+        f"\n{head}\nexpert parallelism: "
+        + "; ".join(rings)
+        + f"\nbatch {tc.batch_size} x seq {tc.seq_len}:\n"
+        + table(reports)
+        + "".join(f"\n- {n}" for n in notes)
+    )
     if by_batch:
         print("\n" + size_table(f"largest micro-batch at seq {tc.seq_len}:", "batch", by_batch))
     if by_seq:
-        print("\n" + size_table(f"largest sequence at micro-batch {tc.batch_size}:", "seq",
-                                 by_seq))
-    if not any(r.fits for r in reports) and all(size is None for _, size, _, _ in
-                                                 by_batch + by_seq):
-        print(f"error: nothing fits in {capacity / 2**20:,.1f} MiB per device ({args.usable:g} x "
-              f"{args.memory}) at batch {tc.batch_size} x seq {tc.seq_len}"
-              + (" nor at any size searched" if by_batch or by_seq else ""), file=sys.stderr)
+        print("\n" + size_table(f"largest sequence at micro-batch {tc.batch_size}:", "seq", by_seq))
+    if not any(r.fits for r in reports) and all(
+        size is None for _, size, _, _ in by_batch + by_seq
+    ):
+        print(
+            f"error: nothing fits in {capacity / 2**20:,.1f} MiB per device ({args.usable:g} x "
+            f"{args.memory}) at batch {tc.batch_size} x seq {tc.seq_len}"
+            + (" nor at any size searched" if by_batch or by_seq else ""),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    use_cpu_devices(8)              # the emulated mesh, unless XLA_FLAGS sets a device count
+    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
     try:
         sys.exit(main())
     except (ValueError, FileNotFoundError, gpu_mesh.PluginMissing) as e:

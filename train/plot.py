@@ -51,8 +51,10 @@ def curves(runs: dict, key: str = "loss") -> dict[str, tuple[np.ndarray, np.ndar
         recs = [r for r in read_records(src) if "step" in r and key in r]
         pts = sorted(((r["step"], r[key]) for r in recs), key=lambda t: t[0])
         if not pts:
-            raise ValueError(f"run {label!r} ({src if not isinstance(src, list) else 'records'}) "
-                             f"has no records with 'step' and {key!r}")
+            raise ValueError(
+                f"run {label!r} ({src if not isinstance(src, list) else 'records'}) "
+                f"has no records with 'step' and {key!r}"
+            )
         steps, vals = zip(*pts)
         out[label] = (np.asarray(steps, dtype=np.float64), np.asarray(vals, dtype=np.float64))
     return out
@@ -61,8 +63,11 @@ def curves(runs: dict, key: str = "loss") -> dict[str, tuple[np.ndarray, np.ndar
 def changes(src) -> list[tuple[int, list[dict]]]:
     """(step, changes) of each resume with changed settings in a run, by step: the records'
     "resume_changes" lists of {"key", "old", "new", "same_math"}."""
-    out = [(r["step"], r["resume_changes"]) for r in read_records(src)
-           if "step" in r and isinstance(r.get("resume_changes"), list)]
+    out = [
+        (r["step"], r["resume_changes"])
+        for r in read_records(src)
+        if "step" in r and isinstance(r.get("resume_changes"), list)
+    ]
     return sorted(out, key=lambda t: t[0])
 
 
@@ -73,7 +78,8 @@ def _short(v) -> str:
 def change_text(step: int, chs: list[dict]) -> str:
     """`step 4: dispatcher ring -> alltoall, ...` (the label of a resume's vertical line)."""
     return f"step {step}: " + ", ".join(
-        f"{c.get('key')} {_short(c.get('old'))} -> {_short(c.get('new'))}" for c in chs)
+        f"{c.get('key')} {_short(c.get('old'))} -> {_short(c.get('new'))}" for c in chs
+    )
 
 
 def dispatcher_label(src, current: str) -> str:
@@ -82,8 +88,9 @@ def dispatcher_label(src, current: str) -> str:
     hist = [(s, c) for s, chs in changes(src) for c in chs if c.get("key") == "dispatcher"]
     if not hist:
         return current
-    return " -> ".join([str(hist[0][1].get("old"))] + [f"{c.get('new')} (from step {s})"
-                                                        for s, c in hist])
+    return " -> ".join(
+        [str(hist[0][1].get("old"))] + [f"{c.get('new')} (from step {s})" for s, c in hist]
+    )
 
 
 def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
@@ -100,10 +107,18 @@ def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
         (line,) = ax.plot(steps, vals, label=label)
         for step, chs in changes(runs[label]):
             ax.axvline(step - 0.5, color=line.get_color(), ls="--", lw=0.8)
-            ax.text(step - 0.5, 0.98, change_text(step, chs), rotation=90, ha="right",
-                    va="top", fontsize=7, color=line.get_color(),
-                    bbox=dict(facecolor="white", alpha=0.8, lw=0, pad=1),
-                    transform=ax.get_xaxis_transform())
+            ax.text(
+                step - 0.5,
+                0.98,
+                change_text(step, chs),
+                rotation=90,
+                ha="right",
+                va="top",
+                fontsize=7,
+                color=line.get_color(),
+                bbox=dict(facecolor="white", alpha=0.8, lw=0, pad=1),
+                transform=ax.get_xaxis_transform(),
+            )
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.grid(alpha=0.3)
@@ -136,8 +151,9 @@ def parse_run(spec: str) -> tuple[str, Path]:
 
 def main(argv=None) -> int:
     """Command line (see the module docstring); errors are one line on stderr, exit status 1."""
-    p = argparse.ArgumentParser(prog=f"python -m {__package__}.plot",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog=f"python -m {__package__}.plot", description=__doc__.splitlines()[0]
+    )
     p.add_argument("out", type=Path, help="the PNG to write")
     p.add_argument("runs", nargs="+", help="run directory, metrics .jsonl, or LABEL=PATH")
     p.add_argument("--key", default="loss", help="metric to plot (default: loss)")

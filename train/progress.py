@@ -32,10 +32,12 @@ class Progress:
         self.times.append(rec["step_time"])
         recent = self.times[1:] or self.times
         left = (self.total - step) * sum(recent) / len(recent)
-        return (f"{self.bar(step)} step {step}/{self.total} loss {rec['loss']:.4f} "
-                f"(lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} z {rec['z_loss']:.4f}) "
-                f"gnorm {rec['grad_norm']:.3f} "
-                + (f"lr {rec['lr']:.3g} " if "lr" in rec else "")
-                + f"{rec['tokens_per_s']:,.0f} tok/s "
-                f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "
-                f"{_duration(time.perf_counter() - self.t0)}, left ~{_duration(left)}")
+        return (
+            f"{self.bar(step)} step {step}/{self.total} loss {rec['loss']:.4f} "
+            f"(lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} z {rec['z_loss']:.4f}) "
+            f"gnorm {rec['grad_norm']:.3f} "
+            + (f"lr {rec['lr']:.3g} " if "lr" in rec else "")
+            + f"{rec['tokens_per_s']:,.0f} tok/s "
+            f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "
+            f"{_duration(time.perf_counter() - self.t0)}, left ~{_duration(left)}"
+        )

@@ -12,9 +12,11 @@ import dataclasses
 from . import loop
 
 # (label, ModelConfig overrides) in table order
-DISPATCHERS = (("ring", {"dispatcher": "ring"}),
-               ("alltoall (dropless)", {"dispatcher": "alltoall", "capacity_factor": None}),
-               ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}))
+DISPATCHERS = (
+    ("ring", {"dispatcher": "ring"}),
+    ("alltoall (dropless)", {"dispatcher": "alltoall", "capacity_factor": None}),
+    ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}),
+)
 
 
 def memory_rows(cfg, tc, mesh, trained=None, log=print):
@@ -24,31 +26,38 @@ def memory_rows(cfg, tc, mesh, trained=None, log=print):
     rows = []
     for label, over in DISPATCHERS:
         c = dataclasses.replace(cfg, **over)
-        same = (c.dispatcher == cfg.dispatcher and c.capacity_factor == cfg.capacity_factor)
+        same = c.dispatcher == cfg.dispatcher and c.capacity_factor == cfg.capacity_factor
         if same and trained is not None:
             rows.append((label, trained.memory_analysis(), "trained"))
             continue
         log(f"compiling the train step with {label} (compile only) ...")
-        rows.append((label, loop.compile_abstract(c, tc, mesh).memory_analysis(),
-                     "compile-only"))
+        rows.append((label, loop.compile_abstract(c, tc, mesh).memory_analysis(), "compile-only"))
     return rows
 
 
 def footprint(m) -> int:
     """Bytes live at once per device: arguments + temporaries + outputs not aliased to a donated
     argument."""
-    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes \
+    return (
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
         - m.alias_size_in_bytes
+    )
 
 
 def memory_table(rows) -> str:
     """Markdown table of `memory_rows`, with each row's footprint relative to the first's."""
     mib = lambda b: f"{b / 2**20:,.2f}"
     base = footprint(rows[0][1])
-    out = ["| dispatcher | step | arguments MiB | temporaries MiB | total MiB | vs ring |",
-           "|---|---|---:|---:|---:|---:|"]
+    out = [
+        "| dispatcher | step | arguments MiB | temporaries MiB | total MiB | vs ring |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for label, m, how in rows:
-        out.append(f"| {label} | {how} | {mib(m.argument_size_in_bytes)} | "
-                   f"{mib(m.temp_size_in_bytes)} | {mib(footprint(m))} | "
-                   f"{footprint(m) / base:.2f}x |")
+        out.append(
+            f"| {label} | {how} | {mib(m.argument_size_in_bytes)} | "
+            f"{mib(m.temp_size_in_bytes)} | {mib(footprint(m))} | "
+            f"{footprint(m) / base:.2f}x |"
+        )
     return "\n".join(out)

@@ -22,11 +22,12 @@ from collections.abc import Callable
 class Search:
     step: int
     limit: int
-    probes: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (size, peak)
+    probes: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (size, peak)
 
 
-def largest(peak_of: Callable[[int], int], capacity: int, step: int, limit: int,
-            log=lambda msg: None) -> tuple[int | None, Search]:
+def largest(
+    peak_of: Callable[[int], int], capacity: int, step: int, limit: int, log=lambda msg: None
+) -> tuple[int | None, Search]:
     """(largest multiple of `step` <= `limit` with peak_of(size) <= capacity or None, record)."""
     if step < 1 or limit < step:
         raise ValueError(f"search: need 1 <= step <= limit, got step={step}, limit={limit}")
@@ -35,21 +36,23 @@ def largest(peak_of: Callable[[int], int], capacity: int, step: int, limit: int,
     def fits(n: int) -> bool:
         peak = peak_of(n * step)
         rec.probes.append((n * step, peak))
-        log(f"  size {n * step}: {peak / 2**20:,.1f} MiB "
-            f"{'fits' if peak <= capacity else 'does not fit'}")
+        log(
+            f"  size {n * step}: {peak / 2**20:,.1f} MiB "
+            f"{'fits' if peak <= capacity else 'does not fit'}"
+        )
         return peak <= capacity
 
     top = limit // step
     if not fits(1):
         return None, rec
     good, bad = 1, None
-    while bad is None and good < top:           # doubling
+    while bad is None and good < top:  # doubling
         n = min(2 * good, top)
         if fits(n):
             good = n
         else:
             bad = n
-    while bad is not None and bad - good > 1:   # bisection
+    while bad is not None and bad - good > 1:  # bisection
         mid = (good + bad) // 2
         if fits(mid):
             good = mid
@@ -58,8 +61,9 @@ def largest(peak_of: Callable[[int], int], capacity: int, step: int, limit: int,
     return good * step, rec
 
 
-def largest_listed(peak_of: Callable[[int], int], capacity: int, sizes,
-                   log=lambda msg: None) -> tuple[int | None, Search]:
+def largest_listed(
+    peak_of: Callable[[int], int], capacity: int, sizes, log=lambda msg: None
+) -> tuple[int | None, Search]:
     """(largest of `sizes` with peak_of(size) <= capacity or None, record); `peak_of` must not
     decrease with the size. The record's `step` is the smallest size and `limit` the largest."""
     sizes = sorted(set(sizes))
@@ -67,7 +71,7 @@ def largest_listed(peak_of: Callable[[int], int], capacity: int, sizes,
         raise ValueError(f"search: need positive sizes, got {sizes}")
     rec = Search(sizes[0], sizes[-1])
     peaks: dict[int, int] = {}
-    lo, hi = -1, len(sizes)          # sizes[lo] fits (-1: none known); sizes[hi] does not
+    lo, hi = -1, len(sizes)  # sizes[lo] fits (-1: none known); sizes[hi] does not
 
     def next_index() -> int:
         if lo == -1 and not peaks:
@@ -75,7 +79,7 @@ def largest_listed(peak_of: Callable[[int], int], capacity: int, sizes,
         if hi == len(sizes):
             return len(sizes) - 1
         known = [i for i in (lo, hi) if 0 <= i < len(sizes) and sizes[i] in peaks]
-        if len(known) == 2:          # interpolate the boundary between the two bounds
+        if len(known) == 2:  # interpolate the boundary between the two bounds
             (s0, p0), (s1, p1) = ((sizes[i], peaks[sizes[i]]) for i in known)
             if p1 > p0:
                 guess = s0 + (capacity - p0) * (s1 - s0) / (p1 - p0)
@@ -98,6 +102,8 @@ def largest_listed(peak_of: Callable[[int], int], capacity: int, sizes,
             break
     skipped = [s for s in sizes if s not in peaks]
     if skipped:
-        log(f"  (not probed: {', '.join(f'{s:,}' for s in skipped)}; the peak does not decrease "
-            "with the size, so the answer does not depend on them)")
+        log(
+            f"  (not probed: {', '.join(f'{s:,}' for s in skipped)}; the peak does not decrease "
+            "with the size, so the answer does not depend on them)"
+        )
     return (sizes[lo] if lo >= 0 else None), rec

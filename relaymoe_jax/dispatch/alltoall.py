@@ -38,8 +38,8 @@ from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
 class AllToAllConfig:
     axis: str
     num_experts: int
-    capacity_factor: float | None   # None: dropless
-    stat_axes: tuple                # all token axes: the drop count is summed over them
+    capacity_factor: float | None  # None: dropless
+    stat_axes: tuple  # all token axes: the drop count is summed over them
     gmm_impl: str = "auto"
     poison: bool = False
 
@@ -67,7 +67,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
 
     with jax.named_scope("a2a_permute"):
         order, counts_e = plan.sort_pairs(ids_tk, num_e)
-        key_s = plan.pair_keys(ids_tk, num_e)[order]          # sorted keys
+        key_s = plan.pair_keys(ids_tk, num_e)[order]  # sorted keys
         real = key_s < num_e
         start_e = plan.exclusive_cumsum(counts_e)
         keep = real
@@ -80,44 +80,61 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         kept_e = kept_e[:num_e]
         kept_dev_start = plan.exclusive_cumsum(kept_e.reshape(n, e_local).sum(1))
         slot = jnp.cumsum(keep) - 1 - kept_dev_start[dest]
-        keep = keep & (slot < b)                                # overflow (repeated ids) only
-        send_counts = jnp.zeros((num_e + 1,), jnp.int32).at[
-            jnp.where(keep, key_s, num_e)].add(1)[:num_e].reshape(n, e_local)
+        keep = keep & (slot < b)  # overflow (repeated ids) only
+        send_counts = (
+            jnp.zeros((num_e + 1,), jnp.int32)
+            .at[jnp.where(keep, key_s, num_e)]
+            .add(1)[:num_e]
+            .reshape(n, e_local)
+        )
         dropped = jnp.sum(real & ~keep).astype(jnp.int32)
         slot_g = jnp.where(keep, dest * b + slot, rows)
         slot_pair = jnp.full((rows,), t * k, jnp.int32).at[slot_g].set(order, mode="drop")
         slot_ok = slot_pair < t * k
         slot_pair = jnp.minimum(slot_pair, t * k - 1)
-        send_rh = plan.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)   # pads: never read
+        send_rh = plan.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
 
     with jax.named_scope("a2a_dispatch"):
         recv_rh = lax.all_to_all(send_rh, cfg.axis, 0, 0, tiled=True)
-        recv_counts = lax.all_to_all(send_counts, cfg.axis, 0, 0, tiled=True)   # [src, E_l]
+        recv_counts = lax.all_to_all(send_counts, cfg.axis, 0, 0, tiled=True)  # [src, E_l]
 
     with jax.named_scope("a2a_sort_local"):
         group_sizes = recv_counts.sum(0)
-        blk_end = jnp.cumsum(recv_counts, axis=1)                            # [src, E_l]
+        blk_end = jnp.cumsum(recv_counts, axis=1)  # [src, E_l]
         j = jnp.arange(b)
         e_of = jax.vmap(lambda ends: jnp.searchsorted(ends, j, side="right"))(blk_end)
         row_ok = j[None, :] < blk_end[:, -1:]
         e_of = jnp.minimum(e_of, e_local - 1)
         rank = j[None, :] - jnp.take_along_axis(blk_end - recv_counts, e_of, axis=1)
-        src_before = plan.exclusive_cumsum(recv_counts, axis=0)              # [src, E_l]
-        dst = (plan.exclusive_cumsum(group_sizes)[e_of]
-               + jnp.take_along_axis(src_before, e_of, axis=1) + rank)
+        src_before = plan.exclusive_cumsum(recv_counts, axis=0)  # [src, E_l]
+        dst = (
+            plan.exclusive_cumsum(group_sizes)[e_of]
+            + jnp.take_along_axis(src_before, e_of, axis=1)
+            + rank
+        )
         dst = jnp.where(row_ok, dst, rows).reshape(-1)
-        src_of = jnp.full((rows,), rows, jnp.int32).at[dst].set(
-            jnp.arange(rows, dtype=jnp.int32), mode="drop")
+        src_of = (
+            jnp.full((rows,), rows, jnp.int32)
+            .at[dst]
+            .set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+        )
         sorted_ok = src_of < rows
         # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
-        xs_rh = plan.take_rows_masked_grad(recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok,
-                                           cfg.poison)
+        xs_rh = plan.take_rows_masked_grad(
+            recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison
+        )
 
     with jax.named_scope("a2a_experts"):
         # Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel
         # work and stay unwritten; every read of them below is a select (`where`), never a product.
-        mm = lambda a, w: gmm(a, w, group_sizes, **impl_kwargs(cfg.gmm_impl),
-                              preferred_element_type=jnp.float32, zero_padding=False)
+        mm = lambda a, w: gmm(
+            a,
+            w,
+            group_sizes,
+            **impl_kwargs(cfg.gmm_impl),
+            preferred_element_type=jnp.float32,
+            zero_padding=False,
+        )
         act = (jax.nn.silu(mm(xs_rh, w_gate)) * mm(xs_rh, w_up)).astype(x_th.dtype)
         ys_rh = mm(act, w_down).astype(x_th.dtype)
 

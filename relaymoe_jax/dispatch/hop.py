@@ -29,22 +29,23 @@ from relaymoe_jax.late import late_zero
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
-    axis: tuple             # the expert mesh axis (or axes) the ring runs over
-    num_experts: int        # E (global)
-    chunk: int              # C, pairs per chunk
-    reduce_axes: tuple      # mesh axes whose devices hold other tokens for the same weights
+    axis: tuple  # the expert mesh axis (or axes) the ring runs over
+    num_experts: int  # E (global)
+    chunk: int  # C, pairs per chunk
+    reduce_axes: tuple  # mesh axes whose devices hold other tokens for the same weights
     routing: str = "expert"  # "expert": weights travel; "token": tokens travel
     gmm_impl: str = "auto"
-    poison: bool = False    # fill padding rows with NaN (tests)
+    poison: bool = False  # fill padding rows with NaN (tests)
     hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
 
 
 class Tokens(NamedTuple):
     """One token partition and its routing metadata (a pytree: it can travel the ring)."""
-    x_th: jax.Array        # [T, H] activations
-    wts_p: jax.Array       # [T*k] router weights per pair
-    order: jax.Array       # [T*k + C] int32 pair indices sorted by global expert id, padded
-    counts_e: jax.Array    # [E] int32 pairs per global expert
+
+    x_th: jax.Array  # [T, H] activations
+    wts_p: jax.Array  # [T*k] router weights per pair
+    order: jax.Array  # [T*k + C] int32 pair indices sorted by global expert id, padded
+    counts_e: jax.Array  # [E] int32 pairs per global expert
 
     @property
     def top_k(self):
@@ -55,7 +56,7 @@ def make_tokens(cfg, x_th, ids_tk, wts_tk):
     order, counts_e = plan.sort_pairs(ids_tk, cfg.num_experts)
     order = jnp.concatenate([order, jnp.zeros((cfg.chunk,), order.dtype)])  # slices never run off
     tk = Tokens(x_th, wts_tk.reshape(-1), order, counts_e)
-    return Tokens(*(plan.vary_like(a, *tk) for a in tk))   # one type for a loop carry
+    return Tokens(*(plan.vary_like(a, *tk) for a in tk))  # one type for a loop carry
 
 
 def shift(tree, axis, n):
@@ -73,7 +74,7 @@ class Hop:
         self.me = lax.axis_index(cfg.axis)
         self.e_local = cfg.num_experts // self.n
         self.mm_kw = impl_kwargs(cfg.gmm_impl)
-        self.fused = resolve_impl(**self.mm_kw) == "pallas"   # the kernel gathers token rows
+        self.fused = resolve_impl(**self.mm_kw) == "pallas"  # the kernel gathers token rows
 
     def _chunks(self, tk, p, body, carry):
         """Run body(chunk, carry) over the chunks of partition p's segment of `tk`'s pairs."""
@@ -89,9 +90,13 @@ class Hop:
             pidx = lax.dynamic_slice(tk.order, (start + pos0,), (c,))
             valid = jnp.arange(c) < count - pos0
             tok = pidx // self.k
-            chunk = dict(pidx=pidx, tok=tok, valid=valid,
-                         gs=plan.chunk_group_sizes(seg_counts, pos0, c),
-                         wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32))
+            chunk = dict(
+                pidx=pidx,
+                tok=tok,
+                valid=valid,
+                gs=plan.chunk_group_sizes(seg_counts, pos0, c),
+                wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32),
+            )
             return i + 1, body(chunk, carry)
 
         return lax.while_loop(lambda s: s[0] < n_chunks, step, (jnp.int32(0), carry))[1]
@@ -104,15 +109,30 @@ class Hop:
         return plan.take_rows(a_th, ch["tok"], ch["valid"], self.cfg.poison), None
 
     def _mm(self, a, w, gs, transpose=False, a_rows=None):
-        return gmm(a, w, gs, **self.mm_kw, preferred_element_type=jnp.float32,
-                   transpose_rhs=transpose, lhs_rows=a_rows)
+        return gmm(
+            a,
+            w,
+            gs,
+            **self.mm_kw,
+            preferred_element_type=jnp.float32,
+            transpose_rhs=transpose,
+            lhs_rows=a_rows,
+        )
 
     def _tmm(self, acc, a, b, gs, a_rows=None, b_rows=None):
         """acc + the chunk's weight gradient, summed in place: the experts the chunk does not
         touch are not read or written (`tgmm(acc=)`), so small chunks stay cheap."""
-        return tgmm(a, b, gs, num_groups=self.e_local, **self.mm_kw,
-                    preferred_element_type=jnp.float32, lhs_rows=a_rows, rhs_rows=b_rows,
-                    acc=acc)
+        return tgmm(
+            a,
+            b,
+            gs,
+            num_groups=self.e_local,
+            **self.mm_kw,
+            preferred_element_type=jnp.float32,
+            lhs_rows=a_rows,
+            rhs_rows=b_rows,
+            acc=acc,
+        )
 
     def forward(self, tk, p, w, out_th):
         """out_th + the routed SwiGLU outputs of `tk`'s pairs with expert partition p (= w)."""
@@ -125,7 +145,7 @@ class Hop:
             up = self._mm(x_ch, w_up, ch["gs"], a_rows=x_rows)
             act = (jax.nn.silu(gate) * up).astype(dt)
             y_ch = self._mm(act, w_down, ch["gs"])
-            return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])   # invalid rows: 0
+            return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])  # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
             return self._chunks(tk, p, body, out_th)
@@ -148,7 +168,7 @@ class Hop:
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
-            dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)       # invalid rows: act = dact0 = 0
+            dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)  # invalid rows: act = dact0 = 0
             wts = ch["wts_c"][:, None]
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
             dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
@@ -157,9 +177,10 @@ class Hop:
             dup = (dact * silu).astype(dt)
             dwg = self._tmm(dwg, x_ch, dgate, gs, a_rows=x_rows)
             dwu = self._tmm(dwu, x_ch, dup, gs, a_rows=x_rows)
-            dx_ch = (self._mm(dgate, w_gate, gs, transpose=True)
-                     + self._mm(dup, w_up, gs, transpose=True))
-            dx_th = dx_th.at[ch["tok"]].add(dx_ch)           # gmm: invalid rows are exact 0
+            dx_ch = self._mm(dgate, w_gate, gs, transpose=True) + self._mm(
+                dup, w_up, gs, transpose=True
+            )
+            dx_th = dx_th.at[ch["tok"]].add(dx_ch)  # gmm: invalid rows are exact 0
             return dx_th, dwts_p, (dwg, dwu, dwd)
 
         with jax.named_scope("ring_bwd_hop"):
@@ -170,5 +191,6 @@ class Hop:
 def zeros_f32(shape, *refs):
     """f32 zeros that vary over the same manual axes as `refs` (an accumulator), made once
     `refs[0]` exists (`relaymoe_jax.late.late_zero`)."""
-    return plan.vary_like(jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]),
-                                           shape), *refs)
+    return plan.vary_like(
+        jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]), shape), *refs
+    )

@@ -47,22 +47,22 @@ def _bytes(n: float) -> str:
 class RoutingVolumes:
     """Bytes one device sends per ring hop under each routing mode (Table 2)."""
 
-    expert_fwd: int          # Table 2 bytes per hop, forward, expert routing  = E/EP * W/ETP
-    expert_bwd: int          # 2 * expert_fwd
-    token_fwd: int           # tokens_per_device * (H + M)
-    token_bwd: int           # 2 * token_fwd
-    sent_expert_fwd: int     # what the ring sends per hop (module docstring)
+    expert_fwd: int  # Table 2 bytes per hop, forward, expert routing  = E/EP * W/ETP
+    expert_bwd: int  # 2 * expert_fwd
+    token_fwd: int  # tokens_per_device * (H + M)
+    token_bwd: int  # 2 * token_fwd
+    sent_expert_fwd: int  # what the ring sends per hop (module docstring)
     sent_expert_bwd: int
     sent_token_fwd: int
     sent_token_bwd: int
-    choice: str              # "expert" | "token": lower sent fwd + bwd bytes; tie -> "expert"
+    choice: str  # "expert" | "token": lower sent fwd + bwd bytes; tie -> "expert"
     experts_per_device: int  # E / EP
-    expert_bytes: int        # W / ETP
-    tokens_per_device: int   # B*S/(SP*CP)
-    token_bytes: int         # H + M (bytes)
-    ep: int = 1              # devices of the ring
-    hosts: int = 1           # hosts they are on
-    hierarchical: bool = False   # the ring: an inner ring per host, one transfer per round
+    expert_bytes: int  # W / ETP
+    tokens_per_device: int  # B*S/(SP*CP)
+    token_bytes: int  # H + M (bytes)
+    ep: int = 1  # devices of the ring
+    hosts: int = 1  # hosts they are on
+    hierarchical: bool = False  # the ring: an inner ring per host, one transfer per round
 
     def link_bytes(self, mode: str) -> tuple[int, int]:
         """(within a host, across hosts): the bytes the busiest GPU sends per layer, forward +
@@ -78,17 +78,26 @@ class RoutingVolumes:
     def explain(self) -> str:
         """One line: the choice, both forward per-hop volumes and what they are made of."""
         sent = lambda m: _bytes(getattr(self, f"sent_{m}_fwd") + getattr(self, f"sent_{m}_bwd"))
-        links = "" if self.hosts == 1 else (
-            f"; per GPU per layer on {self.hosts} hosts "
-            f"({'hierarchical' if self.hierarchical else 'flat'} ring), "
-            + " vs ".join(f"{m} {_bytes(self.link_bytes(m)[1])} across hosts + "
-                          f"{_bytes(self.link_bytes(m)[0])} within" for m in ("expert", "token")))
+        links = (
+            ""
+            if self.hosts == 1
+            else (
+                f"; per GPU per layer on {self.hosts} hosts "
+                f"({'hierarchical' if self.hierarchical else 'flat'} ring), "
+                + " vs ".join(
+                    f"{m} {_bytes(self.link_bytes(m)[1])} across hosts + "
+                    f"{_bytes(self.link_bytes(m)[0])} within"
+                    for m in ("expert", "token")
+                )
+            )
+        )
         return (
             f"routing {self.choice!r}: per-hop fwd+bwd bytes sent expert {sent('expert')} vs "
             f"token {sent('token')}; Table 2 forward: expert {_bytes(self.expert_fwd)} "
             f"({self.experts_per_device} experts x {_bytes(self.expert_bytes)}) vs token "
             f"{_bytes(self.token_fwd)} ({self.tokens_per_device} tokens x {self.token_bytes} B)"
-            + links)
+            + links
+        )
 
 
 def _size(name: str, value) -> int:
@@ -107,10 +116,26 @@ def _itemsize(name: str, dtype) -> int:
     return size
 
 
-def routing_volumes(*, experts, top_k, hidden, ffn, ep, tokens_per_device=None, batch=None,
-                    seq_len=None, sp=1, cp=1, etp=1, act_dtype="bfloat16", weight_dtype=None,
-                    router_dtype="float32", chunk=None, hosts=1,
-                    hierarchical=False) -> RoutingVolumes:
+def routing_volumes(
+    *,
+    experts,
+    top_k,
+    hidden,
+    ffn,
+    ep,
+    tokens_per_device=None,
+    batch=None,
+    seq_len=None,
+    sp=1,
+    cp=1,
+    etp=1,
+    act_dtype="bfloat16",
+    weight_dtype=None,
+    router_dtype="float32",
+    chunk=None,
+    hosts=1,
+    hierarchical=False,
+) -> RoutingVolumes:
     """Per-hop forward/backward bytes of expert and token routing, and the cheaper mode.
 
     expert_fwd = experts/ep * W/etp,  W = 3 * hidden * ffn * itemsize(weight_dtype);
@@ -122,20 +147,26 @@ def routing_volumes(*, experts, top_k, hidden, ffn, ep, tokens_per_device=None, 
     ep devices are on; `hierarchical`: the ring is hierarchical over them (for `link_bytes` and
     the choice). Bad arguments raise ValueError naming the argument.
     """
-    e, k, h, f = (_size(n, v) for n, v in
-                  (("experts", experts), ("top_k", top_k), ("hidden", hidden), ("ffn", ffn)))
+    e, k, h, f = (
+        _size(n, v)
+        for n, v in (("experts", experts), ("top_k", top_k), ("hidden", hidden), ("ffn", ffn))
+    )
     ep, sp, cp, etp = (_size(n, v) for n, v in (("ep", ep), ("sp", sp), ("cp", cp), ("etp", etp)))
     if (tokens_per_device is None) == (batch is None and seq_len is None):
-        raise ValueError("give exactly one of tokens_per_device or (batch and seq_len), got "
-                         f"tokens_per_device={tokens_per_device!r}, batch={batch!r}, "
-                         f"seq_len={seq_len!r}")
+        raise ValueError(
+            "give exactly one of tokens_per_device or (batch and seq_len), got "
+            f"tokens_per_device={tokens_per_device!r}, batch={batch!r}, "
+            f"seq_len={seq_len!r}"
+        )
     if tokens_per_device is not None:
         tokens = _size("tokens_per_device", tokens_per_device)
     else:
         b, s = _size("batch", batch), _size("seq_len", seq_len)
         if (b * s) % (sp * cp):
-            raise ValueError(f"batch * seq_len must be divisible by sp * cp, got batch={b}, "
-                             f"seq_len={s}, sp={sp}, cp={cp}")
+            raise ValueError(
+                f"batch * seq_len must be divisible by sp * cp, got batch={b}, "
+                f"seq_len={s}, sp={sp}, cp={cp}"
+            )
         tokens = b * s // (sp * cp)
     if e % ep:
         raise ValueError(f"experts must be divisible by ep, got experts={e}, ep={ep}")
@@ -160,12 +191,23 @@ def routing_volumes(*, experts, top_k, hidden, ffn, ep, tokens_per_device=None, 
     sent_token_fwd = token_fwd + tokens * h * 4 + pads
     sent_token_bwd = tokens * (2 * h * act + k * (4 + router) + 4 * h + 4 * k) + pads
     vol = RoutingVolumes(
-        expert_fwd=expert_fwd, expert_bwd=2 * expert_fwd, token_fwd=token_fwd,
-        token_bwd=2 * token_fwd, sent_expert_fwd=expert_fwd, sent_expert_bwd=sent_expert_bwd,
-        sent_token_fwd=sent_token_fwd, sent_token_bwd=sent_token_bwd,
-        choice="expert", experts_per_device=per_device, expert_bytes=expert_bytes,
-        tokens_per_device=tokens, token_bytes=token_bytes, ep=ep, hosts=hosts,
-        hierarchical=bool(hierarchical))
-    slow_first = lambda mode: vol.link_bytes(mode)[::-1]       # (across hosts, within one)
+        expert_fwd=expert_fwd,
+        expert_bwd=2 * expert_fwd,
+        token_fwd=token_fwd,
+        token_bwd=2 * token_fwd,
+        sent_expert_fwd=expert_fwd,
+        sent_expert_bwd=sent_expert_bwd,
+        sent_token_fwd=sent_token_fwd,
+        sent_token_bwd=sent_token_bwd,
+        choice="expert",
+        experts_per_device=per_device,
+        expert_bytes=expert_bytes,
+        tokens_per_device=tokens,
+        token_bytes=token_bytes,
+        ep=ep,
+        hosts=hosts,
+        hierarchical=bool(hierarchical),
+    )
+    slow_first = lambda mode: vol.link_bytes(mode)[::-1]  # (across hosts, within one)
     cheaper = slow_first("expert") <= slow_first("token")
     return dataclasses.replace(vol, choice="expert" if cheaper else "token")

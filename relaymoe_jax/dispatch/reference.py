@@ -20,7 +20,7 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
     hi = jax.lax.Precision.HIGHEST
     x = x_th.astype(f32)
     valid_tk = (ids_tk >= 0) & (ids_tk < num_experts)
-    rows_tk = jnp.where(valid_tk, ids_tk, num_experts)          # out of range: zero weights
+    rows_tk = jnp.where(valid_tk, ids_tk, num_experts)  # out of range: zero weights
 
     def expert(w, rows_t):
         return w.astype(f32).at[rows_t].get(mode="fill", fill_value=0)
@@ -30,7 +30,8 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
         rows_t = rows_tk[:, j]
         gate_tf = jnp.einsum("th,thf->tf", x, expert(w_gate_ehf, rows_t), precision=hi)
         up_tf = jnp.einsum("th,thf->tf", x, expert(w_up_ehf, rows_t), precision=hi)
-        out_th = jnp.einsum("tf,tfh->th", jax.nn.silu(gate_tf) * up_tf,
-                            expert(w_down_efh, rows_t), precision=hi)
+        out_th = jnp.einsum(
+            "tf,tfh->th", jax.nn.silu(gate_tf) * up_tf, expert(w_down_efh, rows_t), precision=hi
+        )
         y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
     return y_th.astype(x_th.dtype)

@@ -104,7 +104,7 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
         if not inner:
             return visit(src, payload, state)
         rnd = lambda payload, state: relay(inner, payload, visit, state, zero_acc, src)
-        if n == 1:                                  # one node: nothing of this level in flight
+        if n == 1:  # one node: nothing of this level in flight
             state, part = rnd(payload, state)
             return part, state
         # A round: one instruction for the scheduler (a conditional that always takes it), so
@@ -118,34 +118,36 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
     if n == 1:
         part, state = hop(0, payload, state)
         return state, part
-    if n == 2 and zero_acc is not None:   # shift(shift(a) + b) == a + shift(b): nothing trails
+    if n == 2 and zero_acc is not None:  # shift(shift(a) + b) == a + shift(b): nothing trails
         payload_next = shift(payload, axis, n)
-        part, state = hop(0, payload, state)                  # the owner's own part stays
+        part, state = hop(0, payload, state)  # the owner's own part stays
         other, state = hop(1, payload_next, state)
-        return state, add(part, shift(other, axis, n))        # the other part comes home
-    if zero_acc is None:                                      # nothing trails the payload
+        return state, add(part, shift(other, axis, n))  # the other part comes home
+    if zero_acc is None:  # nothing trails the payload
+
         def body(h, carry):
             payload, state = carry
             return shift(payload, axis, n), hop(h, payload, state)[1]
 
         payload, state = lax.fori_loop(0, n - 1, body, (payload, state))
         return hop(n - 1, payload, state)[1], None
-    payload_next = shift(payload, axis, n)                    # hop 0: the payload only
+    payload_next = shift(payload, axis, n)  # hop 0: the payload only
     part, state = hop(0, payload, state)
 
-    def body(h, carry):                                       # hops 1..n-2: + trailing parts
+    def body(h, carry):  # hops 1..n-2: + trailing parts
         payload, part, acc, state = carry
-        payload_next, acc = shift((payload, add(acc, part)), axis, n)   # independent of hop h
+        payload_next, acc = shift((payload, add(acc, part)), axis, n)  # independent of hop h
         part, state = hop(h, payload, state)
         return payload_next, part, acc, state
 
-    payload, part, acc, state = lax.fori_loop(1, n - 1, body,
-                                              (payload_next, part, zero_acc(), state))
-    acc = shift(add(acc, part), axis, n)                      # hop n-1: the parts only
+    payload, part, acc, state = lax.fori_loop(
+        1, n - 1, body, (payload_next, part, zero_acc(), state)
+    )
+    acc = shift(add(acc, part), axis, n)  # hop n-1: the parts only
     part, state = hop(n - 1, payload, state)
-    if inner:   # the trip home waits for all of acc's arrays: none combines with their send
+    if inner:  # the trip home waits for all of acc's arrays: none combines with their send
         acc, part = lax.optimization_barrier((acc, part))
-    return state, shift(add(acc, part), axis, n)              # home to the payload's owner
+    return state, shift(add(acc, part), axis, n)  # home to the payload's owner
 
 
 def _expert_forward(cfg, tk, w):
@@ -160,7 +162,7 @@ def _expert_backward(cfg, tk, w, dy_th):
     # weights, the last hop's partial would be allocated before the loop and live through it
     zeros = lambda w: tuple(zeros_f32(a.shape, a, tk.x_th) for a in w)
 
-    def visit(src, w, state):                                 # partial dW of the visiting w
+    def visit(src, w, state):  # partial dW of the visiting w
         dw, dx_th, dwts_p = hop.backward(tk, src, w, dy_th, *state, zeros(w))
         return dw, (dx_th, dwts_p)
 
@@ -172,7 +174,9 @@ def _expert_backward(cfg, tk, w, dy_th):
 def _token_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
     visit = lambda src, tk, state: (
-        hop.forward(tk, hop.me, w, zeros_f32(tk.x_th.shape, tk.x_th)), state)
+        hop.forward(tk, hop.me, w, zeros_f32(tk.x_th.shape, tk.x_th)),
+        state,
+    )
     return relay(_rings(cfg, hop), tk, visit, (), lambda: zeros_f32(tk.x_th.shape, tk.x_th))[1]
 
 
@@ -180,7 +184,7 @@ def _token_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     zeros = lambda tk: (zeros_f32(tk.x_th.shape, tk.x_th), zeros_f32(tk.wts_p.shape, tk.wts_p))
 
-    def visit(src, travel, dw):                               # (dx_th, dwts_p) of the visitor
+    def visit(src, travel, dw):  # (dx_th, dwts_p) of the visitor
         tk, dy_th = travel
         dw, dx_th, dwts_p = hop.backward(tk, hop.me, w, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
@@ -190,8 +194,7 @@ def _token_backward(cfg, tk, w, dy_th):
     return dw, dx_th, dwts_p
 
 
-_MODES = {"expert": (_expert_forward, _expert_backward),
-          "token": (_token_forward, _token_backward)}
+_MODES = {"expert": (_expert_forward, _expert_backward), "token": (_token_forward, _token_backward)}
 
 
 @functools.cache
@@ -209,8 +212,12 @@ def _ring_op(cfg: RingConfig):
         if cfg.reduce_axes:
             dw = lax.psum(dw, cfg.reduce_axes)
         dw = tuple(d.astype(a.dtype) for d, a in zip(dw, w))
-        return (dx_th.astype(tk.x_th.dtype), None,
-                dwts_p.reshape(-1, tk.top_k).astype(tk.wts_p.dtype), *dw)
+        return (
+            dx_th.astype(tk.x_th.dtype),
+            None,
+            dwts_p.reshape(-1, tk.top_k).astype(tk.wts_p.dtype),
+            *dw,
+        )
 
     @jax.custom_vjp
     def ring(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):

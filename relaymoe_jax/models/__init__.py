@@ -13,7 +13,20 @@ from relaymoe_jax.models.router import (
 )
 from relaymoe_jax.models.sharding import AxisRules, rules_for
 
-__all__ = ["AxisRules", "MoEConfig", "MoELayer", "ModelConfig", "QwenMoe", "config_from_hf",
-           "config_to_hf", "expert_bias_update", "from_pretrained", "load_balancing_loss",
-           "load_balancing_loss_per_layer", "route", "rules_for", "save_pretrained",
-           "z_loss"]
+__all__ = [
+    "AxisRules",
+    "MoEConfig",
+    "MoELayer",
+    "ModelConfig",
+    "QwenMoe",
+    "config_from_hf",
+    "config_to_hf",
+    "expert_bias_update",
+    "from_pretrained",
+    "load_balancing_loss",
+    "load_balancing_loss_per_layer",
+    "route",
+    "rules_for",
+    "save_pretrained",
+    "z_loss",
+]

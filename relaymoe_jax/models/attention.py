@@ -50,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 from relaymoe_jax.late import late_zero
 
 F32 = jnp.float32
-NEG = -1e30   # finite "minus infinity": masked scores never make inf - inf = NaN
+NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 
 
 def chunked_causal_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None):
@@ -62,13 +62,15 @@ def chunked_causal_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scal
     """
     b, s, n, d = q_bsnd.shape
     if k_bskd.shape != v_bskd.shape or k_bskd.shape[:2] != (b, s) or k_bskd.shape[3] != d:
-        raise ValueError(f"k {k_bskd.shape} and v {v_bskd.shape} must be [B, S, K, D] with "
-                         f"B, S, D of q {q_bsnd.shape}")
+        raise ValueError(
+            f"k {k_bskd.shape} and v {v_bskd.shape} must be [B, S, K, D] with "
+            f"B, S, D of q {q_bsnd.shape}"
+        )
     if n % k_bskd.shape[2]:
         raise ValueError(f"kv heads {k_bskd.shape[2]} must divide query heads {n}")
     if block_k < 1:
         raise ValueError(f"block_k must be positive, got {block_k}")
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else float(scale)
     return _attention(q_bsnd, k_bskd, v_bskd, min(block_k, s), scale)
 
 
@@ -150,12 +152,14 @@ def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
         mask_st = _mask_st(j, k_btkd, s, block_k)
         s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
         m_new = jnp.maximum(m_bskg, s_bskgt.max(-1))
-        p_bskgt = jnp.where(mask_st[None, :, None, None, :], jnp.exp(s_bskgt - m_new[..., None]),
-                            0.0)
+        p_bskgt = jnp.where(
+            mask_st[None, :, None, None, :], jnp.exp(s_bskgt - m_new[..., None]), 0.0
+        )
         corr_bskg = jnp.exp(m_bskg - m_new)
         l_new = l_bskg * corr_bskg + p_bskgt.sum(-1)
-        pv_bskgd = jnp.einsum("bskgt,btkd->bskgd", p_bskgt.astype(v_btkd.dtype), v_btkd,
-                              preferred_element_type=F32)
+        pv_bskgd = jnp.einsum(
+            "bskgt,btkd->bskgd", p_bskgt.astype(v_btkd.dtype), v_btkd, preferred_element_type=F32
+        )
         return (m_new, l_new, acc_bskgd * corr_bskg[..., None] + pv_bskgd), None
 
     stat_bskg = q_bskgd[..., 0]
@@ -180,16 +184,28 @@ def _attention_bwd(block_k, scale, res, do_bsnd):
         kv_sharding = _out_sharding(k_btkd)
         mask_st = _mask_st(j, k_btkd, s, block_k)
         s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
-        p_bskgt = jnp.where(mask_st[None, :, None, None, :],
-                            jnp.exp(s_bskgt - lse_bskg[..., None]), 0.0)
-        dv_btkd = jnp.einsum("bskgt,bskgd->btkd", p_bskgt.astype(do_bskgd.dtype), do_bskgd,
-                             preferred_element_type=F32, out_sharding=kv_sharding)
+        p_bskgt = jnp.where(
+            mask_st[None, :, None, None, :], jnp.exp(s_bskgt - lse_bskg[..., None]), 0.0
+        )
+        dv_btkd = jnp.einsum(
+            "bskgt,bskgd->btkd",
+            p_bskgt.astype(do_bskgd.dtype),
+            do_bskgd,
+            preferred_element_type=F32,
+            out_sharding=kv_sharding,
+        )
         dp_bskgt = jnp.einsum("bskgd,btkd->bskgt", do_bskgd, v_btkd, preferred_element_type=F32)
         ds_bskgt = (p_bskgt * (dp_bskgt - delta_bskg[..., None])).astype(q_bskgd.dtype)
-        dq_bskgd = dq_bskgd + scale * jnp.einsum("bskgt,btkd->bskgd", ds_bskgt, k_btkd,
-                                                 preferred_element_type=F32)
-        dk_btkd = scale * jnp.einsum("bskgt,bskgd->btkd", ds_bskgt, q_bskgd,
-                                     preferred_element_type=F32, out_sharding=kv_sharding)
+        dq_bskgd = dq_bskgd + scale * jnp.einsum(
+            "bskgt,btkd->bskgd", ds_bskgt, k_btkd, preferred_element_type=F32
+        )
+        dk_btkd = scale * jnp.einsum(
+            "bskgt,bskgd->btkd",
+            ds_bskgt,
+            q_bskgd,
+            preferred_element_type=F32,
+            out_sharding=kv_sharding,
+        )
         return dq_bskgd, (dk_btkd.astype(k_btkd.dtype), dv_btkd.astype(v_btkd.dtype))
 
     xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd)

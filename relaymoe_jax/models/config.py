@@ -16,51 +16,51 @@ ARCHS = ("qwen3_moe", "qwen2_moe")
 DISPATCHERS = ("ring", "alltoall", "reference")
 ROUTINGS = ("expert", "token", "auto")
 ATTENTION_IMPLS = ("xla", "chunked")
-REMAT_OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")   # relaymoe_jax.remat.options
+REMAT_OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")  # relaymoe_jax.remat.options
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # architecture
-    arch: str = "qwen3_moe"             # "qwen3_moe": q/k RMSNorm, no qkv bias; "qwen2_moe": qkv
-                                        # bias, no q/k norm, optional shared expert
+    arch: str = "qwen3_moe"  # "qwen3_moe": q/k RMSNorm, no qkv bias; "qwen2_moe": qkv
+    # bias, no q/k norm, optional shared expert
     vocab_size: int = 256
-    hidden_size: int = 64               # H
-    num_hidden_layers: int = 2          # L
+    hidden_size: int = 64  # H
+    num_hidden_layers: int = 2  # L
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int | None = None         # default hidden_size // num_attention_heads
-    intermediate_size: int = 128        # ffn of the dense MLP layers
-    moe_intermediate_size: int = 32     # F, ffn of one expert
-    num_experts: int = 8                # E
-    num_experts_per_tok: int = 2        # k (top-k)
-    norm_topk_prob: bool = True         # renormalise the top-k router probabilities
-    attention_bias: bool = False        # qwen3_moe: bias on q/k/v/o (qwen2_moe: q/k/v always)
-    qkv_bias: bool = True               # qwen2_moe: bias on q/k/v (HF Qwen2MoeConfig.qkv_bias)
-    shared_expert_intermediate_size: int = 0   # qwen2_moe: ffn of the shared expert (0: none)
-    decoder_sparse_step: int = 1        # layer i is MoE when (i + 1) % step == 0 ...
-    mlp_only_layers: tuple[int, ...] = ()      # ... and i is not listed here
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    intermediate_size: int = 128  # ffn of the dense MLP layers
+    moe_intermediate_size: int = 32  # F, ffn of one expert
+    num_experts: int = 8  # E
+    num_experts_per_tok: int = 2  # k (top-k)
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities
+    attention_bias: bool = False  # qwen3_moe: bias on q/k/v/o (qwen2_moe: q/k/v always)
+    qkv_bias: bool = True  # qwen2_moe: bias on q/k/v (HF Qwen2MoeConfig.qkv_bias)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: ffn of the shared expert (0: none)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    initializer_range: float = 0.02     # std of the normal random init (HF's)
+    initializer_range: float = 0.02  # std of the normal random init (HF's)
     # router losses (see models/router.py for the formulas)
     router_aux_loss_coef: float = 0.001  # Switch/Qwen load-balancing loss coefficient
-    router_z_loss_coef: float = 0.0      # router z-loss coefficient
-    expert_bias: bool = False            # aux-loss-free bias (DeepSeek-V3), selection only
-    expert_bias_rate: float = 0.001      # its update rate
+    router_z_loss_coef: float = 0.0  # router z-loss coefficient
+    expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
+    expert_bias_rate: float = 0.001  # its update rate
     # execution
     dispatcher: str = "ring"
     routing: str = "auto"
-    ring: str = "auto"                   # ring only (moe_ffn's ring=): "flat", "hierarchical"
-                                         # (experts over (node, expert) axes) or "auto"
+    ring: str = "auto"  # ring only (moe_ffn's ring=): "flat", "hierarchical"
+    # (experts over (node, expert) axes) or "auto"
     capacity_factor: float | None = None
     chunk_size: int | None = None
     gmm_impl: str = "auto"
-    attention_impl: str = "xla"          # "xla" (jax.nn.dot_product_attention: [S, S] scores on
-                                         # the XLA path) or "chunked" (O(S * block) memory)
-    attention_block_k: int = 512         # keys per block of "chunked"
+    attention_impl: str = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S] scores on
+    # the XLA path) or "chunked" (O(S * block) memory)
+    attention_block_k: int = 512  # keys per block of "chunked"
     # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
     # per layer; "save_all" = no jax.checkpoint
     attention_remat: str | tuple[str, ...] = "save_all"
@@ -89,8 +89,11 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """Hugging Face's rule for which decoder layers hold the MoE block."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def _fail(key, value, want):
@@ -120,9 +123,17 @@ def check(cfg: ModelConfig) -> None:
         value = getattr(cfg, f.name)
         if not _type_ok(value, hints[f.name]):
             _fail(f.name, value, f"a value of type {hints[f.name]}")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                 "decoder_sparse_step", "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+        "max_position_embeddings",
+    ):
         if getattr(cfg, name) < 1:
             _fail(name, getattr(cfg, name), "an int >= 1")
     if cfg.arch not in ARCHS:
@@ -137,25 +148,44 @@ def check(cfg: ModelConfig) -> None:
         if getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "an int >= 0")
     if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
-        _fail("num_experts_per_tok", cfg.num_experts_per_tok,
-              f"an int in [1, num_experts={cfg.num_experts}]")
+        _fail(
+            "num_experts_per_tok",
+            cfg.num_experts_per_tok,
+            f"an int in [1, num_experts={cfg.num_experts}]",
+        )
     if cfg.head_dim is None and cfg.hidden_size % cfg.num_attention_heads:
-        _fail("num_attention_heads", cfg.num_attention_heads,
-              f"a divisor of hidden_size={cfg.hidden_size} (or set head_dim)")
+        _fail(
+            "num_attention_heads",
+            cfg.num_attention_heads,
+            f"a divisor of hidden_size={cfg.hidden_size} (or set head_dim)",
+        )
     if cfg.head_dim is not None and (cfg.head_dim < 2 or cfg.head_dim % 2):
         _fail("head_dim", cfg.head_dim, "an even int >= 2 (RoPE rotates pairs)")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        _fail("num_key_value_heads", cfg.num_key_value_heads,
-              f"a divisor of num_attention_heads={cfg.num_attention_heads}")
+        _fail(
+            "num_key_value_heads",
+            cfg.num_key_value_heads,
+            f"a divisor of num_attention_heads={cfg.num_attention_heads}",
+        )
     if cfg.shared_expert_intermediate_size and cfg.arch != "qwen2_moe":
-        _fail("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-              "0 unless arch='qwen2_moe'")
+        _fail(
+            "shared_expert_intermediate_size",
+            cfg.shared_expert_intermediate_size,
+            "0 unless arch='qwen2_moe'",
+        )
     bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_hidden_layers]
     if bad:
-        _fail("mlp_only_layers", cfg.mlp_only_layers,
-              f"layer indices in [0, num_hidden_layers={cfg.num_hidden_layers})")
-    for name in ("router_aux_loss_coef", "router_z_loss_coef", "expert_bias_rate",
-                 "initializer_range"):
+        _fail(
+            "mlp_only_layers",
+            cfg.mlp_only_layers,
+            f"layer indices in [0, num_hidden_layers={cfg.num_hidden_layers})",
+        )
+    for name in (
+        "router_aux_loss_coef",
+        "router_z_loss_coef",
+        "expert_bias_rate",
+        "initializer_range",
+    ):
         if getattr(cfg, name) < 0:
             _fail(name, getattr(cfg, name), "a number >= 0")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
@@ -171,8 +201,11 @@ def check(cfg: ModelConfig) -> None:
     if any(o not in REMAT_OPTIONS for o in names):
         _fail("attention_remat", remat, f"one of {REMAT_OPTIONS} or a tuple of them")
     if not isinstance(remat, str) and len(remat) != cfg.num_hidden_layers:
-        _fail("attention_remat", remat,
-              f"one option or {cfg.num_hidden_layers} (num_hidden_layers), got {len(remat)}")
+        _fail(
+            "attention_remat",
+            remat,
+            f"one option or {cfg.num_hidden_layers} (num_hidden_layers), got {len(remat)}",
+        )
     if cfg.scan_layers:
         check_scannable(cfg)
 
@@ -180,23 +213,28 @@ def check(cfg: ModelConfig) -> None:
 def check_scannable(cfg: ModelConfig) -> None:
     """`scan_layers=True` runs one layer body for every layer, so the layers must be alike."""
     if not isinstance(cfg.attention_remat, str) and len(set(cfg.attention_remat)) > 1:
-        _fail("attention_remat", cfg.attention_remat,
-              "one option for every layer with scan_layers=True (the scanned layers share one "
-              "body; set scan_layers=false for a per-layer plan)")
+        _fail(
+            "attention_remat",
+            cfg.attention_remat,
+            "one option for every layer with scan_layers=True (the scanned layers share one "
+            "body; set scan_layers=false for a per-layer plan)",
+        )
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     if moe and dense:
-        _fail("scan_layers", cfg.scan_layers,
-              f"layers of one kind (the scanned layers share one body), but layers {dense} are "
-              f"dense and {moe} MoE (decoder_sparse_step={cfg.decoder_sparse_step}, "
-              f"mlp_only_layers={list(cfg.mlp_only_layers)}); set scan_layers=false")
+        _fail(
+            "scan_layers",
+            cfg.scan_layers,
+            f"layers of one kind (the scanned layers share one body), but layers {dense} are "
+            f"dense and {moe} MoE (decoder_sparse_step={cfg.decoder_sparse_step}, "
+            f"mlp_only_layers={list(cfg.mlp_only_layers)}); set scan_layers=false",
+        )
 
 
 def check_mesh(cfg: ModelConfig, expert_size: int) -> None:
     """The experts must split evenly over the expert axis (of size `expert_size`)."""
     if cfg.num_experts % expert_size:
-        _fail("num_experts", cfg.num_experts,
-              f"a multiple of the expert axis size {expert_size}")
+        _fail("num_experts", cfg.num_experts, f"a multiple of the expert axis size {expert_size}")
 
 
 def from_dict(d: dict) -> ModelConfig:
@@ -218,9 +256,11 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
     arch = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
     arch = arch or {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}.get(hf.get("model_type"))
     if arch is None:
-        raise ValueError(f"config.json: architectures={archs!r}, model_type="
-                         f"{hf.get('model_type')!r}: expected Qwen3MoeForCausalLM or "
-                         "Qwen2MoeForCausalLM")
+        raise ValueError(
+            f"config.json: architectures={archs!r}, model_type="
+            f"{hf.get('model_type')!r}: expected Qwen3MoeForCausalLM or "
+            "Qwen2MoeForCausalLM"
+        )
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     d = {k: v for k, v in hf.items() if k in names}
     d["arch"] = arch

@@ -68,6 +68,7 @@ PAPER_PARAMS: dict[str, tuple[str, float]] = {
 # ---------------------------------------------------------------------------------------------
 # YAML
 
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads `1e-6` as a float (YAML 1.2; PyYAML's 1.1 rules make it a string)
     and rejects duplicate keys (PyYAML silently keeps the last one)."""
@@ -78,17 +79,24 @@ class _Loader(yaml.SafeLoader):
             if isinstance(key_node, yaml.ScalarNode):
                 if key_node.value in seen:
                     raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found duplicate key {key_node.value!r}", key_node.start_mark)
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key_node.value!r}",
+                        key_node.start_mark,
+                    )
                 seen.add(key_node.value)
         return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
-                   |[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$""", re.X),
-    list("-+0123456789."))
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                   |[-+]?\.[0-9_]+[eE][-+]?[0-9]+)$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 
 def _yaml_error(e: yaml.YAMLError) -> str:
@@ -117,8 +125,9 @@ def resolve_config_path(path_or_name: str | Path) -> Path:
         cand = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
         if cand.is_file():
             return cand
-    raise FileNotFoundError(f"no config file {name!r} and no configs/{name}.yaml; "
-                            f"available: {available_configs()}")
+    raise FileNotFoundError(
+        f"no config file {name!r} and no configs/{name}.yaml; available: {available_configs()}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,11 +157,15 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: YAML error: {_yaml_error(e)}") from None
     if data is None:
-        raise ValueError(f"{path}: the config file is empty (no ModelConfig fields); write the "
-                         "fields (see configs/tiny.yaml), or `{}` for all the defaults")
+        raise ValueError(
+            f"{path}: the config file is empty (no ModelConfig fields); write the "
+            "fields (see configs/tiny.yaml), or `{}` for all the defaults"
+        )
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of ModelConfig fields at the top level, "
-                         f"got {type(data).__name__}")
+        raise ValueError(
+            f"{path}: expected a mapping of ModelConfig fields at the top level, "
+            f"got {type(data).__name__}"
+        )
     lines = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, _ in node.value:
@@ -179,9 +192,13 @@ def unknown_keys(unknown, known: dict[str, typing.Iterable[str]], what: str = "k
     return f"unknown {what}(s) {unknown}; " + " ".join(hints) + (" " if hints else "") + listing
 
 
-def load_config(path_or_name: str | Path, *, expert_size: int | None = None,
-                other_keys: dict[str, typing.Iterable[str]] | None = None,
-                **overrides) -> ModelConfig:
+def load_config(
+    path_or_name: str | Path,
+    *,
+    expert_size: int | None = None,
+    other_keys: dict[str, typing.Iterable[str]] | None = None,
+    **overrides,
+) -> ModelConfig:
     """A checked ModelConfig from a YAML file (a path, or a name in `configs/`), with overrides.
 
     `overrides` are field values that replace the file's (use `parse_overrides` for `key=value`
@@ -197,8 +214,12 @@ def load_config(path_or_name: str | Path, *, expert_size: int | None = None,
     merged = {**data, **overrides}
     hints = typing.get_type_hints(ModelConfig)
     for k, v in merged.items():
-        if (k in hints and _accepts_float(hints[k]) and isinstance(v, int)
-                and not isinstance(v, bool)):
+        if (
+            k in hints
+            and _accepts_float(hints[k])
+            and isinstance(v, int)
+            and not isinstance(v, bool)
+        ):
             merged[k] = float(v)
 
     def where(key):
@@ -211,18 +232,24 @@ def load_config(path_or_name: str | Path, *, expert_size: int | None = None,
     unknown = sorted(set(merged) - _FIELDS)
     if unknown:
         other = dict(other_keys or {})
-        elsewhere = [f"{k} is a {label} setting, not a model config key"
-                     for k in unknown for label, keys in other.items() if k in keys]
+        elsewhere = [
+            f"{k} is a {label} setting, not a model config key"
+            for k in unknown
+            for label, keys in other.items()
+            if k in keys
+        ]
         known = {"model config": _FIELDS, **other}
-        raise ValueError(f"{where(unknown[0])}: "
-                         + "; ".join([*elsewhere, unknown_keys(unknown, known, "config key")]))
+        raise ValueError(
+            f"{where(unknown[0])}: "
+            + "; ".join([*elsewhere, unknown_keys(unknown, known, "config key")])
+        )
     try:
         cfg = from_dict(merged)
         if expert_size is not None:
             check_mesh(cfg, expert_size)
     except ValueError as e:
         raise ValueError(f"{where(_key_in(str(e)))}: {e}") from None
-    except TypeError as e:       # defensive: a value the checks could not even compare
+    except TypeError as e:  # defensive: a value the checks could not even compare
         raise ValueError(f"{path}: {e}") from None
     return cfg
 
@@ -248,17 +275,20 @@ def parse_overrides(items) -> dict:
         try:
             value = yaml.load(text, Loader=_Loader)
         except yaml.YAMLError as e:
-            raise ValueError(f"override {item!r}: cannot parse the value: "
-                             f"{_yaml_error(e)}") from None
+            raise ValueError(
+                f"override {item!r}: cannot parse the value: {_yaml_error(e)}"
+            ) from None
         if isinstance(value, dict):
-            raise ValueError(f"override {item!r}: a mapping is not a config value "
-                             "(quote it if it is a string)")
+            raise ValueError(
+                f"override {item!r}: a mapping is not a config value (quote it if it is a string)"
+            )
         out[key] = value
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # parameter counts
+
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts from the architecture formula, by component, with the totals.
@@ -323,6 +353,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 # CLI
 
+
 def _fmt(n: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:
@@ -344,32 +375,63 @@ def table(names=None, **overrides) -> str:
     if not names:
         have = available_configs()
         names = [n for n in PAPER_PARAMS if n in have] + [n for n in have if n not in PAPER_PARAMS]
-    head = ["config", "arch", "L", "H", "F", "E", "k", "total", "active", "non-emb",
-            "paper (Table 3)", "total/paper"]
+    head = [
+        "config",
+        "arch",
+        "L",
+        "H",
+        "F",
+        "E",
+        "k",
+        "total",
+        "active",
+        "non-emb",
+        "paper (Table 3)",
+        "total/paper",
+    ]
     rows = [head, ["---"] * len(head)]
     for name in names:
         cfg = load_config(name, **overrides)
         c = param_count(cfg)
         key = _config_key(name)
         paper = PAPER_PARAMS.get(key)
-        rows.append([
-            key, cfg.arch, str(cfg.num_hidden_layers), str(cfg.hidden_size),
-            str(cfg.moe_intermediate_size), str(cfg.num_experts), str(cfg.num_experts_per_tok),
-            _fmt(c["total"]), _fmt(c["active"]), _fmt(c["non_embedding"]),
-            f"{paper[0]} {paper[1] / 1e9:g}B" if paper else "",
-            f"{c['total'] / paper[1]:.3f}" if paper else "",
-        ])
+        rows.append(
+            [
+                key,
+                cfg.arch,
+                str(cfg.num_hidden_layers),
+                str(cfg.hidden_size),
+                str(cfg.moe_intermediate_size),
+                str(cfg.num_experts),
+                str(cfg.num_experts_per_tok),
+                _fmt(c["total"]),
+                _fmt(c["active"]),
+                _fmt(c["non_embedding"]),
+                f"{paper[0]} {paper[1] / 1e9:g}B" if paper else "",
+                f"{c['total'] / paper[1]:.3f}" if paper else "",
+            ]
+        )
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m relaymoe_jax.models.configs",
-        description="Parameter counts of the model configs (markdown table).")
-    ap.add_argument("names", nargs="*", help="config names in configs/ or YAML paths "
-                                             "(default: every config in configs/)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="override a field in every config (repeatable)")
+        description="Parameter counts of the model configs (markdown table).",
+    )
+    ap.add_argument(
+        "names",
+        nargs="*",
+        help="config names in configs/ or YAML paths (default: every config in configs/)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field in every config (repeatable)",
+    )
     args = ap.parse_args(argv)
     try:
         print(table(args.names, **parse_overrides(args.overrides)))

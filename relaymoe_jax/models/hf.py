@@ -62,13 +62,27 @@ from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.sharding import AxisRules
 
 _ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-_OURS_ONLY = ("arch", "router_z_loss_coef", "expert_bias", "expert_bias_rate", "dispatcher",
-              "routing", "capacity_factor", "chunk_size", "gmm_impl", "attention_remat",
-              "attention_impl", "attention_block_k", "moe_remat", "scan_layers")
+_OURS_ONLY = (
+    "arch",
+    "router_z_loss_coef",
+    "expert_bias",
+    "expert_bias_rate",
+    "dispatcher",
+    "routing",
+    "capacity_factor",
+    "chunk_size",
+    "gmm_impl",
+    "attention_remat",
+    "attention_impl",
+    "attention_block_k",
+    "moe_remat",
+    "scan_layers",
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # the mapping
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -78,6 +92,7 @@ class Entry:
     input); "reshape" (a bias); "expert" (stacked experts: `name` is the experts prefix and
     `which` is "gate", "up" or "down").
     """
+
     path: tuple
     name: str
     kind: str
@@ -104,8 +119,13 @@ def mapping(cfg: ModelConfig) -> list[Entry]:
         if qwen3:
             for x in "qk":
                 out.append(Entry((*a, f"{x}_norm", "weight"), f"{sa}.{x}_norm.weight", "same"))
-        out.append(Entry((*p, "post_attention_layernorm", "weight"),
-                         f"{q}.post_attention_layernorm.weight", "same"))
+        out.append(
+            Entry(
+                (*p, "post_attention_layernorm", "weight"),
+                f"{q}.post_attention_layernorm.weight",
+                "same",
+            )
+        )
         m, sm = (*p, "mlp"), f"{q}.mlp"
         if cfg.is_moe_layer(i):
             out.append(Entry((*m, "gate"), f"{sm}.gate.weight", "T"))
@@ -113,10 +133,16 @@ def mapping(cfg: ModelConfig) -> list[Entry]:
                 out.append(Entry((*m, f"w_{w}"), f"{sm}.experts", "expert", which=w))
             if cfg.shared_expert_intermediate_size:
                 for w in ("gate", "up", "down"):
-                    out.append(Entry((*m, "shared_expert", f"{w}_proj"),
-                                     f"{sm}.shared_expert.{w}_proj.weight", "T"))
-                out.append(Entry((*m, "shared_expert_gate"), f"{sm}.shared_expert_gate.weight",
-                                 "T"))
+                    out.append(
+                        Entry(
+                            (*m, "shared_expert", f"{w}_proj"),
+                            f"{sm}.shared_expert.{w}_proj.weight",
+                            "T",
+                        )
+                    )
+                out.append(
+                    Entry((*m, "shared_expert_gate"), f"{sm}.shared_expert_gate.weight", "T")
+                )
         else:
             for w in ("gate", "up", "down"):
                 out.append(Entry((*m, f"{w}_proj"), f"{sm}.{w}_proj.weight", "T"))
@@ -129,6 +155,7 @@ def mapping(cfg: ModelConfig) -> list[Entry]:
 # ---------------------------------------------------------------------------------------------
 # config.json
 
+
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """A ModelConfig from a Hugging Face config dict, refusing what the model does not implement."""
     hf = dict(hf)
@@ -136,8 +163,10 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         hf["num_experts"] = hf["num_local_experts"]
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise ValueError(f"config.json: rope_parameters={rope!r}, rope_scaling="
-                         f"{hf.get('rope_scaling')!r}: only the default RoPE is implemented")
+        raise ValueError(
+            f"config.json: rope_parameters={rope!r}, rope_scaling="
+            f"{hf.get('rope_scaling')!r}: only the default RoPE is implemented"
+        )
     if "rope_theta" in rope:
         hf["rope_theta"] = rope["rope_theta"]
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
@@ -159,13 +188,19 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     if cfg.head_dim is None:
         d.pop("head_dim")
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
-    d.update(architectures=[_ARCH_NAMES[cfg.arch]], model_type=cfg.arch, hidden_act="silu",
-             use_sliding_window=False, dtype=jnp.dtype(dtype).name)
+    d.update(
+        architectures=[_ARCH_NAMES[cfg.arch]],
+        model_type=cfg.arch,
+        hidden_act="silu",
+        use_sliding_window=False,
+        dtype=jnp.dtype(dtype).name,
+    )
     return dict(sorted(d.items()))
 
 
 # ---------------------------------------------------------------------------------------------
 # reading
+
 
 class _Checkpoint:
     """Lazy tensor access over one or several .safetensors files."""
@@ -218,11 +253,12 @@ def _expert_rows(ckpt: _Checkpoint, entry: Entry, e0: int, e1: int, ffn: int) ->
     if fused:
         if entry.which == "down":
             return np.swapaxes(ckpt.get_rows(f"{entry.name}.down_proj", e0, e1), 1, 2)
-        gate_up = ckpt.get_rows(f"{entry.name}.gate_up_proj", e0, e1)   # [n, 2F, H]
+        gate_up = ckpt.get_rows(f"{entry.name}.gate_up_proj", e0, e1)  # [n, 2F, H]
         half = gate_up[:, :ffn] if entry.which == "gate" else gate_up[:, ffn:]
         return np.swapaxes(half, 1, 2)
-    return np.stack([ckpt.get(f"{entry.name}.{e}.{entry.which}_proj.weight").T
-                     for e in range(e0, e1)])
+    return np.stack(
+        [ckpt.get(f"{entry.name}.{e}.{entry.which}_proj.weight").T for e in range(e0, e1)]
+    )
 
 
 def _reader(entry: Entry, shape, ckpt: _Checkpoint, dtype, ffn: int):
@@ -236,8 +272,10 @@ def _reader(entry: Entry, shape, ckpt: _Checkpoint, dtype, ffn: int):
             w = ckpt.get(entry.name)
             expect = math.prod(shape)
             if w.size != expect:
-                raise ValueError(f"{entry.name}: shape {w.shape}, expected {expect} elements "
-                                 f"(ours {shape}); does config.json match the weights?")
+                raise ValueError(
+                    f"{entry.name}: shape {w.shape}, expected {expect} elements "
+                    f"(ours {shape}); does config.json match the weights?"
+                )
             cache["w"] = _ours_from_hf(entry, w, shape).astype(np_dtype)
         return cache["w"]
 
@@ -247,26 +285,30 @@ def _reader(entry: Entry, shape, ckpt: _Checkpoint, dtype, ffn: int):
         e0, e1, _ = index[0].indices(shape[0])
         rows = _expert_rows(ckpt, entry, e0, e1, ffn)
         if rows.shape[1:] != shape[1:]:
-            raise ValueError(f"{entry.name} ({entry.which}): expert shape {rows.shape[1:]}, "
-                             f"expected {shape[1:]}")
+            raise ValueError(
+                f"{entry.name} ({entry.which}): expert shape {rows.shape[1:]}, expected {shape[1:]}"
+            )
         return rows[(slice(None), *index[1:])].astype(np_dtype)
 
     return callback
 
 
-def _place(entries: list[Entry], stacked: bool, abstract, sharding, ckpt: _Checkpoint, dtype,
-           ffn: int):
+def _place(
+    entries: list[Entry], stacked: bool, abstract, sharding, ckpt: _Checkpoint, dtype, ffn: int
+):
     """Our parameter on `sharding` from its checkpoint entry, or, `stacked` (scanned) [L, ...],
     from the L entries of its layers: each device reads only its slice of every layer."""
     shape = tuple(abstract.shape)
     if not stacked:
         return jax.make_array_from_callback(
-            shape, sharding, _reader(entries[0], shape, ckpt, dtype, ffn))
+            shape, sharding, _reader(entries[0], shape, ckpt, dtype, ffn)
+        )
     readers = [_reader(e, shape[1:], ckpt, dtype, ffn) for e in entries]
     if len(readers) != shape[0]:
         raise ValueError(f"{entries[0].path}: {len(readers)} layers for a stack of {shape[0]}")
-    read_rows = lambda index: np.stack([readers[i](index[1:])
-                                        for i in range(*index[0].indices(shape[0]))])
+    read_rows = lambda index: np.stack(
+        [readers[i](index[1:]) for i in range(*index[0].indices(shape[0]))]
+    )
     return jax.make_array_from_callback(shape, sharding, read_rows)
 
 
@@ -309,8 +351,14 @@ def _value(model, entry: Entry) -> np.ndarray:
     return np.asarray(jax.device_get(value if i is None else value[i]))
 
 
-def from_pretrained(path: str, *, mesh: jax.sharding.Mesh, dtype=jnp.float32,
-                    rules: AxisRules | None = None, **overrides) -> QwenMoe:
+def from_pretrained(
+    path: str,
+    *,
+    mesh: jax.sharding.Mesh,
+    dtype=jnp.float32,
+    rules: AxisRules | None = None,
+    **overrides,
+) -> QwenMoe:
     """Load a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint directory onto `mesh`.
 
     `overrides` replace ModelConfig fields after reading config.json: the execution ones
@@ -322,15 +370,19 @@ def from_pretrained(path: str, *, mesh: jax.sharding.Mesh, dtype=jnp.float32,
     ckpt = _Checkpoint(path)
     wanted = mapping(cfg)
     _check_names(ckpt, wanted, cfg)
-    model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0), dtype=dtype,
-                                           rules=rules))
+    model = nnx.eval_shape(
+        lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0), dtype=dtype, rules=rules)
+    )
     model_rules = model.rules
     for var, entries in _grouped(model, wanted):
         names = var.get_metadata()["logical_axes"]
         sharding = model_rules.sharding(*names)
         stacked = _variable(model, entries[0])[1] is not None
-        var.set_value(_place(entries, stacked, var.get_value(), sharding, ckpt, dtype,
-                             cfg.moe_intermediate_size))
+        var.set_value(
+            _place(
+                entries, stacked, var.get_value(), sharding, ckpt, dtype, cfg.moe_intermediate_size
+            )
+        )
     return model
 
 
@@ -343,20 +395,24 @@ def _check_names(ckpt: _Checkpoint, wanted: list[Entry], cfg: ModelConfig):
         elif f"{entry.name}.gate_up_proj" in ckpt:
             expected.add(f"{entry.name}.{'down_proj' if entry.which == 'down' else 'gate_up_proj'}")
         else:
-            expected.update(f"{entry.name}.{e}.{entry.which}_proj.weight"
-                            for e in range(cfg.num_experts))
+            expected.update(
+                f"{entry.name}.{e}.{entry.which}_proj.weight" for e in range(cfg.num_experts)
+            )
     have = ckpt.names()
     if cfg.tie_word_embeddings:
-        have.discard("lm_head.weight")   # a tied copy, if the writer kept one
+        have.discard("lm_head.weight")  # a tied copy, if the writer kept one
     missing, unused = sorted(expected - have), sorted(have - expected)
     if missing or unused:
-        raise ValueError(f"{ckpt.path}: checkpoint does not match config.json ({cfg.arch}): "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unused[:8]}{'...' if len(unused) > 8 else ''}")
+        raise ValueError(
+            f"{ckpt.path}: checkpoint does not match config.json ({cfg.arch}): "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unused[:8]}{'...' if len(unused) > 8 else ''}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # writing
+
 
 def hf_tensors(model: QwenMoe, expert_layout: str = "per_expert"):
     """Yield (Hugging Face name, numpy array) in state-dict order, one stacked tensor at a time."""
@@ -371,17 +427,21 @@ def hf_tensors(model: QwenMoe, expert_layout: str = "per_expert"):
         elif entry.kind == "reshape":
             yield entry.name, a.reshape(-1)
         elif entry.kind == "T":
-            yield entry.name, np.ascontiguousarray(
-                a.reshape(math.prod(a.shape[:entry.n_in]), -1).T)
+            yield (
+                entry.name,
+                np.ascontiguousarray(a.reshape(math.prod(a.shape[: entry.n_in]), -1).T),
+            )
         elif expert_layout == "per_expert":
             for e in range(a.shape[0]):
                 yield f"{entry.name}.{e}.{entry.which}_proj.weight", np.ascontiguousarray(a[e].T)
         elif entry.which == "down":
             yield f"{entry.name}.down_proj", np.ascontiguousarray(np.swapaxes(a, 1, 2))
-        elif entry.which == "up":   # gate was stacked just before: read it again
+        elif entry.which == "up":  # gate was stacked just before: read it again
             gate = _value(model, entries[n - 1])
-            yield f"{entry.name}.gate_up_proj", np.ascontiguousarray(
-                np.swapaxes(np.concatenate([gate, a], axis=2), 1, 2))
+            yield (
+                f"{entry.name}.gate_up_proj",
+                np.ascontiguousarray(np.swapaxes(np.concatenate([gate, a], axis=2), 1, 2)),
+            )
 
 
 def _size_bytes(s) -> int:
@@ -395,8 +455,9 @@ def _size_bytes(s) -> int:
     return int(float(m.group(1)) * base ** "KMG".index(unit[0]) * base)
 
 
-def save_pretrained(model: QwenMoe, path: str, *, max_shard_size=None,
-                    expert_layout: str = "per_expert") -> None:
+def save_pretrained(
+    model: QwenMoe, path: str, *, max_shard_size=None, expert_layout: str = "per_expert"
+) -> None:
     """Write `config.json` and the weights with Hugging Face names into directory `path`.
 
     One `model.safetensors` (the whole model passes through host memory), or, with
@@ -414,8 +475,7 @@ def save_pretrained(model: QwenMoe, path: str, *, max_shard_size=None,
 
     def flush():
         nonlocal current, size
-        save_file(current, os.path.join(path, f"shard-{len(files)}.tmp"),
-                  metadata={"format": "pt"})
+        save_file(current, os.path.join(path, f"shard-{len(files)}.tmp"), metadata={"format": "pt"})
         files.append({k: v.nbytes for k, v in current.items()})
         current, size = {}, 0
 

@@ -24,8 +24,17 @@ class ExpertBias(nnx.Variable):
     """The aux-loss-free expert bias: not a `nnx.Param`, so the optimizer never touches it."""
 
 
-def param(rules: AxisRules, rngs: nnx.Rngs | None, shape, names, dtype, *, init="normal",
-          std=0.02, kind=nnx.Param):
+def param(
+    rules: AxisRules,
+    rngs: nnx.Rngs | None,
+    shape,
+    names,
+    dtype,
+    *,
+    init="normal",
+    std=0.02,
+    kind=nnx.Param,
+):
     """A parameter of `shape` with logical axis `names`, created sharded per `rules`."""
     sharding = rules.sharding(*names)
     make = _initializer(tuple(shape), jnp.dtype(dtype), sharding, init, float(std))
@@ -37,8 +46,9 @@ def param(rules: AxisRules, rngs: nnx.Rngs | None, shape, names, dtype, *, init=
 def _initializer(shape, dtype, sharding, init, std):
     """A jitted initializer whose output is born sharded (cached: one compile per kind)."""
     if init == "normal":
-        return jax.jit(lambda k: (std * jax.random.normal(k, shape, F32)).astype(dtype),
-                       out_shardings=sharding)
+        return jax.jit(
+            lambda k: (std * jax.random.normal(k, shape, F32)).astype(dtype), out_shardings=sharding
+        )
     fill = {"ones": 1.0, "zeros": 0.0}[init]
     return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
 
@@ -67,6 +77,7 @@ def stack_modules(make, n: int, rules: AxisRules, axis: str):
     The modules are made in order (so they draw from a shared `nnx.Rngs` exactly as `n` separate
     modules would) and each is written into preallocated stacks (donated) and dropped: memory
     holds the stacks plus one module. Works on abstract values too (inside `nnx.eval_shape`)."""
+
     def variables(module):
         return {path: v for path, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
 
@@ -77,14 +88,17 @@ def stack_modules(make, n: int, rules: AxisRules, axis: str):
         value = var.get_value()
         names = (axis, *var.get_metadata()["logical_axes"])
         shardings[path] = rules.sharding(*names)
-        buf = _initializer((n, *value.shape), jnp.dtype(value.dtype), shardings[path], "zeros",
-                           0.0)()
+        buf = _initializer(
+            (n, *value.shape), jnp.dtype(value.dtype), shardings[path], "zeros", 0.0
+        )()
         stacks[path] = _layer_writer(shardings[path])(buf, value, 0)
     for i in range(1, n):
         found = variables(make(i))
         if found.keys() != template.keys():
-            raise ValueError(f"stack_modules: module {i} differs in structure from module 0 "
-                             f"at {sorted(map(str, found.keys() ^ template.keys()))}")
+            raise ValueError(
+                f"stack_modules: module {i} differs in structure from module 0 "
+                f"at {sorted(map(str, found.keys() ^ template.keys()))}"
+            )
         for path, var in found.items():
             stacks[path] = _layer_writer(shardings[path])(stacks[path], var.get_value(), i)
     for path, var in template.items():
@@ -155,8 +169,9 @@ def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 5
     a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
     sequences.
     """
-    if impl == "chunked":     # names its own residuals o and lse "attn_out" and "attn_lse"
+    if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
         return chunked_causal_attention(q_bsnd, k_bskd, v_bskd, block_k=block_k)
-    out = jax.nn.dot_product_attention(q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5,
-                                       is_causal=True)
+    out = jax.nn.dot_product_attention(
+        q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True
+    )
     return checkpoint_name(out, "attn_out")

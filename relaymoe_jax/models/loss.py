@@ -41,12 +41,15 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
     weights_bs [B, S] float, 0 where a position has no target
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"lm_loss: chunk={chunk!r}: expected a positive int (tokens per chunk "
-                         "per device)")
+        raise ValueError(
+            f"lm_loss: chunk={chunk!r}: expected a positive int (tokens per chunk per device)"
+        )
     b, s, h = x_bsh.shape
     if w_hv.ndim != 2 or w_hv.shape[0] != h:
-        raise ValueError(f"lm_loss: head weight shape {w_hv.shape}: expected [{h}, vocab] for "
-                         f"hidden states {x_bsh.shape}")
+        raise ValueError(
+            f"lm_loss: head weight shape {w_hv.shape}: expected [{h}, vocab] for "
+            f"hidden states {x_bsh.shape}"
+        )
     for name, a in (("targets", targets_bs), ("weights", weights_bs)):
         if a.shape != (b, s):
             raise ValueError(f"lm_loss: {name} shape {a.shape}: expected {(b, s)}")
@@ -58,7 +61,7 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
     w_hv = constrain(w_hv, mesh, P())
     targets_bs = constrain(jnp.asarray(targets_bs, jnp.int32), mesh, act)
     weights_bs = constrain(jnp.asarray(weights_bs, jnp.float32), mesh, act)
-    c = min(chunk, (b // nb) * (s // ns))   # at most the tokens one device holds
+    c = min(chunk, (b // nb) * (s // ns))  # at most the tokens one device holds
 
     def body(x, w, t, wt):
         if axes:
@@ -66,8 +69,9 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
         total = _nll_sum(x.reshape(-1, h), w, t.reshape(-1), wt.reshape(-1), c)
         return lax.psum(total, axes) if axes else total
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(*act, None), P(), act, act),
-                         out_specs=P())(x_bsh, w_hv, targets_bs, weights_bs)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(*act, None), P(), act, act), out_specs=P())(
+        x_bsh, w_hv, targets_bs, weights_bs
+    )
 
 
 def _pad_chunks(a, c):
@@ -120,8 +124,9 @@ def _nll_bwd(c, res, g):
         dw_hv = dw_hv + jnp.dot(x_ch.T, dlogits_cv, preferred_element_type=jnp.float32)
         return dw_hv, dx_ch.astype(x_ch.dtype)
 
-    dw_hv, dxs = lax.scan(hop, vary_like(jnp.zeros(w_hv.shape, jnp.float32), w_hv),
-                          (xs, ts, wts, lse))
+    dw_hv, dxs = lax.scan(
+        hop, vary_like(jnp.zeros(w_hv.shape, jnp.float32), w_hv), (xs, ts, wts, lse)
+    )
     dx_nh = dxs.reshape(-1, x_nh.shape[1])[:n]
     return dx_nh, dw_hv.astype(w_hv.dtype), None, None
 

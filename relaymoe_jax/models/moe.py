@@ -44,34 +44,36 @@ from relaymoe_jax.validate import DISPATCHERS, ROUTINGS
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    hidden_size: int                       # H
-    num_experts: int                       # E
-    num_experts_per_tok: int               # k
-    moe_intermediate_size: int             # F, one expert's ffn
-    norm_topk_prob: bool = True            # renormalise the top-k weights
-    expert_bias: bool = False              # aux-loss-free bias (DeepSeek-V3), selection only
+    hidden_size: int  # H
+    num_experts: int  # E
+    num_experts_per_tok: int  # k
+    moe_intermediate_size: int  # F, one expert's ffn
+    norm_topk_prob: bool = True  # renormalise the top-k weights
+    expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
     expert_bias_rate: float = 0.001
-    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's gated shared expert (0: none)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
     dispatcher: str = "ring"
-    routing: str = "auto"                  # ring only
-    ring: str = "auto"                     # ring only: "flat", "hierarchical" or "auto"
-    capacity_factor: float | None = None   # alltoall only
-    chunk_size: int | None = None          # ring only
+    routing: str = "auto"  # ring only
+    ring: str = "auto"  # ring only: "flat", "hierarchical" or "auto"
+    capacity_factor: float | None = None  # alltoall only
+    chunk_size: int | None = None  # ring only
     gmm_impl: str = "auto"
     initializer_range: float = 0.02
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_experts", "num_experts_per_tok",
-                     "moe_intermediate_size"):
+        for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoEConfig.{name}={v!r}: expected an int >= 1")
         if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                             f"num_experts={self.num_experts}")
+            raise ValueError(
+                f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}"
+            )
         if self.dispatcher not in DISPATCHERS:
-            raise ValueError(f"MoEConfig.dispatcher={self.dispatcher!r}: expected one of "
-                             f"{DISPATCHERS}")
+            raise ValueError(
+                f"MoEConfig.dispatcher={self.dispatcher!r}: expected one of {DISPATCHERS}"
+            )
         if self.routing not in ROUTINGS:
             raise ValueError(f"MoEConfig.routing={self.routing!r}: expected one of {ROUTINGS}")
         if self.ring not in RINGS:
@@ -84,8 +86,15 @@ class MoEConfig:
 
 
 class MoELayer(nnx.Module):
-    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs, mesh=None,
-                 rules: AxisRules | None = None, dtype=jnp.float32):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        rngs: nnx.Rngs,
+        mesh=None,
+        rules: AxisRules | None = None,
+        dtype=jnp.float32,
+    ):
         if rules is None:
             if mesh is None:
                 raise ValueError("MoELayer: pass mesh= (default rules) or rules=")
@@ -93,22 +102,26 @@ class MoELayer(nnx.Module):
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         n = rules.size("experts")
         if e % n:
-            raise ValueError(f"MoELayer: num_experts={e} is not divisible by the {n} devices of "
-                             f"the experts' mesh axes {rules.axes('experts')}")
+            raise ValueError(
+                f"MoELayer: num_experts={e} is not divisible by the {n} devices of "
+                f"the experts' mesh axes {rules.axes('experts')}"
+            )
         std = cfg.initializer_range
         self.cfg, self.rules = cfg, rules
         self.gate = param(rules, rngs, (h, e), ("embed", "router"), dtype, std=std)
         if cfg.expert_bias:
-            self.expert_bias = param(rules, None, (e,), ("router",), jnp.float32, init="zeros",
-                                     kind=ExpertBias)
+            self.expert_bias = param(
+                rules, None, (e,), ("router",), jnp.float32, init="zeros", kind=ExpertBias
+            )
         w_in, w_out = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
         self.w_gate = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
         self.w_up = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
         self.w_down = param(rules, rngs, (e, f, h), w_out, dtype, std=std)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
-            self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, rules=rules,
-                                     rngs=rngs, dtype=dtype, std=std)
+            self.shared_expert = MLP(
+                h, cfg.shared_expert_intermediate_size, rules=rules, rngs=rngs, dtype=dtype, std=std
+            )
             self.shared_expert_gate = param(rules, rngs, (h, 1), ("embed", None), dtype, std=std)
 
     def __call__(self, x):
@@ -117,29 +130,48 @@ class MoELayer(nnx.Module):
         with jax.named_scope("router"):
             bias_e = self.expert_bias[...] if cfg.expert_bias else None
             logits, probs, ids, weights = rt.route(
-                x, self.gate[...], top_k=cfg.num_experts_per_tok,
-                norm_topk_prob=cfg.norm_topk_prob, bias_e=bias_e, out_dtype=x.dtype)
+                x,
+                self.gate[...],
+                top_k=cfg.num_experts_per_tok,
+                norm_topk_prob=cfg.norm_topk_prob,
+                bias_e=bias_e,
+                out_dtype=x.dtype,
+            )
         is_ring = cfg.dispatcher == "ring"
         with jax.named_scope("experts"):
             y, st = moe_ffn(
-                x, ids, weights, self.w_gate[...], self.w_up[...], self.w_down[...],
-                mesh=rules.mesh, expert_axis=rules.expert_axis,
-                expert_tensor_axis=rules.expert_tensor_axis, dispatcher=cfg.dispatcher,
+                x,
+                ids,
+                weights,
+                self.w_gate[...],
+                self.w_up[...],
+                self.w_down[...],
+                mesh=rules.mesh,
+                expert_axis=rules.expert_axis,
+                expert_tensor_axis=rules.expert_tensor_axis,
+                dispatcher=cfg.dispatcher,
                 routing=cfg.routing if is_ring else "auto",
                 ring=cfg.ring if is_ring else "auto",
                 capacity_factor=cfg.capacity_factor if cfg.dispatcher == "alltoall" else None,
                 chunk_size=cfg.chunk_size if is_ring else None,
                 token_axes=None if is_explicit(rules.mesh) else rules.token_axes,
-                gmm_impl=cfg.gmm_impl, return_stats=True)
+                gmm_impl=cfg.gmm_impl,
+                return_stats=True,
+            )
         if self.has_shared:
             with jax.named_scope("shared_expert"):
                 gate = jax.nn.sigmoid(jnp.dot(x, self.shared_expert_gate[...]))
                 y = y + gate * self.shared_expert(x)
         f_e, p_e = rt.balance_stats(probs, ids)
-        aux = {"router_logits": logits, "expert_fraction": f_e, "mean_prob": p_e,
-               "aux_loss": cfg.num_experts * jnp.sum(f_e * p_e), "z_loss": rt.z_loss(logits),
-               "expert_load": rt.expert_load(ids, cfg.num_experts),
-               "dropped_pairs": st["dropped_pairs"]}
+        aux = {
+            "router_logits": logits,
+            "expert_fraction": f_e,
+            "mean_prob": p_e,
+            "aux_loss": cfg.num_experts * jnp.sum(f_e * p_e),
+            "z_loss": rt.z_loss(logits),
+            "expert_load": rt.expert_load(ids, cfg.num_experts),
+            "dropped_pairs": st["dropped_pairs"],
+        }
         return y, aux
 
     def update_expert_bias(self, expert_load_e, rate: float | None = None):
@@ -151,6 +183,6 @@ class MoELayer(nnx.Module):
         rate = self.cfg.expert_bias_rate if rate is None else rate
         old = self.expert_bias.get_value()
         new = rt.expert_bias_update(old, jnp.asarray(expert_load_e), rate)
-        if not isinstance(old, jax.core.Tracer):   # eager: keep the placement (jit keeps it)
+        if not isinstance(old, jax.core.Tracer):  # eager: keep the placement (jit keeps it)
             new = jax.device_put(new, old.sharding)
         self.expert_bias.set_value(new)

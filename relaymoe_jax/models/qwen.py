@@ -95,16 +95,22 @@ from relaymoe_jax.remat.options import policy as remat_policy
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rules, rngs, dtype):
-        h, n, kv, d = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                       cfg.head_size)
+        h, n, kv, d = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_size,
+        )
         std = cfg.initializer_range
         qkv_bias = cfg.qkv_bias if cfg.arch == "qwen2_moe" else cfg.attention_bias
         self.o_has_bias = cfg.arch == "qwen3_moe" and cfg.attention_bias
         self.q_proj = param(rules, rngs, (h, n, d), ("embed", "heads", "head_dim"), dtype, std=std)
-        self.k_proj = param(rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype,
-                            std=std)
-        self.v_proj = param(rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype,
-                            std=std)
+        self.k_proj = param(
+            rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype, std=std
+        )
+        self.v_proj = param(
+            rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype, std=std
+        )
         self.o_proj = param(rules, rngs, (n, d, h), ("heads", "head_dim", "embed"), dtype, std=std)
         zeros = lambda shape, names: param(rules, None, shape, names, dtype, init="zeros")
         if qkv_bias:
@@ -116,10 +122,12 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.arch == "qwen3_moe"
         self.attention_impl, self.attention_block_k = cfg.attention_impl, cfg.attention_block_k
         if self.qk_norm:
-            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype,
-                                  axis="head_dim")
-            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype,
-                                  axis="head_dim")
+            self.q_norm = RMSNorm(
+                d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype, axis="head_dim"
+            )
+            self.k_norm = RMSNorm(
+                d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype, axis="head_dim"
+            )
         self.has_qkv_bias = qkv_bias
         self.rules = rules
 
@@ -140,14 +148,15 @@ class Attention(nnx.Module):
         with jax.named_scope("rope"):
             q_bsnd = apply_rope(q_bsnd, cos_bsd, sin_bsd)
             k_bskd = apply_rope(k_bskd, cos_bsd, sin_bsd)
-        if self.rules.axes("seq"):   # context parallelism: every query shard needs all keys
+        if self.rules.axes("seq"):  # context parallelism: every query shard needs all keys
             b, s = k_bskd.shape[:2]
             kv_spec = P(self.rules.fit((b, s), "batch", "seq")[0], None, None, None)
             k_bskd = constrain(k_bskd, self.rules.mesh, kv_spec)
             v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
         with jax.named_scope("attention"):
-            o_bsnd = causal_attention(q_bsnd, k_bskd, v_bskd, self.attention_impl,
-                                      self.attention_block_k)
+            o_bsnd = causal_attention(
+                q_bsnd, k_bskd, v_bskd, self.attention_impl, self.attention_block_k
+            )
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
             if self.o_has_bias:
@@ -171,17 +180,22 @@ def _mlp_block(norm, mlp, x_bsh):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, i: int, *, rules, rngs, dtype):
         eps = cfg.rms_norm_eps
-        self.remat_option = cfg.remat_option(i)        # relaymoe_jax.remat.options
+        self.remat_option = cfg.remat_option(i)  # relaymoe_jax.remat.options
         self.moe_remat = cfg.moe_remat
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules,
-                                                dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         if cfg.is_moe_layer(i):
             self.mlp = MoELayer(MoEConfig.from_model(cfg), rules=rules, rngs=rngs, dtype=dtype)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, rules=rules, rngs=rngs,
-                                dtype=dtype, std=cfg.initializer_range)
+            self.mlp = DenseMLP(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                rules=rules,
+                rngs=rngs,
+                dtype=dtype,
+                std=cfg.initializer_range,
+            )
 
     def __call__(self, x_bsh, cos_bsd, sin_bsd):
         """Each block under its own `jax.checkpoint` (attention: `remat_option`; MLP/MoE:
@@ -189,8 +203,9 @@ class DecoderLayer(nnx.Module):
         whole layer is one checkpoint that keeps only its input, not also the MLP block's input
         (the same recomputation, one [B, S, H] activation less per layer)."""
         if self.remat_option == "full" and self.moe_remat:
-            layer = nnx.remat(_decoder_layer, policy=jax.checkpoint_policies.nothing_saveable,
-                              static_argnums=(4,))
+            layer = nnx.remat(
+                _decoder_layer, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(4,)
+            )
             with jax.named_scope("layer_remat"):
                 return layer(self, x_bsh, cos_bsd, sin_bsd, False)
         return _decoder_layer(self, x_bsh, cos_bsd, sin_bsd, True)
@@ -225,8 +240,15 @@ class QwenMoe(nnx.Module):
     std `initializer_range`; norms 1, biases 0), created sharded per `rules` (default
     `rules_for(mesh)`); `from_pretrained` loads a Hugging Face checkpoint instead."""
 
-    def __init__(self, config: ModelConfig, *, mesh: jax.sharding.Mesh, rngs: nnx.Rngs,
-                 dtype=jnp.float32, rules: AxisRules | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        mesh: jax.sharding.Mesh,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        rules: AxisRules | None = None,
+    ):
         rules = rules or rules_for(mesh)
         if config.num_experts:
             check_mesh(config, rules.size("experts"))
@@ -235,7 +257,7 @@ class QwenMoe(nnx.Module):
         std = config.initializer_range
         self.embed_tokens = param(rules, rngs, (v, h), ("vocab", "embed"), dtype, std=std)
         make = lambda i: DecoderLayer(config, i, rules=rules, rngs=rngs, dtype=dtype)
-        if config.scan_layers:   # one DecoderLayer whose variables are [L, ...]
+        if config.scan_layers:  # one DecoderLayer whose variables are [L, ...]
             self.layers = stack_modules(make, config.num_hidden_layers, rules, LAYERS)
         else:
             self.layers = nnx.List([make(i) for i in range(config.num_hidden_layers)])
@@ -249,8 +271,9 @@ class QwenMoe(nnx.Module):
 
     def __call__(self, input_ids, *, positions=None, return_router_logits=False):
         """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict)."""
-        x_bsh, aux = self.hidden(input_ids, positions=positions,
-                                 return_router_logits=return_router_logits)
+        x_bsh, aux = self.hidden(
+            input_ids, positions=positions, return_router_logits=return_router_logits
+        )
         with jax.named_scope("lm_head"):
             if self.config.tie_word_embeddings:
                 logits_bsv = jnp.einsum("bsh,vh->bsv", x_bsh, self.embed_tokens[...])
@@ -281,7 +304,7 @@ class QwenMoe(nnx.Module):
         if cfg.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def body(x_bsh, layer_state):   # one layer: its slice of every stacked variable
+            def body(x_bsh, layer_state):  # one layer: its slice of every stacked variable
                 x_bsh, st = nnx.merge(graphdef, layer_state)(x_bsh, cos_bsd, sin_bsd)
                 return x_bsh, keep(st)
 
@@ -294,8 +317,7 @@ class QwenMoe(nnx.Module):
                     x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd)
                 if st is not None:
                     per_layer.append(keep(st))
-            stats = (jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer
-                     else None)
+            stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
         with jax.named_scope("final_norm"):
             x_bsh = self.norm(x_bsh)
         return x_bsh, self._aux(stats, b, s, return_router_logits)
@@ -307,20 +329,30 @@ class QwenMoe(nnx.Module):
         e = cfg.num_experts
         if stats is None:
             zero = jnp.float32(0)
-            aux = {"aux_loss": zero, "aux_loss_per_layer": jnp.zeros((0,)), "z_loss": zero,
-                   "z_loss_per_layer": jnp.zeros((0,)), "router_loss": zero,
-                   "expert_load": jnp.zeros((0, e), jnp.int32), "dropped_pairs": jnp.int32(0)}
+            aux = {
+                "aux_loss": zero,
+                "aux_loss_per_layer": jnp.zeros((0,)),
+                "z_loss": zero,
+                "z_loss_per_layer": jnp.zeros((0,)),
+                "router_loss": zero,
+                "expert_load": jnp.zeros((0, e), jnp.int32),
+                "dropped_pairs": jnp.int32(0),
+            }
             if return_router_logits:
                 aux["router_logits"] = jnp.zeros((0, b, s, e))
             return aux
         f_le, p_le, z_l = stats["expert_fraction"], stats["mean_prob"], stats["z_loss"]
-        aux = {"aux_loss": rt.load_balancing_loss(f_le, p_le),
-               "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
-               "z_loss": jnp.mean(z_l), "z_loss_per_layer": z_l,
-               "expert_load": stats["expert_load"],
-               "dropped_pairs": jnp.sum(stats["dropped_pairs"], dtype=jnp.int32)}
-        aux["router_loss"] = (cfg.router_aux_loss_coef * aux["aux_loss"]
-                              + cfg.router_z_loss_coef * aux["z_loss"])
+        aux = {
+            "aux_loss": rt.load_balancing_loss(f_le, p_le),
+            "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
+            "z_loss": jnp.mean(z_l),
+            "z_loss_per_layer": z_l,
+            "expert_load": stats["expert_load"],
+            "dropped_pairs": jnp.sum(stats["dropped_pairs"], dtype=jnp.int32),
+        }
+        aux["router_loss"] = (
+            cfg.router_aux_loss_coef * aux["aux_loss"] + cfg.router_z_loss_coef * aux["z_loss"]
+        )
         if return_router_logits:
             aux["router_logits"] = stats["router_logits"]
         return aux
@@ -332,7 +364,7 @@ class QwenMoe(nnx.Module):
         if not self.config.expert_bias:
             raise ValueError("update_expert_bias: the config has expert_bias=False")
         load_le = jnp.asarray(expert_load_le)
-        if self.config.scan_layers:   # every layer is MoE: one [L, E] bias, updated row-wise
+        if self.config.scan_layers:  # every layer is MoE: one [L, E] bias, updated row-wise
             self.layers.mlp.update_expert_bias(load_le, rate)
         else:
             for n, i in enumerate(self.moe_layers):

@@ -65,20 +65,28 @@ def _top_k_ids(scores_te, top_k: int):
     mesh = getattr(sharding, "mesh", None)
     nd = scores_te.ndim
     spec = tuple(sharding.spec) + (None,) * nd if mesh is not None else ()
-    if mesh is None or not mesh.axis_names or not mesh.explicit_axes or spec[nd - 1] is not None \
-            or all(e is None for e in spec[:nd - 1]):
+    if (
+        mesh is None
+        or not mesh.axis_names
+        or not mesh.explicit_axes
+        or spec[nd - 1] is not None
+        or all(e is None for e in spec[: nd - 1])
+    ):
         return jax.lax.top_k(scores_te, top_k)[1]
-    tokens = P(*spec[:nd - 1], None)
-    return jax.shard_map(lambda s_te: jax.lax.top_k(s_te, top_k)[1], mesh=mesh,
-                         in_specs=tokens, out_specs=tokens)(scores_te)
+    tokens = P(*spec[: nd - 1], None)
+    return jax.shard_map(
+        lambda s_te: jax.lax.top_k(s_te, top_k)[1], mesh=mesh, in_specs=tokens, out_specs=tokens
+    )(scores_te)
 
 
 def expert_load(ids_tk, num_experts: int):
     """[E] int32: the number of (token, slot) pairs routed to each expert (ids [..., k])."""
     ids_tk = jax.lax.stop_gradient(ids_tk)
     lead = tuple(range(ids_tk.ndim - 1))
-    return sum(jnp.sum(ids_tk[..., j, None] == jnp.arange(num_experts), axis=lead,
-                       dtype=jnp.int32) for j in range(ids_tk.shape[-1]))
+    return sum(
+        jnp.sum(ids_tk[..., j, None] == jnp.arange(num_experts), axis=lead, dtype=jnp.int32)
+        for j in range(ids_tk.shape[-1])
+    )
 
 
 def balance_stats(probs_te, ids_tk):
@@ -111,4 +119,5 @@ def expert_bias_update(bias_e, load_e, rate: float):
     """DeepSeek-V3's update: bias + rate * sign(mean(load) - load), in float32."""
     load_e = load_e.astype(jnp.float32)
     return (bias_e + rate * jnp.sign(jnp.mean(load_e, axis=-1, keepdims=True) - load_e)).astype(
-        bias_e.dtype)
+        bias_e.dtype
+    )

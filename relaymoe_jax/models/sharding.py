@@ -49,14 +49,28 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.layout import _entry, is_explicit
 
-LOGICAL = ("batch", "seq", "tokens", "experts", "expert_ffn", "embed", "heads", "kv_heads",
-           "head_dim", "ffn", "vocab", "router", "layers")
-LAYERS = "layers"   # the leading axis of the stacked (scanned) decoder-layer parameters
+LOGICAL = (
+    "batch",
+    "seq",
+    "tokens",
+    "experts",
+    "expert_ffn",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "vocab",
+    "router",
+    "layers",
+)
+LAYERS = "layers"  # the leading axis of the stacked (scanned) decoder-layer parameters
 
 
 @dataclasses.dataclass(frozen=True)
 class AxisRules:
     """The mapping logical name -> tuple of mesh axes (empty: replicated), for one mesh."""
+
     mesh: jax.sharding.Mesh
     table: tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -114,13 +128,18 @@ def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None
     names = tuple(mesh.axis_names)
     batch = tuple(a for a in names if a in ("data", "fsdp", "node", "expert"))
     seq = tuple(a for a in names if a == "context")
-    if "expert" in names:   # "node", if present, is the outer (inter-host) expert axis
+    if "expert" in names:  # "node", if present, is the outer (inter-host) expert axis
         experts = ("node", "expert") if "node" in names else ("expert",)
-    else:   # parallel folding: the attention axes taken together as one expert axis
+    else:  # parallel folding: the attention axes taken together as one expert axis
         experts = tuple(a for a in names if a not in ("tensor", "expert_tensor"))
     table = {n: () for n in LOGICAL}
-    table.update(batch=batch, seq=seq, tokens=batch + seq, experts=experts,
-                 expert_ffn=tuple(a for a in names if a == "expert_tensor"))
+    table.update(
+        batch=batch,
+        seq=seq,
+        tokens=batch + seq,
+        experts=experts,
+        expert_ffn=tuple(a for a in names if a == "expert_tensor"),
+    )
     for k, v in overrides.items():
         if k not in table:
             raise ValueError(f"rules_for: unknown logical axis {k!r}; known: {LOGICAL}")
@@ -129,12 +148,16 @@ def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None
         if bad:
             raise ValueError(f"rules_for({k}={v}): {bad} not axes of the mesh {names}")
         if k == LAYERS and v:
-            raise ValueError(f"rules_for({k}={v}): the stacked layer axis is never sharded "
-                             "(the layer scan slices one layer per step)")
+            raise ValueError(
+                f"rules_for({k}={v}): the stacked layer axis is never sharded "
+                "(the layer scan slices one layer per step)"
+            )
         table[k] = v
     if any(a not in table["tokens"] for a in table["experts"]):
-        raise ValueError(f"tokens={table['tokens']} must include every expert axis "
-                         f"{table['experts']} (moe_ffn's token_axes rule)")
+        raise ValueError(
+            f"tokens={table['tokens']} must include every expert axis "
+            f"{table['experts']} (moe_ffn's token_axes rule)"
+        )
     return AxisRules(mesh, tuple(table.items()))
 
 
@@ -144,7 +167,6 @@ def constrain(x, mesh, spec: P):
     if is_explicit(mesh):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
-
 
 
 def _reshape(x, shape, mesh, spec: P):
@@ -175,9 +197,10 @@ def to_tokens(x_bs, rules: AxisRules):
     ba, sa, nb, ns = _token_layout(rules, b, s)
     mesh, more = rules.mesh, [None] * len(rest)
     x = constrain(x_bs, mesh, P(_entry(ba), _entry(sa), *more))
-    if ns > 1:   # [nb, b/nb, ns, s/ns] -> [nb, ns, b/nb, s/ns]: shard-major
-        x = _reshape(x, (nb, b // nb, ns, s // ns, *rest), mesh,
-                     P(_entry(ba), None, _entry(sa), None, *more))
+    if ns > 1:  # [nb, b/nb, ns, s/ns] -> [nb, ns, b/nb, s/ns]: shard-major
+        x = _reshape(
+            x, (nb, b // nb, ns, s // ns, *rest), mesh, P(_entry(ba), None, _entry(sa), None, *more)
+        )
         x = jnp.swapaxes(x, 1, 2)
     x = _reshape(x, (b * s, *rest), mesh, P(_entry(ba + sa), *more))
     return constrain(x, mesh, P(_entry(rules.token_axes), *more))
@@ -190,7 +213,8 @@ def from_tokens(y_t, b: int, s: int, rules: AxisRules):
     mesh, more = rules.mesh, [None] * len(rest)
     y = constrain(y_t, mesh, P(_entry(ba + sa), *more))
     if ns > 1:
-        y = _reshape(y, (nb, ns, b // nb, s // ns, *rest), mesh,
-                     P(_entry(ba), _entry(sa), None, None, *more))
+        y = _reshape(
+            y, (nb, ns, b // nb, s // ns, *rest), mesh, P(_entry(ba), _entry(sa), None, None, *more)
+        )
         y = jnp.swapaxes(y, 1, 2)
     return _reshape(y, (b, s, *rest), mesh, P(_entry(ba), _entry(sa), *more))

@@ -23,5 +23,17 @@ def plan_attention_remat(cfg, *, batch: int, seq: int, mesh_shape: dict, dtype, 
     return (uniform if getattr(cfg, "scan_layers", False) else greedy)(costs, budget)
 
 
-__all__ = ["OPTIONS", "AttentionShape", "Cost", "Plan", "brute_force", "greedy", "layer_costs",
-           "optimality_gap", "option_costs", "plan_attention_remat", "policy", "uniform"]
+__all__ = [
+    "OPTIONS",
+    "AttentionShape",
+    "Cost",
+    "Plan",
+    "brute_force",
+    "greedy",
+    "layer_costs",
+    "optimality_gap",
+    "option_costs",
+    "plan_attention_remat",
+    "policy",
+    "uniform",
+]

@@ -51,12 +51,13 @@ import numpy as np
 
 from relaymoe_jax.remat.options import OPTIONS
 
-BATCH_AXES = ("data", "fsdp", "node", "expert")   # models.sharding.rules_for's batch axes
+BATCH_AXES = ("data", "fsdp", "node", "expert")  # models.sharding.rules_for's batch axes
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
     """Per-device sizes of one attention block (see the module docstring)."""
+
     b: int
     s: int
     S: int
@@ -66,7 +67,7 @@ class AttentionShape:
     H: int
     e: int
     qk_norm: bool
-    chunked: bool = False          # attention_impl="chunked" (see the module docstring)
+    chunked: bool = False  # attention_impl="chunked" (see the module docstring)
 
     @classmethod
     def of(cls, cfg, batch: int, seq: int, mesh_shape: dict, dtype) -> "AttentionShape":
@@ -83,27 +84,40 @@ class AttentionShape:
         b = batch // size
         ctx = mesh_shape.get("context", 1)
         s = seq // ctx if seq % ctx == 0 else seq
-        return cls(b=b, s=s, S=seq, N=cfg.num_attention_heads, K=cfg.num_key_value_heads,
-                   D=cfg.head_size, H=cfg.hidden_size, e=np.dtype(dtype).itemsize,
-                   qk_norm=cfg.arch == "qwen3_moe", chunked=cfg.attention_impl == "chunked")
+        return cls(
+            b=b,
+            s=s,
+            S=seq,
+            N=cfg.num_attention_heads,
+            K=cfg.num_key_value_heads,
+            D=cfg.head_size,
+            H=cfg.hidden_size,
+            e=np.dtype(dtype).itemsize,
+            qk_norm=cfg.arch == "qwen3_moe",
+            chunked=cfg.attention_impl == "chunked",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    bytes: int      # m: kept for the backward, beyond "full"
-    flops: int      # c: backward recomputation avoided, beyond "full"
+    bytes: int  # m: kept for the backward, beyond "full"
+    flops: int  # c: backward recomputation avoided, beyond "full"
 
 
 def option_costs(sh: AttentionShape) -> dict[str, Cost]:
     """{option: Cost} of one attention layer for every option but "full" (which is 0, 0)."""
     b, s, S, N, K, D, H, e = sh.b, sh.s, sh.S, sh.N, sh.K, sh.D, sh.H, sh.e
     qkv = Cost(b * s * (N + 2 * K) * D * e, 2 * b * s * H * (N + 2 * K) * D)
-    rest = (2 * b * s * H * e + 8 * b * s * H + (8 * b * s * (N + K) * D if sh.qk_norm else 0)
-            + b * s * (N + K) * D * e + 4 * b * s * D * e
-            + (2 * b * S * K * D * e if S > s else 0))
+    rest = (
+        2 * b * s * H * e
+        + 8 * b * s * H
+        + (8 * b * s * (N + K) * D if sh.qk_norm else 0)
+        + b * s * (N + K) * D * e
+        + 4 * b * s * D * e
+        + (2 * b * S * K * D * e if S > s else 0)
+    )
     if sh.chunked:
-        out = Cost(qkv.bytes + b * s * N * D * e + 4 * b * s * N,
-                   qkv.flops + 4 * b * N * s * S * D)
+        out = Cost(qkv.bytes + b * s * N * D * e + 4 * b * s * N, qkv.flops + 4 * b * N * s * S * D)
         every = Cost(out.bytes + rest, out.flops)
     else:
         out = Cost(qkv.bytes + b * s * N * D * e, qkv.flops + 2 * b * N * s * S * D)

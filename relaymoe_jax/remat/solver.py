@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from relaymoe_jax.remat.costs import Cost
 from relaymoe_jax.remat.options import OPTIONS, check_option
 
-BRUTE_FORCE_LIMIT = 1 << 20       # assignments brute_force will enumerate
+BRUTE_FORCE_LIMIT = 1 << 20  # assignments brute_force will enumerate
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    options: tuple[str, ...]      # per layer; "full" where nothing is kept
-    bytes: int                    # kept beyond full recomputation
-    flops_saved: int              # backward FLOPs avoided
+    options: tuple[str, ...]  # per layer; "full" where nothing is kept
+    bytes: int  # kept beyond full recomputation
+    flops_saved: int  # backward FLOPs avoided
     budget: int
 
     def counts(self) -> dict[str, int]:
@@ -33,25 +33,31 @@ class Plan:
 
     def describe(self) -> str:
         parts = ", ".join(f"{n} x {o}" for o, n in self.counts().items())
-        return (f"{parts}: keeps {self.bytes / 2**20:,.1f} MiB of {self.budget / 2**20:,.1f} "
-                f"MiB budget, saves {self.flops_saved / 1e9:,.2f} GFLOP of recomputation")
+        return (
+            f"{parts}: keeps {self.bytes / 2**20:,.1f} MiB of {self.budget / 2**20:,.1f} "
+            f"MiB budget, saves {self.flops_saved / 1e9:,.2f} GFLOP of recomputation"
+        )
 
 
 def _check(costs: Sequence[Mapping[str, Cost]], budget) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise ValueError(f"budget={budget!r}: expected a number of bytes")
     if budget < 0:
-        raise ValueError(f"budget={budget}: a memory budget must be >= 0 bytes (is the device "
-                         f"capacity below the full-recomputation peak?)")
+        raise ValueError(
+            f"budget={budget}: a memory budget must be >= 0 bytes (is the device "
+            f"capacity below the full-recomputation peak?)"
+        )
     for i, layer in enumerate(costs):
         for opt, c in layer.items():
             check_option(opt, f"layer {i} option")
             if opt == "full":
-                raise ValueError(f"layer {i}: 'full' is the baseline (0 bytes, 0 FLOPs), "
-                                 "not an option to list")
+                raise ValueError(
+                    f"layer {i}: 'full' is the baseline (0 bytes, 0 FLOPs), not an option to list"
+                )
             if c.bytes <= 0 or c.flops < 0:
-                raise ValueError(f"layer {i} option {opt}: bytes={c.bytes} must be > 0 and "
-                                 f"flops={c.flops} >= 0")
+                raise ValueError(
+                    f"layer {i} option {opt}: bytes={c.bytes} must be > 0 and flops={c.flops} >= 0"
+                )
 
 
 def _plan(costs, chosen: dict[int, str], budget) -> Plan:
@@ -64,15 +70,20 @@ def _plan(costs, chosen: dict[int, str], budget) -> Plan:
 def greedy(costs: Sequence[Mapping[str, Cost]], budget) -> Plan:
     """The paper's greedy: by c/m, descending, within `budget` bytes, one option per layer."""
     _check(costs, budget)
-    ranked = sorted(((i, o) for i, layer in enumerate(costs) for o in layer),
-                    key=lambda io: (-costs[io[0]][io[1]].flops / costs[io[0]][io[1]].bytes,
-                                    io[0], OPTIONS.index(io[1])))
+    ranked = sorted(
+        ((i, o) for i, layer in enumerate(costs) for o in layer),
+        key=lambda io: (
+            -costs[io[0]][io[1]].flops / costs[io[0]][io[1]].bytes,
+            io[0],
+            OPTIONS.index(io[1]),
+        ),
+    )
     chosen, left = {}, budget
     for i, o in ranked:
         held = costs[i][chosen[i]] if i in chosen else Cost(0, 0)
         extra, gain = costs[i][o].bytes - held.bytes, costs[i][o].flops - held.flops
         if extra <= left and gain > 0 and (i not in chosen or extra > 0):
-            chosen[i] = o                    # take it, or upgrade the layer's option
+            chosen[i] = o  # take it, or upgrade the layer's option
             left -= extra
     return _plan(costs, chosen, budget)
 
@@ -102,8 +113,9 @@ def brute_force(costs: Sequence[Mapping[str, Cost]], budget) -> Plan:
     for c in choices:
         n *= len(c)
     if n > BRUTE_FORCE_LIMIT:
-        raise ValueError(f"brute_force: {n} assignments exceed BRUTE_FORCE_LIMIT="
-                         f"{BRUTE_FORCE_LIMIT}; use greedy")
+        raise ValueError(
+            f"brute_force: {n} assignments exceed BRUTE_FORCE_LIMIT={BRUTE_FORCE_LIMIT}; use greedy"
+        )
     best, best_key = {}, (0, 0)
     for combo in itertools.product(*choices):
         chosen = {i: o for i, o in enumerate(combo) if o is not None}

@@ -24,6 +24,7 @@ elsewhere; the platform is that of the mesh in context (`jax.set_mesh`, a shard_
 so a deviceless compile for an abstract GPU mesh (`relaymoe_jax.gpu_mesh`) gets the kernel
 although its process runs on a CPU backend.
 """
+
 from __future__ import annotations
 
 import jax
@@ -52,8 +53,9 @@ def resolve_impl(impl: str, interpret: bool = False, mesh=None) -> str:
     if impl == "auto":
         return "pallas" if interpret or gpu_mesh.platform(mesh) == "gpu" else "xla"
     if interpret and impl != "pallas":
-        raise ValueError(f"interpret=True runs the Pallas kernel; it does not apply to "
-                         f"impl={impl!r}")
+        raise ValueError(
+            f"interpret=True runs the Pallas kernel; it does not apply to impl={impl!r}"
+        )
     return impl
 
 
@@ -113,8 +115,19 @@ def _gather(a, rows, name):
     return jnp.take(a, rows, axis=0, mode="clip")
 
 
-def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_element_type=None,
-        transpose_rhs=False, tile_m=None, lhs_rows=None, zero_padding=True) -> jax.Array:
+def gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    impl="auto",
+    interpret=False,
+    preferred_element_type=None,
+    transpose_rhs=False,
+    tile_m=None,
+    lhs_rows=None,
+    zero_padding=True,
+) -> jax.Array:
     """Grouped matmul: out[M, N], rows of group g times rhs[g] (rhs[g].T if transpose_rhs).
 
     Args:
@@ -164,18 +177,36 @@ def gmm(lhs, rhs, group_sizes, *, impl="auto", interpret=False, preferred_elemen
         m = lhs.shape[0] if lhs_rows is None else jnp.shape(lhs_rows)[0]
         return jnp.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]), out_dtype)
     if impl == "pallas":
-        return pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
-                          transpose_rhs=bool(transpose_rhs), interpret=interpret,
-                          lhs_rows=lhs_rows, zero_padding=zero_padding,
-                          **_pallas_blocks(tile_m))
+        return pallas.gmm(
+            lhs,
+            rhs,
+            group_sizes,
+            preferred_element_type=out_dtype,
+            transpose_rhs=bool(transpose_rhs),
+            interpret=interpret,
+            lhs_rows=lhs_rows,
+            zero_padding=zero_padding,
+            **_pallas_blocks(tile_m),
+        )
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
     return gmm_ragged(lhs, rhs, group_sizes, bool(transpose_rhs), out_dtype)
 
 
-def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False,
-         preferred_element_type=None, tile_m=None, lhs_rows=None, rhs_rows=None,
-         acc=None) -> jax.Array:
+def tgmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    num_groups=None,
+    impl="auto",
+    interpret=False,
+    preferred_element_type=None,
+    tile_m=None,
+    lhs_rows=None,
+    rhs_rows=None,
+    acc=None,
+) -> jax.Array:
     """Transposed grouped matmul: out[g] = lhs[rows of g].T @ rhs[rows of g], out [G, K, N].
 
     This is gmm's weight gradient. lhs [M, K], rhs [M, N], group_sizes [G]
@@ -215,9 +246,17 @@ def tgmm(lhs, rhs, group_sizes, *, num_groups=None, impl="auto", interpret=False
     if num_groups == 0:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
     if impl == "pallas":
-        return pallas.tgmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
-                           interpret=interpret, lhs_rows=lhs_rows, rhs_rows=rhs_rows, acc=acc,
-                           **_pallas_blocks(tile_m))
+        return pallas.tgmm(
+            lhs,
+            rhs,
+            group_sizes,
+            preferred_element_type=out_dtype,
+            interpret=interpret,
+            lhs_rows=lhs_rows,
+            rhs_rows=rhs_rows,
+            acc=acc,
+            **_pallas_blocks(tile_m),
+        )
     if impl == "xla":
         return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype, acc)
     out = tgmm_ragged(lhs, rhs, group_sizes, out_dtype)

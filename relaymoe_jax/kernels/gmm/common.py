@@ -9,11 +9,12 @@ tensor cores (accumulating in float32 as always), and the output dtype is unchan
 16-bit types (bf16 x f16) are refused: neither is "the" narrower one. Equal types, and float32 x
 float64, multiply as before (promoted; float32 at `Precision.HIGHEST`, no TF32).
 """
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-NARROW_BYTES = 2   # itemsize of bf16/f16 (and smaller: fp8)
+NARROW_BYTES = 2  # itemsize of bf16/f16 (and smaller: fp8)
 
 
 def operand_dtype(a, b) -> np.dtype:
@@ -26,8 +27,10 @@ def operand_dtype(a, b) -> np.dtype:
     if not floats or not narrow:
         return np.dtype(jnp.promote_types(a, b))
     if len(narrow) == 2:
-        raise ValueError(f"grouped matmul operands of two different narrow types, {a} and {b}: "
-                         f"cast one to the other's dtype first")
+        raise ValueError(
+            f"grouped matmul operands of two different narrow types, {a} and {b}: "
+            f"cast one to the other's dtype first"
+        )
     return narrow[0]
 
 
@@ -40,6 +43,8 @@ def check_acc(acc, shape, dtype):
     """Holds tgmm's `acc` checked to be a [G, K, N] array of the output dtype."""
     acc = jnp.asarray(acc)
     if tuple(acc.shape) != tuple(shape) or np.dtype(acc.dtype) != np.dtype(dtype):
-        raise ValueError(f"acc must be the output's [G, K, N] = {tuple(shape)} {np.dtype(dtype)} "
-                         f"(preferred_element_type), got {acc.dtype}{tuple(acc.shape)}")
+        raise ValueError(
+            f"acc must be the output's [G, K, N] = {tuple(shape)} {np.dtype(dtype)} "
+            f"(preferred_element_type), got {acc.dtype}{tuple(acc.shape)}"
+        )
     return acc

@@ -92,6 +92,7 @@ Caveats:
     interpreter mixes varying and non-varying values. Real lowering works
     there; in interpret mode use `check_vma=False` (see tests).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -129,8 +130,12 @@ class Config:
 
 def _check_block(name: str, block) -> int:
     """Holds `block` as an int, checked to be a power of two >= MIN_BLOCK."""
-    if (isinstance(block, bool) or not isinstance(block, (int, np.integer))
-            or block < MIN_BLOCK or block & (block - 1)):
+    if (
+        isinstance(block, bool)
+        or not isinstance(block, (int, np.integer))
+        or block < MIN_BLOCK
+        or block & (block - 1)
+    ):
         raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK} (Triton), got {block!r}")
     return int(block)
 
@@ -161,7 +166,8 @@ def _compiler_params(cfg: Config, name: str, tiles) -> plt.CompilerParams:
                 f"{name}: num_stages={stages} keeps {stages} x {per_stage:,} = "
                 f"{stages * per_stage:,} bytes of operand tiles in shared memory, more than the "
                 f"{SMEM_BYTES:,} a Hopper block may use; use fewer stages or smaller blocks "
-                f"(or num_stages=None to fit them)")
+                f"(or num_stages=None to fit them)"
+            )
     else:
         stages = 3 if itemsize <= 2 else 2
         while stages > 1 and stages * per_stage > SMEM_BYTES:
@@ -193,8 +199,7 @@ def _out_shape(shape, dtype, operand) -> jax.ShapeDtypeStruct:
     Inside shard_map, pallas_call needs the output's manual axes spelled out; the
     public entry points make every operand vary over the same axes (`match_vma`).
     """
-    return jax.ShapeDtypeStruct(shape, dtype,
-                                manual_axis_type=jax.typeof(operand).manual_axis_type)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(operand).manual_axis_type)
 
 
 def _load(ref, mask):
@@ -228,8 +233,21 @@ def _load_rows(ref, src, row0, bm: int, col0, bc: int, mask):
     return _load(ref.at[src[:, None], cols[None, :]], mask)
 
 
-def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
-                bm: int, bn: int, bk: int, transpose_rhs: bool, gather: bool, compute):
+def _gmm_kernel(
+    group_ref,
+    row0_ref,
+    lo_ref,
+    hi_ref,
+    x_ref,
+    w_ref,
+    *refs,
+    bm: int,
+    bn: int,
+    bk: int,
+    transpose_rhs: bool,
+    gather: bool,
+    compute,
+):
     """One (work item, n tile): o[lo:hi, n tile] = x[lo:hi] @ w[g][:, n tile].
 
     With `gather`, refs = (rows_ref, o_ref) and x row r is x[rows_ref[r]].
@@ -261,13 +279,20 @@ def _gmm_kernel(group_ref, row0_ref, lo_ref, hi_ref, x_ref, w_ref, *refs,
         else:
             w = _load(w_ref.at[w_g, pl.ds(k0, bk), pl.ds(n0, bn)], _and(k_ok, cols_ok))
         return acc_tn + lax.dot_general(
-            x_tk.astype(compute), w.astype(compute), (contract, ((), ())),
-            precision=precision(compute), preferred_element_type=jnp.float32)
+            x_tk.astype(compute),
+            w.astype(compute),
+            (contract, ((), ())),
+            precision=precision(compute),
+            preferred_element_type=jnp.float32,
+        )
 
     acc_tn = lax.fori_loop(jnp.int32(0), trips, body, jnp.zeros((bm, bn), jnp.float32))
     store_ok = own_t[:, None] if cols_ok is None else own_t[:, None] & cols_ok[None, :]
-    plt.store(o_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc_tn.astype(o_ref.dtype),
-              mask=jnp.broadcast_to(store_ok, (bm, bn)))
+    plt.store(
+        o_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)],
+        acc_tn.astype(o_ref.dtype),
+        mask=jnp.broadcast_to(store_ok, (bm, bn)),
+    )
 
 
 def _gmm_items(group_sizes_g, m: int, bm: int, zero_padding: bool = True):
@@ -297,10 +322,17 @@ def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, c
         return jnp.zeros((m, n), out_dtype)
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
     meta = _gmm_items(group_sizes_g, m, bm, cfg.zero_padding)
-    compute = operand_dtype(x.dtype, w_gkn.dtype)   # bf16 x f32 -> bf16 (tensor cores)
+    compute = operand_dtype(x.dtype, w_gkn.dtype)  # bf16 x f32 -> bf16 (tensor cores)
     x, w_gkn = x.astype(compute), w_gkn.astype(compute)
-    kernel = functools.partial(_gmm_kernel, bm=bm, bn=bn, bk=bk, transpose_rhs=transpose_rhs,
-                               gather=rows_m is not None, compute=compute)
+    kernel = functools.partial(
+        _gmm_kernel,
+        bm=bm,
+        bn=bn,
+        bk=bk,
+        transpose_rhs=transpose_rhs,
+        gather=rows_m is not None,
+        compute=compute,
+    )
     rows = () if rows_m is None else (rows_m,)
     return pl.pallas_call(
         kernel,
@@ -315,8 +347,20 @@ def _gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, c
 # --------------------------------------------------------------- tgmm kernel
 
 
-def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: int,
-                 gather_x: bool, gather_y: bool, accumulate: bool, compute):
+def _tgmm_kernel(
+    start_ref,
+    end_ref,
+    x_ref,
+    y_ref,
+    *refs,
+    bm: int,
+    bk: int,
+    bn: int,
+    gather_x: bool,
+    gather_y: bool,
+    accumulate: bool,
+    compute,
+):
     """One (group, k tile, n tile): o[g, k tile, n tile] = x[rows of g].T @ y[rows of g].
 
     refs = ([x_rows_ref if gather_x], [y_rows_ref if gather_y], [acc_ref if accumulate], o_ref).
@@ -340,13 +384,17 @@ def _tgmm_kernel(start_ref, end_ref, x_ref, y_ref, *refs, bm: int, bk: int, bn: 
         x_tk = _load_rows(x_ref, x_src, r0, bm, k0, bk, _and(rows_ok, k_ok))
         y_tn = _load_rows(y_ref, y_src, r0, bm, n0, bn, _and(rows_ok, n_ok))
         return acc_kn + lax.dot_general(
-            x_tk.astype(compute), y_tn.astype(compute), (((0,), (0,)), ((), ())),
-            precision=precision(compute), preferred_element_type=jnp.float32)
+            x_tk.astype(compute),
+            y_tn.astype(compute),
+            (((0,), (0,)), ((), ())),
+            precision=precision(compute),
+            preferred_element_type=jnp.float32,
+        )
 
-    trips = pl.cdiv(end - start, jnp.int32(bm))   # int32 under x64 too
+    trips = pl.cdiv(end - start, jnp.int32(bm))  # int32 under x64 too
     out = o_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
     store_ok = _and(k_ok, n_ok)
-    if accumulate:   # masked by the group's rows: an empty group's tile is never touched
+    if accumulate:  # masked by the group's rows: an empty group's tile is never touched
         live = jnp.broadcast_to(end > start, (bk, bn))
         store_ok = live if store_ok is None else live & store_ok
         init_kn = _load(out, store_ok).astype(jnp.float32)
@@ -369,11 +417,18 @@ def _tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config, 
         return jnp.zeros((num_groups, k, n), out_dtype) if acc is None else acc
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
     start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    compute = operand_dtype(x.dtype, y.dtype)      # bf16 x f32 -> bf16 (tensor cores)
+    compute = operand_dtype(x.dtype, y.dtype)  # bf16 x f32 -> bf16 (tensor cores)
     x, y = x.astype(compute), y.astype(compute)
-    kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, compute=compute,
-                               gather_x=x_rows_m is not None, gather_y=y_rows_m is not None,
-                               accumulate=acc is not None)
+    kernel = functools.partial(
+        _tgmm_kernel,
+        bm=bm,
+        bk=bk,
+        bn=bn,
+        compute=compute,
+        gather_x=x_rows_m is not None,
+        gather_y=y_rows_m is not None,
+        accumulate=acc is not None,
+    )
     rows = tuple(r for r in (x_rows_m, y_rows_m) if r is not None)
     tail = () if acc is None else (acc,)
     return pl.pallas_call(
@@ -431,8 +486,9 @@ def _gmm_bwd(transpose_rhs, out_dtype, cfg, res, dout_mn):
     x, w_gkn, group_sizes_g, rows_m = res
     # out = x_g @ W_g    -> dx = dout @ W_g.T, dW_g = x_g.T @ dout_g
     # out = x_g @ W_g.T  -> dx = dout @ W_g,   dW_g = dout_g.T @ x_g
-    dx_mk = _gmm_vjp(dout_mn, w_gkn, group_sizes_g, None, not transpose_rhs,
-                     _grad_dtype(rows_m, x), cfg)
+    dx_mk = _gmm_vjp(
+        dout_mn, w_gkn, group_sizes_g, None, not transpose_rhs, _grad_dtype(rows_m, x), cfg
+    )
     dx = _grouped_grad(dx_mk, rows_m, group_sizes_g, x)
     w_dtype = np.dtype(w_gkn.dtype)
     if transpose_rhs:
@@ -461,8 +517,13 @@ def _tgmm_bwd(out_dtype, cfg, res, dout_gkn):
     # out_g = x_g.T @ y_g  -> dx_g = y_g @ dout_g.T, dy_g = x_g @ dout_g
     dx_mk = _gmm_vjp(y, dout_gkn, group_sizes_g, y_rows_m, True, _grad_dtype(x_rows_m, x), cfg)
     dy_mn = _gmm_vjp(x, dout_gkn, group_sizes_g, x_rows_m, False, _grad_dtype(y_rows_m, y), cfg)
-    return (_grouped_grad(dx_mk, x_rows_m, group_sizes_g, x),
-            _grouped_grad(dy_mn, y_rows_m, group_sizes_g, y), None, None, None)
+    return (
+        _grouped_grad(dx_mk, x_rows_m, group_sizes_g, x),
+        _grouped_grad(dy_mn, y_rows_m, group_sizes_g, y),
+        None,
+        None,
+        None,
+    )
 
 
 _tgmm_vjp.defvjp(_tgmm_fwd, _tgmm_bwd)
@@ -480,7 +541,7 @@ def _tgmm_acc_fwd(x, y, group_sizes_g, x_rows_m, y_rows_m, acc, cfg):
 
 
 def _tgmm_acc_bwd(cfg, res, dout_gkn):
-    return (*_tgmm_bwd(dout_gkn.dtype, cfg, res, dout_gkn), dout_gkn)   # d acc = dout
+    return (*_tgmm_bwd(dout_gkn.dtype, cfg, res, dout_gkn), dout_gkn)  # d acc = dout
 
 
 _tgmm_acc_vjp.defvjp(_tgmm_acc_fwd, _tgmm_acc_bwd)
@@ -489,14 +550,21 @@ _tgmm_acc_vjp.defvjp(_tgmm_acc_fwd, _tgmm_acc_bwd)
 # -------------------------------------------------------------- public entry
 
 
-def _config(block_m, block_n, block_k, num_warps, num_stages, interpret,
-            zero_padding=True) -> Config:
+def _config(
+    block_m, block_n, block_k, num_warps, num_stages, interpret, zero_padding=True
+) -> Config:
     """Holds the checked static configuration."""
     if not isinstance(zero_padding, (bool, np.bool_)):
         raise ValueError(f"zero_padding must be a bool, got {zero_padding!r}")
-    return Config(_check_block("block_m", block_m), _check_block("block_n", block_n),
-                  _check_block("block_k", block_k), num_warps, num_stages, bool(interpret),
-                  bool(zero_padding))
+    return Config(
+        _check_block("block_m", block_m),
+        _check_block("block_n", block_n),
+        _check_block("block_k", block_k),
+        num_warps,
+        num_stages,
+        bool(interpret),
+        bool(zero_padding),
+    )
 
 
 def _rows(rows, name: str):
@@ -516,10 +584,22 @@ def _with_vma(*operands):
     return tuple(None if op is None else next(it) for op in operands)
 
 
-def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=False,
-        lhs_rows=None, interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
-        block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None,
-        zero_padding=True) -> jax.Array:
+def gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    preferred_element_type=None,
+    transpose_rhs=False,
+    lhs_rows=None,
+    interpret=False,
+    block_m=DEFAULT_BLOCK_M,
+    block_n=DEFAULT_BLOCK_N,
+    block_k=DEFAULT_BLOCK_K,
+    num_warps=None,
+    num_stages=None,
+    zero_padding=True,
+) -> jax.Array:
     """Grouped matmul by the Pallas kernel: out[M, N], rows of group g @ rhs[g].
 
     Args:
@@ -551,16 +631,28 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_rhs=Fal
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"need lhs [M, K] and rhs 3-D, got {lhs.shape} and {rhs.shape}")
     cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret, zero_padding)
-    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
-                         else preferred_element_type)
+    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     args = _with_vma(lhs, rhs, group_sizes, _rows(lhs_rows, "lhs_rows"))
     return _gmm_vjp(*args, bool(transpose_rhs), out_dtype, cfg)
 
 
-def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, rhs_rows=None,
-         interpret=False, block_m=DEFAULT_BLOCK_M, block_n=DEFAULT_BLOCK_N,
-         block_k=DEFAULT_BLOCK_K, num_warps=None, num_stages=None, acc=None) -> jax.Array:
+def tgmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    preferred_element_type=None,
+    lhs_rows=None,
+    rhs_rows=None,
+    interpret=False,
+    block_m=DEFAULT_BLOCK_M,
+    block_n=DEFAULT_BLOCK_N,
+    block_k=DEFAULT_BLOCK_K,
+    num_warps=None,
+    num_stages=None,
+    acc=None,
+) -> jax.Array:
     """Transposed grouped matmul by the Pallas kernel: out[g] = lhs[g rows].T @ rhs[g rows].
 
     lhs [M, K], rhs [M, N], group_sizes [G] integer; out [G, K, N] in
@@ -581,11 +673,12 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None, lhs_rows=None, r
     m_x = (lhs if lhs_rows is None else lhs_rows).shape[0]
     m_y = (rhs if rhs_rows is None else rhs_rows).shape[0]
     if lhs.ndim != 2 or rhs.ndim != 2 or m_x != m_y:
-        raise ValueError(f"need lhs [M, K] and rhs [M, N] (M rows after any gather), got "
-                         f"{lhs.shape} and {rhs.shape}")
+        raise ValueError(
+            f"need lhs [M, K] and rhs [M, N] (M rows after any gather), got "
+            f"{lhs.shape} and {rhs.shape}"
+        )
     cfg = _config(block_m, block_n, block_k, num_warps, num_stages, interpret)
-    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None
-                         else preferred_element_type)
+    out_dtype = np.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     if acc is None:
         return _tgmm_vjp(*_with_vma(lhs, rhs, group_sizes, lhs_rows, rhs_rows), out_dtype, cfg)

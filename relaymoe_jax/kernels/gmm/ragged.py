@@ -9,6 +9,7 @@ On CPU, XLA lowers ragged dots to a dense masked [G, M, K] computation, so this
 path costs G x the memory of the blocked `xla` implementation. It is kept as an
 independent cross-check and for backends with a native ragged-dot kernel.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,10 @@ def gmm_ragged(x_mk, w_gkn, group_sizes_g, transpose_rhs: bool, out_dtype) -> ja
         rhs_group_dimensions=[0],
     )
     out_mn = lax.ragged_dot_general(
-        x_mk.astype(compute), w_gkn.astype(compute),
-        clamp_group_sizes(group_sizes_g, m), dims,
+        x_mk.astype(compute),
+        w_gkn.astype(compute),
+        clamp_group_sizes(group_sizes_g, m),
+        dims,
         precision=precision(compute),
         preferred_element_type=jnp.float32,
     )
@@ -78,8 +81,10 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, out_dtype) -> jax.Array:
         rhs_group_dimensions=[],
     )
     out_gkn = lax.ragged_dot_general(
-        x_mk.astype(compute), y_mn.astype(compute),
-        clamp_group_sizes(group_sizes_g, m), dims,
+        x_mk.astype(compute),
+        y_mn.astype(compute),
+        clamp_group_sizes(group_sizes_g, m),
+        dims,
         precision=precision(compute),
         preferred_element_type=jnp.float32,
     )

@@ -1,4 +1,5 @@
 """Float64 numpy reference for gmm / tgmm and their gradients (tests only)."""
+
 from __future__ import annotations
 
 import numpy as np

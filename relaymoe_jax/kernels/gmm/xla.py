@@ -18,6 +18,7 @@ slice stays in bounds; each item masks rows by their true row index
 Both ops carry a `jax.custom_vjp` whose backward pass is again gmm/tgmm, so AD
 never differentiates through the loop.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,7 +81,7 @@ def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
     return WorkItems(start_g, end_g, group_i, tile_i, items_end_g[-1])
 
 
-_I0 = np.int32(0)   # a start index of int32 like the traced ones (x64 would make 0 an int64)
+_I0 = np.int32(0)  # a start index of int32 like the traced ones (x64 would make 0 an int64)
 
 
 def _tile_rows(items: WorkItems, i: jax.Array, m: int, tm: int):
@@ -103,7 +104,7 @@ def _zeros_like_vma(shape, dtype, *operands) -> jax.Array:
     operand gives the union, with no version-specific type inspection.
     """
     zero = sum(lax.full_like(op, 0, dtype, shape=()) for op in operands)
-    zero = late_zero(zero, operands[0])           # made once the operands exist
+    zero = late_zero(zero, operands[0])  # made once the operands exist
     return jnp.broadcast_to(zero, shape)
 
 
@@ -140,8 +141,11 @@ def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):
         x_tk = lax.dynamic_slice(x_mk, (row0, _I0), (tm, k)).astype(compute)
         w_kn = lax.dynamic_index_in_dim(w_gkn, g, keepdims=False).astype(compute)
         y_tn = lax.dot_general(
-            x_tk, w_kn, (contract, ((), ())),
-            precision=prec, preferred_element_type=jnp.float32,
+            x_tk,
+            w_kn,
+            (contract, ((), ())),
+            precision=prec,
+            preferred_element_type=jnp.float32,
         ).astype(out_dtype)
         cur_tn = lax.dynamic_slice(out_mn, (row0, _I0), (tm, n))
         new_tn = jnp.where(own_t[:, None], y_tn, cur_tn)
@@ -174,8 +178,11 @@ def _tgmm_fwd_impl(x_mk, y_mn, group_sizes_g, tm, out_dtype, acc_gkn=None):
         x_tk = jnp.where(own_t[:, None], x_tk, jnp.zeros((), compute))
         y_tn = jnp.where(own_t[:, None], y_tn, jnp.zeros((), compute))
         d_kn = lax.dot_general(
-            x_tk, y_tn, (((0,), (0,)), ((), ())),
-            precision=prec, preferred_element_type=jnp.float32,
+            x_tk,
+            y_tn,
+            (((0,), (0,)), ((), ())),
+            precision=prec,
+            preferred_element_type=jnp.float32,
         )
         cur_1kn = lax.dynamic_slice(acc_gkn, (g, _I0, _I0), (1, k, n))
         return i + 1, lax.dynamic_update_slice(acc_gkn, cur_1kn + d_kn[None], (g, _I0, _I0))
@@ -207,8 +214,7 @@ def _gmm_bwd(transpose_rhs, tm, out_dtype, res, dout_mn):
     x_mk, w_gkn, group_sizes_g = res
     # out = x_g @ W_g        -> dx = dout @ W_g.T, dW_g = x_g.T @ dout_g
     # out = x_g @ W_g.T      -> dx = dout @ W_g,   dW_g = dout_g.T @ x_g
-    dx_mk = _gmm_vjp(dout_mn, w_gkn, group_sizes_g, not transpose_rhs, tm,
-                    np.dtype(x_mk.dtype))
+    dx_mk = _gmm_vjp(dout_mn, w_gkn, group_sizes_g, not transpose_rhs, tm, np.dtype(x_mk.dtype))
     if transpose_rhs:
         dw = _tgmm_vjp(dout_mn, x_mk, group_sizes_g, tm, np.dtype(w_gkn.dtype))
     else:
@@ -253,7 +259,7 @@ def _tgmm_acc_fwd(x_mk, y_mn, group_sizes_g, acc_gkn, tm):
 
 
 def _tgmm_acc_bwd(tm, res, dout_gkn):
-    return (*_tgmm_bwd(tm, dout_gkn.dtype, res, dout_gkn), dout_gkn)   # d acc = dout
+    return (*_tgmm_bwd(tm, dout_gkn.dtype, res, dout_gkn), dout_gkn)  # d acc = dout
 
 
 _tgmm_acc_vjp.defvjp(_tgmm_acc_fwd, _tgmm_acc_bwd)
