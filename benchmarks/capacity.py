@@ -52,11 +52,16 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's train/
     if "--target" in " ".join(sys.argv):  # before jax (gpu_mesh)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules, when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-from relaymoe_jax.devices import use_cpu_devices
-from relaymoe_jax.models.configs import load_config, parse_overrides
-from train import loop, planner
+from capacity_report import MIB, capacity_table, plot, recompute_table
+
+from relaymoe_jax.cli.devices import use_cpu_devices
+from relaymoe_jax.models.config_files import load_config, parse_overrides
 from train import mesh as train_mesh
+from train import planner
+from train.settings import TRAIN_FIELDS, TrainConfig
 
 CONFIG = "configs/qwen3-30b-a3b.yaml"
 # --target: the experiment's settings on a full-size config (paper §4.4: full recomputation)
@@ -88,7 +93,6 @@ VARIANTS = {
     "alltoall dropless": dict(dispatcher="alltoall"),
     "alltoall cap1.0": dict(dispatcher="alltoall", capacity_factor=1.0),
 }
-MIB = 2**20
 
 
 def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = None) -> dict:
@@ -101,7 +105,7 @@ def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = N
     }
 
 
-def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
+def probe(cfgs: dict, tc: TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
     """{variant: (longest of `seqs` that fits or None, search record of every probe)}: the fully
     recomputed step, one compile per probe, at as few of the listed lengths as
     `train.search.largest_listed` needs (the smallest, the largest, then where the line through
@@ -125,7 +129,7 @@ def probe(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, seqs: list[int]) 
     return found
 
 
-def capacity(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, limit: int, step: int):
+def capacity(cfgs: dict, tc: TrainConfig, mesh, memory: int, limit: int, step: int):
     """{variant: (largest seq or None, search record)} at micro-batch tc.batch_size."""
     found = {}
     for name, cfg in cfgs.items():
@@ -136,7 +140,7 @@ def capacity(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, limit: int, st
     return found
 
 
-def recompute(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, sizes):
+def recompute(cfgs: dict, tc: TrainConfig, mesh, memory: int, sizes):
     """{(seq, batch): {variant: RematReport or the reason it does not fit}}."""
     out = {}
     for seq, batch in sizes:
@@ -151,127 +155,7 @@ def recompute(cfgs: dict, tc: loop.TrainConfig, mesh, memory: int, sizes):
     return out
 
 
-def capacity_table(found: dict, memory: int) -> str:
-    ring = found["ring"][0]
-    rows = [
-        "| dispatcher | largest seq | its peak MiB | next size probed | its peak MiB | ring / it |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, (seq, rec) in found.items():
-        peaks = dict(rec.probes)
-        above = min((s for s in peaks if peaks[s] > memory), default=None)
-        at_limit = " (the limit)" if seq == rec.limit else ""
-        cells = [
-            name,
-            f"{seq:,}{at_limit}" if seq else "none fits",
-            f"{peaks[seq] / MIB:,.1f}" if seq else "",
-            f"{above:,}" if above else "",
-            f"{peaks[above] / MIB:,.1f}" if above else "",
-            f"{'>= ' if ring == rec.limit else ''}{ring / seq:.2f}x" if seq and ring else "",
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def recompute_table(plans: dict, cfgs: dict, mesh, dtype) -> str:
-    rows = [
-        "| seq | micro-batch | dispatcher | full-recompute peak MiB | plan | planned peak MiB "
-        "| attention recompute GFLOP saved per device (formula) | of all avoidable |",
-        "|---:|---:|---|---:|---|---:|---:|---:|",
-    ]
-    for (seq, batch), by in plans.items():
-        for name, r in by.items():
-            if isinstance(r, str):
-                rows.append(f"| {seq:,} | {batch} | {name} | does not fit | | | | |")
-                continue
-            costs = planner.remat.option_costs(
-                planner.remat.AttentionShape.of(cfgs[name], batch, seq, dict(mesh.shape), dtype)
-            )
-            best = len(r.plan.options) * max(c.flops for c in costs.values())
-            plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
-            rows.append(
-                f"| {seq:,} | {batch} | {name} | {r.full.peak / MIB:,.1f} | {plan} | "
-                f"{r.planned.peak / MIB:,.1f} | {r.plan.flops_saved / 1e9:,.2f} | "
-                f"{r.plan.flops_saved / best:.0%} |"
-            )
-    return "\n".join(rows)
-
-
-def _plot_capacity(ax, found: dict, memory: int) -> None:
-    for name, (seq, rec) in found.items():
-        pts = sorted(rec.probes)
-        (line,) = ax.plot([s for s, _ in pts], [p / MIB for _, p in pts], "o-", label=name)
-        if seq:
-            ax.annotate(
-                f"{seq:,}",
-                (seq, dict(rec.probes)[seq] / MIB),
-                color=line.get_color(),
-                textcoords="offset points",
-                xytext=(4, -12),
-            )
-    ax.axhline(memory / MIB, color="k", ls="--", lw=1, label="capacity")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="sequence length",
-        ylabel="peak MiB per device",
-        title="capacity: full recomputation, same micro-batch",
-    )
-    ax.legend()
-
-
-def _plot_recompute(ax, plans: dict) -> None:
-    names = list(VARIANTS)
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + i * width for j in range(len(plans))]
-        ys = [
-            0 if isinstance(by[name], str) else by[name].plan.flops_saved / 1e9
-            for by in plans.values()
-        ]
-        bars = ax.bar(xs, ys, width, label=name)
-        for x, by in zip(xs, plans.values()):
-            if isinstance(by[name], str):
-                ax.annotate(
-                    "OOM",
-                    (x, 0),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                    color=bars.patches[0].get_facecolor(),
-                )
-    ax.set_xticks(
-        [j + width * (len(names) - 1) / 2 for j in range(len(plans))],
-        [f"seq {s:,}\nb={b}" for s, b in plans],
-    )
-    ax.set(
-        ylabel="attention recompute GFLOP saved / device / step",
-        title="recomputation: greedy plan within the capacity",
-    )
-    ax.legend()
-
-
-def plot(found: dict, plans: dict, memory: int, out: Path) -> Path:
-    """One panel per part that ran: peak vs sequence length, and the FLOPs each plan saves."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    panels = [p for p in (found and "capacity", plans and "recompute") if p]
-    fig = Figure(figsize=(5.5 * len(panels), 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, panel in zip(axes, panels):
-        if panel == "capacity":
-            _plot_capacity(ax, found, memory)
-        else:
-            _plot_recompute(ax, plans)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
-
-
-def main(argv=None) -> int:
-    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--memory",
@@ -312,9 +196,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", type=Path, default=Path("docs/img/capacity.png"))
     p.add_argument("overrides", nargs="*", help="model or train key=value")
-    args = p.parse_args(argv)
-    target = args.target
-    if args.hosts < 1 or (args.hosts != 1 and not target):
+    return p
+
+
+def parse_seqs(args) -> list[int]:
+    """--seqs as positive integers; --hosts checked; the defaults that depend on them set."""
+    if args.hosts < 1 or (args.hosts != 1 and not args.target):
         raise SystemExit(f"--hosts {args.hosts}: expected >= 1, and only with --target")
     try:
         seqs = [int(v) for v in args.seqs.split(",") if v]
@@ -322,81 +209,107 @@ def main(argv=None) -> int:
         seqs = [0]
     if any(v < 1 for v in seqs):
         raise SystemExit(f"--seqs {args.seqs!r}: expected positive integers SEQ[,SEQ...]")
-    if target:
+    if args.target:
         args.parts = "capacity"
     if args.max_seq is None and not seqs:
         args.max_seq = 32768
-    print(
-        "# reproduce: python benchmarks/capacity.py "
-        + shlex.join(
-            [
-                *([f"--target={target}", f"--hosts={args.hosts}"] if target else []),
-                *([f"--config={args.config}"] if args.config != CONFIG else []),
-                *([f"--seqs={args.seqs}"] if seqs else []),
-                *([f"--memory={args.memory}"] if args.memory else []),
-                f"--batch={args.batch}",
-                *(
-                    [f"--max-seq={args.max_seq}", f"--seq-step={args.seq_step}"]
-                    if args.max_seq
-                    else []
-                ),
-                *([f"--throughput={args.throughput}"] if not target else []),
-                f"--parts={args.parts}",
-                f"--out={args.out}",
-                *args.overrides,
-            ]
-        ),
-        flush=True,
+    return seqs
+
+
+def reproduce(args, seqs) -> str:
+    """The command line that reproduces this run, every setting spelled out."""
+    target = args.target
+    return "# reproduce: python benchmarks/capacity.py " + shlex.join(
+        [
+            *([f"--target={target}", f"--hosts={args.hosts}"] if target else []),
+            *([f"--config={args.config}"] if args.config != CONFIG else []),
+            *([f"--seqs={args.seqs}"] if seqs else []),
+            *([f"--memory={args.memory}"] if args.memory else []),
+            f"--batch={args.batch}",
+            *([f"--max-seq={args.max_seq}", f"--seq-step={args.seq_step}"] if args.max_seq else []),
+            *([f"--throughput={args.throughput}"] if not target else []),
+            f"--parts={args.parts}",
+            f"--out={args.out}",
+            *args.overrides,
+        ]
     )
+
+
+def parse_parts(args) -> set:
     parts = set(args.parts.split(","))
     if not parts or parts - {"capacity", "recompute"}:
         raise SystemExit(f"--parts {args.parts!r}: expected capacity, recompute or both")
-    if target:
-        gpu = planner.gpu_mesh
-        memory = (
-            planner.parse_memory(args.memory)
-            if args.memory
-            else int(0.9 * gpu.device_memory(target))
-        )
-    else:
-        memory = planner.parse_memory(args.memory or "1GiB")
+    return parts
+
+
+def capacity_bytes(args) -> int:
+    """--memory in bytes; its default 1GiB, or 0.9 x the device's with --target."""
+    if args.memory:
+        return planner.parse_memory(args.memory)
+    if args.target:
+        return int(0.9 * planner.gpu_mesh.device_memory(args.target))
+    return planner.parse_memory("1GiB")
+
+
+def parse_throughput(args) -> list[tuple[int, int]]:
+    """--throughput as [(seq, batch)] of positive integers."""
     sizes = [tuple(item.split(":")) for item in args.throughput.split(",") if item]
     if not all(len(s) == 2 and all(v.isdigit() and int(v) > 0 for v in s) for s in sizes):
         raise SystemExit(
             f"--throughput {args.throughput!r}: expected SEQ:BATCH[,SEQ:BATCH...] "
             "with positive integers"
         )
-    sizes = [(int(a), int(b)) for a, b in sizes]
+    return [(int(a), int(b)) for a, b in sizes]
+
+
+def setup(args):
+    """(TrainConfig, mesh, where the figures come from, the model's sizes, {variant: config})."""
+    target = args.target
     over = parse_overrides(args.overrides)
-    train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
+    train_kw = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
     if target:
         train_kw.setdefault("compute_dtype", "bfloat16")
-    tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq_step, **train_kw)
-    if target:
-        shape = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu.GPUS_PER_HOST)
-        mesh = gpu.mesh(tuple(shape.values()), tuple(shape), target=target)
-        where = (
-            f"XLA:GPU buffer assignment for {mesh.devices.size} abstract "
-            f"{gpu.device_kind(target)}, compile only, no GPU (no timing)"
-        )
-        model = {**FULL_SIZE, **over}
-        cfgs = configs(over, mesh, args.config, scaled=FULL_SIZE)
-    else:
+    tc = TrainConfig(batch_size=args.batch, seq_len=args.seq_step, **train_kw)
+    if not target:
+        mesh = train_mesh.make_mesh(tc.mesh)
         where = "XLA:CPU buffer assignment, compile only"
-        model = {**SCALED, **over}
-        cfgs = configs(over, mesh := train_mesh.make_mesh(tc.mesh), args.config)
-    found = {}
-    if "capacity" in parts and seqs:
-        found = probe(cfgs, tc, mesh, memory, seqs)
-    if "capacity" in parts and args.max_seq:
+        return tc, mesh, where, {**SCALED, **over}, configs(over, mesh, args.config)
+    gpu = planner.gpu_mesh
+    shape = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu.GPUS_PER_HOST)
+    mesh = gpu.mesh(tuple(shape.values()), tuple(shape), target=target)
+    where = (
+        f"XLA:GPU buffer assignment for {mesh.devices.size} abstract "
+        f"{gpu.device_kind(target)}, compile only, no GPU (no timing)"
+    )
+    return tc, mesh, where, {**FULL_SIZE, **over}, configs(over, mesh, args.config, FULL_SIZE)
+
+
+def largest(args, cfgs, tc, mesh, memory, seqs) -> dict:
+    """{variant: (largest seq or None, search record)}: the listed --seqs, then the --max-seq
+    search, their probes merged into one record per dispatcher."""
+    found = probe(cfgs, tc, mesh, memory, seqs) if seqs else {}
+    if args.max_seq:
         searched = capacity(cfgs, tc, mesh, memory, args.max_seq, args.seq_step)
-        for name, (seq, rec) in searched.items():  # one record per dispatcher, probes merged
+        for name, (seq, rec) in searched.items():
             if name in found:
                 rec.probes = found[name][1].probes + rec.probes
             found[name] = (seq, rec)
+    return found
+
+
+def main(argv=None) -> int:
+    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
+    args = parser().parse_args(argv)
+    seqs = parse_seqs(args)
+    print(reproduce(args, seqs), flush=True)
+    parts = parse_parts(args)
+    memory = capacity_bytes(args)
+    sizes = parse_throughput(args)
+    tc, mesh, where, model, cfgs = setup(args)
+    found = largest(args, cfgs, tc, mesh, memory, seqs) if "capacity" in parts else {}
     plans = recompute(cfgs, tc, mesh, memory, sizes) if "recompute" in parts and sizes else {}
     print(
-        f"\n{'' if target else 'scaled '}{args.config} "
+        f"\n{'' if args.target else 'scaled '}{args.config} "
         f"({', '.join(f'{k}={v}' for k, v in model.items())}), mesh {dict(mesh.shape)}, "
         f"{tc.compute_dtype}, capacity {memory / MIB:,.0f} MiB per device; {where}"
     )

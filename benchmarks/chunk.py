@@ -30,7 +30,7 @@ import warnings
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from relaymoe_jax.argtypes import positive_int
+from relaymoe_jax.cli.argtypes import positive_int
 
 PAPER = dict(experts=128, hidden=2048, ffn=768, tokens_per_device=61440, ep=8)
 CHUNKS = ("default", "balanced share", 32768, 16384, 8192, 4096)
@@ -62,7 +62,8 @@ def fwdbwd_temp(s, mesh, variant) -> int:
     """fwd+bwd temp bytes per device of `variant` at shape `s`, compiled for `mesh`."""
     import jax
 
-    from relaymoe_jax import XLA_OPTIONS, memory
+    from relaymoe_jax import XLA_OPTIONS
+    from relaymoe_jax.analysis import memory
 
     fwdbwd = memory.layer_fns(s, mesh, variant)[1]
     with jax.set_mesh(mesh):
@@ -78,7 +79,7 @@ def fwdbwd_temp(s, mesh, variant) -> int:
 def memory_table(args):
     import dataclasses
 
-    from relaymoe_jax import gpu_mesh, memory
+    from relaymoe_jax.analysis import gpu_mesh, memory
     from relaymoe_jax.dispatch import chunking
 
     mesh = gpu_mesh.mesh((PAPER["ep"],), ("expert",), target=args.target)
@@ -116,7 +117,7 @@ def cpu_time(args):
     import jax
     import moe_layer
 
-    from relaymoe_jax import memory
+    from relaymoe_jax.analysis import memory
 
     s = memory.LayerShape(dtype="float32", **CPU_SHAPE)
     mesh = jax.make_mesh((s.ep,), ("expert",))
@@ -144,7 +145,7 @@ def cpu_time(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    from relaymoe_jax.devices import use_cpu_devices
+    from relaymoe_jax.cli.devices import use_cpu_devices
 
     use_cpu_devices(CPU_SHAPE["ep"])
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")

@@ -4,8 +4,9 @@
 
 Each row is a fresh process (no compilation cache shared between rows): the train step of
 `--config` with `num_hidden_layers` set, compiled (never run) from abstract shapes on 8 emulated
-CPU devices, as `train.loop.compile_abstract` does. Columns: seconds to build the abstract state,
-to trace and lower, to compile; the compiled HLO's size and while loops; temporaries per device.
+CPU devices, as `train.train_step.compile_abstract` does. Columns: seconds to build the abstract
+state, to trace and lower, to compile; the compiled HLO's size and while loops; temporaries per
+device.
 The first output line is the command that reproduces the table.
 """
 
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from relaymoe_jax.argtypes import positive_int
+from relaymoe_jax.cli.argtypes import positive_int
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,19 +27,20 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     """One compile, in this process: timings, HLO size and temporaries."""
     import jax
 
-    from relaymoe_jax.models.configs import load_config
-    from train import loop
+    from relaymoe_jax.models.config_files import load_config
     from train import mesh as tm
+    from train import train_step
+    from train.settings import TrainConfig
 
     cfg = load_config(config, num_hidden_layers=layers, scan_layers=scan)
-    tc = loop.TrainConfig(mesh=mesh)
+    tc = TrainConfig(mesh=mesh)
     mesh_ = tm.make_mesh(tc.mesh)
     t0 = time.perf_counter()
-    graphdef, state, tx, rules = loop.abstract_state(cfg, tc, mesh_)
+    graphdef, state, tx, rules = train_step.abstract_state(cfg, tc, mesh_)
     t1 = time.perf_counter()
     shape = (tc.batch_size, tc.seq_len)
     ids = jax.NamedSharding(mesh_, rules.fit(shape, "batch", "seq"))
-    step = loop.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
+    step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     jitted = jax.jit(
         step,
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
 
         if "JAX_PLATFORMS" not in os.environ:  # jax is imported already: set its option
             jax.config.update("jax_platforms", "cpu")
-        from relaymoe_jax.devices import use_cpu_devices
+        from relaymoe_jax.cli.devices import use_cpu_devices
 
         use_cpu_devices(8)  # before jax starts, unless XLA_FLAGS sets a device count
         print(json.dumps(measure(args.config, int(args.one[0]), args.one[1] == "1", args.mesh)))

@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 
-from relaymoe_jax.argtypes import positive_int
+from relaymoe_jax.cli.argtypes import positive_int
 
 VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")  # = memory.VARIANTS
 # Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
@@ -128,7 +128,7 @@ def parse_args(argv=None):
 
 
 def shapes(args):
-    from relaymoe_jax.memory import LayerShape
+    from relaymoe_jax.analysis.memory import LayerShape
 
     for dtype in args.dtype:
         if args.modes or args.gpu_preset:
@@ -148,7 +148,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
     import jax
     import numpy as np
 
-    from relaymoe_jax import memory
+    from relaymoe_jax.analysis import memory
 
     _, fwdbwd = memory.layer_fns(shape, mesh, variant)
     rng = np.random.default_rng(0)
@@ -170,7 +170,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
 
 def fits_host(shape, measured, ep):
     """Emulated devices share this host's memory: time only what fits in 70% of it."""
-    from relaymoe_jax import memory
+    from relaymoe_jax.analysis import memory
 
     args = sum(a.size * a.dtype.itemsize for a in memory.abstract_args_unsharded(shape))
     need = ep * measured["fwdbwd"] + 3 * args
@@ -188,8 +188,8 @@ def main(argv=None):
     if jax.config.jax_platforms in (None, ""):  # jax is imported already (relaymoe_jax):
         jax.config.update("jax_platforms", "cpu")  # the env var above came too late
 
-    from relaymoe_jax import gpu_mesh, memory
-    from relaymoe_jax.devices import use_cpu_devices
+    from relaymoe_jax.analysis import gpu_mesh, memory
+    from relaymoe_jax.cli.devices import use_cpu_devices
 
     use_cpu_devices(args.ep)  # --ep emulated devices, unless XLA_FLAGS sets a device count
 

@@ -12,12 +12,12 @@ compiler, bf16, the Pallas grouped matmul (`--gmm auto`). Per row, all per GPU:
   hierarchical ring that reading sums its inner and outer loop bodies, so it is left to --json;
 - cross-host / intra-host MiB: what the GPU that sends most sends in one fwd+bwd to GPUs of other
   hosts / of its own host, read from the fwd+bwd program's collective permutes and all-to-alls with
-  loop trip counts (`relaymoe_jax.hlo.link_bytes`, `all_to_all_link_bytes`). Other collectives
-  (the loss's all-reduce) are not counted;
+  loop trip counts (`relaymoe_jax.analysis.hlo.link_bytes`, `all_to_all_link_bytes`). Other
+  collectives (the loss's all-reduce) are not counted;
 - hidden hops: of the fwd+bwd program's cross-host collective permutes that have compute they
-  could run beside (`relaymoe_jax.overlap.cross_host_transfers`, `free` > 0), the fewest ring hops
-  of compute one of them is scheduled across (its start before them, its done after); "-" when no
-  collective permute crosses hosts (the all-to-all's exchanges are not read here);
+  could run beside (`relaymoe_jax.analysis.overlap.cross_host_transfers`, `free` > 0), the fewest
+  ring hops of compute one of them is scheduled across (its start before them, its done after); "-"
+  when no collective permute crosses hosts (the all-to-all's exchanges are not read here);
 - compile s: trace + lower + compile of the fwd+bwd, seconds on this machine.
 
 --json OUT writes, per row, the shape, the variant's `moe_ffn` arguments, both programs' temp /
@@ -37,9 +37,9 @@ import shlex
 import sys
 import time
 
-from relaymoe_jax.argtypes import positive_int
+from relaymoe_jax.cli.argtypes import positive_int
 
-# name -> (relaymoe_jax.memory.VARIANTS entry, extra moe_ffn arguments)
+# name -> (relaymoe_jax.analysis.memory.VARIANTS entry, extra moe_ffn arguments)
 VARIANTS = {
     "ring-expert": ("ring-expert", {"ring": "flat"}),
     "ring-token": ("ring-token", {"ring": "flat"}),
@@ -117,13 +117,14 @@ def compile_variant(shape, mesh, variant, gmm):
     """The compiled forward and forward+backward of one variant, and their compile seconds."""
     import jax
 
-    from relaymoe_jax import XLA_OPTIONS, memory
+    from relaymoe_jax import XLA_OPTIONS
+    from relaymoe_jax.analysis import memory
 
     base, extra = variant_kwargs(variant, gmm)
     fns = memory.layer_fns(shape, mesh, base, AXES, extra)
     args = memory.abstract_args(shape, mesh, AXES)
     out, secs = [], []
-    with jax.set_mesh(mesh):  # with the options the trainer compiles with (train/loop.py)
+    with jax.set_mesh(mesh):  # with the options the trainer compiles with (train/train_step.py)
         for fn in fns:
             t0 = time.perf_counter()
             out.append(jax.jit(fn).trace(*args).lower().compile(compiler_options=XLA_OPTIONS))
@@ -133,7 +134,7 @@ def compile_variant(shape, mesh, variant, gmm):
 
 def measure(shape, mesh, variant, gmm):
     """Every figure of one row (bytes per GPU; per-device lists indexed by partition id)."""
-    from relaymoe_jax import hlo, memory, overlap
+    from relaymoe_jax.analysis import hlo, memory, overlap
 
     (c_fwd, c_all), secs = compile_variant(shape, mesh, variant, gmm)
     hosts = hlo.host_of(mesh)
@@ -175,7 +176,7 @@ def main(argv=None):
     if "JAX_PLATFORMS" not in os.environ:  # jax is imported already: set its option
         jax.config.update("jax_platforms", "cpu")
 
-    from relaymoe_jax import gpu_mesh, memory
+    from relaymoe_jax.analysis import gpu_mesh, memory
 
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)  # capacity warnings: we know
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
@@ -321,7 +322,7 @@ if __name__ == "__main__":
     try:
         main()
     except Exception as e:  # the plugin missing, a shape the op refuses: one line
-        from relaymoe_jax import gpu_mesh
+        from relaymoe_jax.analysis import gpu_mesh
 
         if isinstance(e, (gpu_mesh.PluginMissing, ValueError)):
             sys.exit(f"scaling.py: error: {e}")

@@ -20,8 +20,8 @@ import numpy as np
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's train/
 
-from relaymoe_jax.argtypes import positive_int
-from relaymoe_jax.devices import use_cpu_devices
+from relaymoe_jax.cli.argtypes import positive_int
+from relaymoe_jax.cli.devices import use_cpu_devices
 from train import cli, plot
 
 DISPATCHERS = {"ring": ["dispatcher=ring"], "alltoall": ["dispatcher=alltoall"]}
@@ -96,5 +96,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, OSError, cli.NonFiniteLossError, cli.guards.WriteError) as e:
+    except (ValueError, OSError, cli.guards.NonFiniteLossError, cli.guards.WriteError) as e:
         sys.exit(f"train_parity.py: error: {e}")

@@ -7,7 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
-from relaymoe_jax.devices import use_cpu_devices
+from relaymoe_jax.cli.devices import use_cpu_devices
 
 use_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)

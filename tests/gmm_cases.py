@@ -7,12 +7,12 @@ F32_RTOL = 1e-5  # relative to max |reference|
 BF16_RTOL = 2e-2
 
 
-def _rand(seed, shape, dtype=np.float32):
+def rand(seed, shape, dtype=np.float32):
     """Holds a standard-normal array of `shape` cast to `dtype`."""
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def _assert_close(got, want, rtol=F32_RTOL):
+def assert_close(got, want, rtol=F32_RTOL):
     """Asserts |got - want| <= rtol * max|want| elementwise (and finiteness)."""
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape, (got.shape, want.shape)

@@ -106,12 +106,15 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
     seen = []
 
     def fake_cost(cfg, tc, mesh, memo=True):
-        seen.append((cfg.dispatcher, cfg.capacity_factor, tc.seq_len, cfg.max_position_embeddings))
+        opts = cfg.moe_options
+        seen.append(
+            (opts.dispatcher, opts.capacity_factor, tc.seq_len, cfg.max_position_embeddings)
+        )
         name = (
             "ring"
-            if cfg.dispatcher == "ring"
+            if opts.dispatcher == "ring"
             else "alltoall cap1.0"
-            if cfg.capacity_factor
+            if opts.capacity_factor
             else "alltoall dropless"
         )
         return capacity.planner.StepCost(per_token[name] * tc.seq_len * capacity.MIB, None)
@@ -121,7 +124,7 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
         n: capacity.load_config("configs/tiny.yaml", expert_size=8, **capacity.FULL_SIZE, **over)
         for n, over in capacity.VARIANTS.items()
     }
-    tc = capacity.loop.TrainConfig(batch_size=8, seq_len=64)
+    tc = capacity.TrainConfig(batch_size=8, seq_len=64)
     found = capacity.probe(cfgs, tc, None, 200_000 * capacity.MIB, [65536, 153600, 40960])
     assert {s[3] for s in seen} == {153600}  # positions cover the longest
     assert [s[2] for s in seen] == [40960, 153600, 40960, 40960, 153600, 65536]

@@ -2,9 +2,12 @@
 
 import pytest
 
-from relaymoe_jax import memory, routing_volumes
+from relaymoe_jax import routing_volumes
+from relaymoe_jax.analysis import memory
 from relaymoe_jax.dispatch import chunking
-from relaymoe_jax.validate import ring_plan
+from relaymoe_jax.op.checks import Dtypes, Sizes
+from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.op.resolve import Placement, ring_choice
 
 
 @pytest.mark.parametrize(
@@ -23,21 +26,13 @@ def test_default_is_the_balanced_share_capped_at_8192(tokens, k, ep, want):
 
 
 def test_the_op_the_volumes_and_the_memory_model_share_the_default():
-    kw = dict(
-        num_experts=128,
-        top_k=8,
-        hidden=2048,
-        ffn=768,
-        ep=8,
-        etp_size=1,
-        x_dtype="bfloat16",
-        w_dtype="bfloat16",
-        wts_dtype="float32",
-    )
-    chunk, _, _ = ring_plan(routing="expert", chunk_size=None, ring_tokens=61_440, **kw)
+    sizes = Sizes(lead=(61_440,), tokens=61_440, hidden=2048, top_k=8, experts=128, ffn=768)
+    dtypes = Dtypes(x="bfloat16", weights="bfloat16", router="float32")
+    where = Placement(("expert",), None, 8, 1, 61_440, False, (), 1, False)
+    chunk = ring_choice(MoEOptions(routing="expert"), sizes, dtypes, where).chunk
     assert chunk == 8_192
-    given, _, _ = ring_plan(routing="expert", chunk_size=20_000, ring_tokens=61_440, **kw)
-    assert given == 20_000
+    given = ring_choice(MoEOptions(routing="expert", chunk_size=20_000), sizes, dtypes, where)
+    assert given.chunk == 20_000
     s = memory.LayerShape(
         experts=128, top_k=8, hidden=2048, ffn=768, tokens_per_device=61_440, ep=8
     )

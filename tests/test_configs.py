@@ -7,16 +7,15 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from relaymoe_jax.models.config import ModelConfig, check_mesh, from_hf_dict
-from relaymoe_jax.models.configs import (
+from relaymoe_jax.models.config import ModelConfig, check_mesh
+from relaymoe_jax.models.config_files import (
     CONFIG_DIR,
-    PAPER_PARAMS,
     available_configs,
     load_config,
-    main,
-    param_count,
     parse_overrides,
 )
+from relaymoe_jax.models.hf_config import from_hf_dict
+from relaymoe_jax.models.param_count import PAPER_PARAMS, main, param_count
 
 # The paper's Table 3, transcribed from the paper text: name -> (L, Hidden, FFN_moe, E, K, Params).
 TABLE3 = {
@@ -369,7 +368,8 @@ def test_yaml_values(tmp_path):
     assert isinstance(cfg.rope_theta, float) and cfg.rope_theta == 10000.0
     assert cfg.rms_norm_eps == 1e-5 and isinstance(cfg.rms_norm_eps, float)
     assert cfg.head_dim is None and cfg.mlp_only_layers == (0,)
-    assert cfg.capacity_factor == 2.0 and isinstance(cfg.capacity_factor, float)
+    capacity = cfg.moe_options.capacity_factor
+    assert capacity == 2.0 and isinstance(capacity, float)
 
 
 def test_missing_file():
@@ -379,7 +379,7 @@ def test_missing_file():
 
 def test_overrides():
     cfg = load_config("tiny", **parse_overrides(["num_experts=16", "routing=token"]))
-    assert (cfg.num_experts, cfg.routing) == (16, "token")
+    assert (cfg.num_experts, cfg.moe_options.routing) == (16, "token")
     with pytest.raises(ValueError, match=r"tiny\.yaml \(override routing='sideways'\): routing="):
         load_config("tiny", routing="sideways")
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_expertz'\]"):

@@ -1,4 +1,4 @@
-"""The cost model's logic on small synthetic numbers (relaymoe_jax/costmodel.py), its FLOPs
+"""The cost model's logic on small synthetic numbers (relaymoe_jax/analysis/costmodel/), its FLOPs
 stand-in against plain arithmetic, and benchmarks/cost_model.py end to end on a synthetic
 scaling JSON (no XLA:GPU compile)."""
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from relaymoe_jax import costmodel as cm
+from relaymoe_jax.analysis import costmodel as cm
 from scripts import load_script
 
 LINKS = cm.Links(nvlink=400.0, nic=50.0)  # bytes/s, round numbers: NVLink 8x the NIC
@@ -293,7 +293,9 @@ def test_kernel_section_is_the_fallback(tmp_path):
 
 
 def test_missing_file_is_assumed(tmp_path, monkeypatch):
-    monkeypatch.setattr(cm, "MEASUREMENTS", tmp_path / "absent.json")
+    monkeypatch.setattr(
+        cm.rates, "MEASUREMENTS", tmp_path / "absent.json"
+    )  # where load_rates reads
     rates = cm.load_rates()
     assert rates.fwd == rates.bwd == cm.assumed_rate()
     assert rates.fwd.tflops == round(0.35 * 989.4, 1) and not rates.fwd.measured

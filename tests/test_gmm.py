@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gmm_cases import BF16_RTOL, F32_RTOL, _assert_close, _rand
+from gmm_cases import BF16_RTOL, F32_RTOL, assert_close, rand
 from relaymoe_jax.kernels import gmm, tgmm
 from relaymoe_jax.kernels.gmm import reference as ref
 from relaymoe_jax.kernels.gmm import resolve_impl
-from relaymoe_jax.kernels.gmm.xla import work_items
+from relaymoe_jax.kernels.gmm.common import work_items
 
 # (M, group_sizes, tile_m): tile_m 8 makes many tiles and tiles that span groups.
 GMM_CASES = {
@@ -41,8 +41,8 @@ def _case(name, seed=0, dtype=np.float32, transpose_rhs=False):
     m, sizes, tile_m = GMM_CASES[name]
     rhs_shape = (len(sizes), N, K) if transpose_rhs else (len(sizes), K, N)
     return (
-        _rand(seed, (m, K), dtype),
-        _rand(seed + 1, rhs_shape, dtype),
+        rand(seed, (m, K), dtype),
+        rand(seed + 1, rhs_shape, dtype),
         jnp.asarray(sizes, jnp.int32),
         tile_m,
     )
@@ -65,7 +65,7 @@ class _GmmTests:
         out = gmm(lhs, rhs, sizes, impl=self.impl, transpose_rhs=transpose_rhs, tile_m=tile_m)
         want = ref.gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
         assert out.dtype == jnp.float32
-        _assert_close(out, want)
+        assert_close(out, want)
         pad = _padding_start(sizes, lhs.shape[0])
         np.testing.assert_array_equal(np.asarray(out)[pad:], 0.0)
 
@@ -82,10 +82,10 @@ class _GmmTests:
     )
     def test_tgmm_matches_reference(self, name):
         lhs, _, sizes, tile_m = _case(name)
-        rhs = _rand(7, (lhs.shape[0], N))
+        rhs = rand(7, (lhs.shape[0], N))
         out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m)
         want = ref.tgmm(lhs, rhs, sizes)
-        _assert_close(out, want)
+        assert_close(out, want)
         for g, size in enumerate(np.asarray(sizes)):
             if size == 0:
                 np.testing.assert_array_equal(np.asarray(out)[g], 0.0)
@@ -100,7 +100,7 @@ class _GmmTests:
         )
         out = gmm(lhs, rhs, sizes, impl=self.impl, transpose_rhs=transpose_rhs, tile_m=tile_m)
         assert out.dtype == jnp.bfloat16
-        _assert_close(out, want, BF16_RTOL)
+        assert_close(out, want, BF16_RTOL)
         # bf16 products are exact in f32, so an f32 output is f32-accurate.
         out = gmm(
             lhs,
@@ -112,20 +112,20 @@ class _GmmTests:
             preferred_element_type=jnp.float32,
         )
         assert out.dtype == jnp.float32
-        _assert_close(out, want)
+        assert_close(out, want)
 
     def test_tgmm_bf16(self):
         lhs, _, sizes, tile_m = _case("empty_groups", dtype=jnp.bfloat16)
-        rhs = _rand(7, (lhs.shape[0], N), jnp.bfloat16)
+        rhs = rand(7, (lhs.shape[0], N), jnp.bfloat16)
         want = ref.tgmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
         out = tgmm(lhs, rhs, sizes, impl=self.impl, tile_m=tile_m)
         assert out.dtype == jnp.bfloat16
-        _assert_close(out, want, BF16_RTOL)
+        assert_close(out, want, BF16_RTOL)
         out = tgmm(
             lhs, rhs, sizes, impl=self.impl, tile_m=tile_m, preferred_element_type=jnp.float32
         )
         assert out.dtype == jnp.float32
-        _assert_close(out, want)
+        assert_close(out, want)
 
     @pytest.mark.parametrize("transpose_rhs", [False, True])
     def test_mixed_dtypes_multiply_in_the_16_bit_type(self, transpose_rhs):
@@ -146,13 +146,13 @@ class _GmmTests:
             preferred_element_type=jnp.float32,
         )
         out, vjp = jax.vjp(mm, lhs, rhs)
-        _assert_close(out, ref.gmm(r16(lhs), r16(rhs), sizes, transpose_rhs=transpose_rhs))
-        dout = _rand(9, out.shape)
+        assert_close(out, ref.gmm(r16(lhs), r16(rhs), sizes, transpose_rhs=transpose_rhs))
+        dout = rand(9, out.shape)
         dlhs, drhs = vjp(dout)
         assert (dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16)
         # "ragged_dot" is differentiated by JAX through the cast: its dlhs is bf16-rounded
         tol = BF16_RTOL if self.impl == "ragged_dot" else F32_RTOL
-        _assert_close(
+        assert_close(
             dlhs, ref.gmm(r16(dout), r16(rhs), sizes, transpose_rhs=not transpose_rhs), tol
         )
         want_w = (
@@ -160,7 +160,7 @@ class _GmmTests:
             if transpose_rhs
             else ref.tgmm(r16(lhs), r16(dout), sizes)
         )
-        _assert_close(drhs, want_w, BF16_RTOL)
+        assert_close(drhs, want_w, BF16_RTOL)
         assert float(
             np.abs(
                 np.asarray(out, np.float64)
@@ -170,32 +170,32 @@ class _GmmTests:
 
     def test_tgmm_mixed_dtypes_multiply_in_the_16_bit_type(self):
         lhs, _, sizes, tile_m = _case("empty_groups", dtype=jnp.bfloat16)
-        rhs = _rand(7, (lhs.shape[0], N))  # f32
+        rhs = rand(7, (lhs.shape[0], N))  # f32
         r16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float64)
         out = tgmm(
             lhs, rhs, sizes, impl=self.impl, tile_m=tile_m, preferred_element_type=jnp.float32
         )
-        _assert_close(out, ref.tgmm(r16(lhs), r16(rhs), sizes))
+        assert_close(out, ref.tgmm(r16(lhs), r16(rhs), sizes))
 
     def test_tgmm_accumulates_into_acc(self):
         """tgmm(acc=a) = a + tgmm (empty groups keep a's values exactly), its gradient in a is
         the output's cotangent and in lhs/rhs tgmm's; a wrong acc is refused naming it."""
         lhs, _, sizes, tile_m = _case("empty_groups")
-        rhs = _rand(7, (lhs.shape[0], N))
-        acc = _rand(8, (len(sizes), K, N))
+        rhs = rand(7, (lhs.shape[0], N))
+        acc = rand(8, (len(sizes), K, N))
         f = lambda a, b, c: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m, acc=c)
         out, vjp = jax.vjp(f, lhs, rhs, acc)
-        _assert_close(out, np.asarray(acc, np.float64) + ref.tgmm(lhs, rhs, sizes))
+        assert_close(out, np.asarray(acc, np.float64) + ref.tgmm(lhs, rhs, sizes))
         empty = np.asarray(sizes) == 0
         np.testing.assert_array_equal(np.asarray(out)[empty], np.asarray(acc)[empty])
-        dout = _rand(9, out.shape)
+        dout = rand(9, out.shape)
         dl, dr, da = vjp(dout)
         want_l, want_r = jax.vjp(
             lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m), lhs, rhs
         )[1](dout)
         np.testing.assert_array_equal(np.asarray(da), np.asarray(dout))
-        _assert_close(dl, np.asarray(want_l, np.float64))
-        _assert_close(dr, np.asarray(want_r, np.float64))
+        assert_close(dl, np.asarray(want_l, np.float64))
+        assert_close(dr, np.asarray(want_r, np.float64))
         with pytest.raises(
             ValueError,
             match=r"acc must be the output's \[G, K, N\] = "
@@ -212,19 +212,19 @@ class _GmmTests:
             tgmm(lhs.astype(jnp.float16), lhs.astype(jnp.bfloat16), sizes, impl=self.impl)
 
     def test_no_groups(self):
-        lhs = _rand(0, (8, K))
+        lhs = rand(0, (8, K))
         out = gmm(lhs, jnp.zeros((0, K, N)), jnp.zeros((0,), jnp.int32), impl=self.impl)
         np.testing.assert_array_equal(np.asarray(out), np.zeros((8, N)))
-        out = tgmm(lhs, _rand(1, (8, N)), jnp.zeros((0,), jnp.int32), impl=self.impl)
+        out = tgmm(lhs, rand(1, (8, N)), jnp.zeros((0,), jnp.int32), impl=self.impl)
         assert out.shape == (0, K, N)
 
     def test_negative_group_size_counts_as_zero(self):
         lhs, rhs, _, _ = _case("empty_groups")
         out = gmm(lhs, rhs, jnp.asarray([5, -3, 0, 11, 0, 8]), impl=self.impl, tile_m=8)
-        _assert_close(out, ref.gmm(lhs, rhs, [5, 0, 0, 11, 0, 8]))
+        assert_close(out, ref.gmm(lhs, rhs, [5, 0, 0, 11, 0, 8]))
 
     def test_empty_m(self):
-        lhs, w = jnp.zeros((0, K)), _rand(0, (3, K, N))
+        lhs, w = jnp.zeros((0, K)), rand(0, (3, K, N))
         sizes = jnp.zeros((3,), jnp.int32)
         assert gmm(lhs, w, sizes, impl=self.impl).shape == (0, N)
         out = tgmm(lhs, jnp.zeros((0, N)), sizes, impl=self.impl)
@@ -239,18 +239,18 @@ class _GmmTests:
         want = ref.gmm(lhs, rhs, sizes)
         out = gmm(lhs.at[pad:].set(jnp.nan), rhs, sizes, impl=self.impl, tile_m=tile_m)
         np.testing.assert_array_equal(np.asarray(out)[pad:], 0.0)
-        _assert_close(out, want)
+        assert_close(out, want)
 
     def test_gmm_nan_row_stays_in_its_row(self):
         lhs, rhs, sizes, tile_m = _case("m_not_multiple_of_tile")
         out = np.asarray(gmm(lhs.at[12].set(jnp.inf), rhs, sizes, impl=self.impl, tile_m=tile_m))
         want = ref.gmm(lhs, rhs, sizes)
         assert not np.isfinite(out[12]).all()
-        _assert_close(np.delete(out, 12, 0), np.delete(want, 12, 0))
+        assert_close(np.delete(out, 12, 0), np.delete(want, 12, 0))
 
     def test_tgmm_ignores_nan_padding_rows(self):
         lhs, _, sizes, tile_m = _case("sum_lt_m")
-        rhs = _rand(7, (lhs.shape[0], N))
+        rhs = rand(7, (lhs.shape[0], N))
         pad = _padding_start(sizes, lhs.shape[0])
         want = ref.tgmm(lhs, rhs, sizes)
         out = tgmm(
@@ -260,13 +260,13 @@ class _GmmTests:
             impl=self.impl,
             tile_m=tile_m,
         )
-        _assert_close(out, want)
+        assert_close(out, want)
 
     @pytest.mark.parametrize("transpose_rhs", [False, True])
     def test_gmm_vjp_ignores_nan_cotangent_padding(self, transpose_rhs):
         lhs, rhs, sizes, tile_m = _case("sum_lt_m", transpose_rhs=transpose_rhs)
         pad = _padding_start(sizes, lhs.shape[0])
-        dout = _rand(9, (lhs.shape[0], N))
+        dout = rand(9, (lhs.shape[0], N))
         want_dlhs, want_drhs = ref.gmm_grads(lhs, rhs, sizes, dout, transpose_rhs)
         _, vjp = jax.vjp(
             lambda a, b: gmm(
@@ -277,8 +277,8 @@ class _GmmTests:
         )
         dlhs, drhs = vjp(dout.at[pad:].set(jnp.nan))
         np.testing.assert_array_equal(np.asarray(dlhs)[pad:], 0.0)
-        _assert_close(dlhs, want_dlhs)
-        _assert_close(drhs, want_drhs)
+        assert_close(dlhs, want_dlhs)
+        assert_close(drhs, want_drhs)
 
     # ---------------------------------------------------------------- gradients
 
@@ -286,7 +286,7 @@ class _GmmTests:
     @pytest.mark.parametrize("name", ["empty_groups", "m_not_multiple_of_tile"])
     def test_gmm_grads(self, name, transpose_rhs):
         lhs, rhs, sizes, tile_m = _case(name, transpose_rhs=transpose_rhs)
-        dout = _rand(9, (lhs.shape[0], N))
+        dout = rand(9, (lhs.shape[0], N))
         want_dlhs, want_drhs = ref.gmm_grads(lhs, rhs, sizes, dout, transpose_rhs)
 
         def loss(a, b):
@@ -294,25 +294,25 @@ class _GmmTests:
             return jnp.sum(out * dout)
 
         dlhs, drhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
-        _assert_close(dlhs, want_dlhs)
-        _assert_close(drhs, want_drhs)
+        assert_close(dlhs, want_dlhs)
+        assert_close(drhs, want_drhs)
 
     @pytest.mark.parametrize("name", ["empty_groups", "m_not_multiple_of_tile"])
     def test_tgmm_grads(self, name):
         lhs, _, sizes, tile_m = _case(name)
-        rhs = _rand(7, (lhs.shape[0], N))
-        dout = _rand(9, (len(sizes), K, N))
+        rhs = rand(7, (lhs.shape[0], N))
+        dout = rand(9, (len(sizes), K, N))
         want_dlhs, want_drhs = ref.tgmm_grads(lhs, rhs, sizes, dout)
         _, vjp = jax.vjp(lambda a, b: tgmm(a, b, sizes, impl=self.impl, tile_m=tile_m), lhs, rhs)
         dlhs, drhs = vjp(dout)
-        _assert_close(dlhs, want_dlhs)
-        _assert_close(drhs, want_drhs)
+        assert_close(dlhs, want_dlhs)
+        assert_close(drhs, want_drhs)
 
     # --------------------------------------------------------- jit / shard_map
 
     def test_jit_traced_group_sizes(self):
         lhs, rhs, _, _ = _case("empty_groups")
-        rhs_t = _rand(7, (lhs.shape[0], N))
+        rhs_t = rand(7, (lhs.shape[0], N))
         f = jax.jit(
             lambda a, b, c, s: (
                 gmm(a, b, s, impl=self.impl, tile_m=8),
@@ -321,8 +321,8 @@ class _GmmTests:
         )
         for sizes in ([5, 0, 0, 11, 0, 8], [0, 0, 24, 0, 0, 0], [1, 2, 3, 0, 0, 0]):
             out, out_t = f(lhs, rhs, rhs_t, jnp.asarray(sizes, jnp.int32))
-            _assert_close(out, ref.gmm(lhs, rhs, sizes))
-            _assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
+            assert_close(out, ref.gmm(lhs, rhs, sizes))
+            assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
             np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
     @pytest.mark.parametrize("tile_m", [3, 8])
@@ -330,7 +330,7 @@ class _GmmTests:
         # One compile (traced sizes), many layouts: zeros, tiles spanning
         # several groups, sums below, at and above M (truncated at M).
         m, g = 37, 5
-        lhs, rhs, rhs_t = _rand(0, (m, K)), _rand(1, (g, K, N)), _rand(2, (m, N))
+        lhs, rhs, rhs_t = rand(0, (m, K)), rand(1, (g, K, N)), rand(2, (m, N))
         f = jax.jit(
             lambda s: (
                 gmm(lhs, rhs, s, impl=self.impl, tile_m=tile_m),
@@ -341,18 +341,18 @@ class _GmmTests:
         for _ in range(20):
             sizes = rng.integers(0, 13, g) * (rng.random(g) < 0.7)
             out, out_t = f(jnp.asarray(sizes, jnp.int32))
-            _assert_close(out, ref.gmm(lhs, rhs, sizes))
-            _assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
+            assert_close(out, ref.gmm(lhs, rhs, sizes))
+            assert_close(out_t, ref.tgmm(lhs, rhs_t, sizes))
             np.testing.assert_array_equal(np.asarray(out)[_padding_start(sizes, m) :], 0.0)
 
     def test_shard_map_per_device_group_sizes(self):
         mesh = jax.make_mesh((8,), ("x",))
         m, g = 16, 3
         sizes_dg = np.array([[d % 4, 7 - d % 5, 2 * d % 9] for d in range(8)], np.int32)
-        lhs = _rand(0, (8 * m, K))
-        w_gkn = _rand(1, (g, K, N))  # replicated: its gradient is summed over devices
-        dout = _rand(2, (8 * m, N))
-        dout_t = _rand(3, (g, K, N))  # replicated cotangent of the per-device tgmm
+        lhs = rand(0, (8 * m, K))
+        w_gkn = rand(1, (g, K, N))  # replicated: its gradient is summed over devices
+        dout = rand(2, (8 * m, N))
+        dout_t = rand(3, (g, K, N))  # replicated cotangent of the per-device tgmm
         put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, jax.P("x")))
         kw = dict(impl=self.impl, tile_m=4)
 
@@ -377,14 +377,14 @@ class _GmmTests:
         for d in range(8):
             rows = slice(d * m, (d + 1) * m)
             x, dy, sizes = lhs[rows], dout[rows], sizes_dg[d]
-            _assert_close(out[rows], ref.gmm(x, w_gkn, sizes))
-            _assert_close(out_t[d], ref.tgmm(x, dy, sizes))
+            assert_close(out[rows], ref.gmm(x, w_gkn, sizes))
+            assert_close(out_t[d], ref.tgmm(x, dy, sizes))
             gx, gw = ref.gmm_grads(x, w_gkn, sizes, dy)
             tx, ty = ref.tgmm_grads(x, dy, sizes, dout_t)
-            _assert_close(dlhs[rows], gx + tx)
-            _assert_close(ddout[rows], ty)
+            assert_close(dlhs[rows], gx + tx)
+            assert_close(ddout[rows], ty)
             want_dw = want_dw + gw
-        _assert_close(dw, want_dw)
+        assert_close(dw, want_dw)
 
 
 class TestXla(_GmmTests):
@@ -533,14 +533,14 @@ def test_xla_memory_is_tiles_not_groups(with_grad):
 def test_api_routes_pallas_interpret_to_the_kernel():
     """gmm/tgmm(impl="pallas", interpret=True) through the public API: values and gradients."""
     m, g = 40, 3
-    lhs, rhs, rhs_t = _rand(0, (m, K)), _rand(1, (g, K, N)), _rand(2, (m, N))
+    lhs, rhs, rhs_t = rand(0, (m, K)), rand(1, (g, K, N)), rand(2, (m, N))
     sizes = np.array([9, 0, 20], np.int32)
     kw = dict(impl="pallas", interpret=True)
-    _assert_close(gmm(lhs, rhs, sizes, **kw), ref.gmm(lhs, rhs, sizes))
-    _assert_close(tgmm(lhs, rhs_t, sizes, **kw), ref.tgmm(lhs, rhs_t, sizes))
+    assert_close(gmm(lhs, rhs, sizes, **kw), ref.gmm(lhs, rhs, sizes))
+    assert_close(tgmm(lhs, rhs_t, sizes, **kw), ref.tgmm(lhs, rhs_t, sizes))
     gx, gw = jax.grad(lambda a, b: jnp.sum(gmm(a, b, sizes, **kw) * rhs_t), argnums=(0, 1))(
         lhs, rhs
     )
     want_x, want_w = ref.gmm_grads(lhs, rhs, sizes, rhs_t)
-    _assert_close(gx, want_x)
-    _assert_close(gw, want_w)
+    assert_close(gx, want_x)
+    assert_close(gw, want_w)

@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn, triton_calls
+from relaymoe_jax import XLA_OPTIONS, moe_ffn
+from relaymoe_jax.analysis import gpu_mesh, hlo, triton_calls
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
 from scripts import load_script
@@ -60,6 +61,13 @@ def test_mesh_devices_and_hosts(target):
         assert resolve_impl("auto") == "pallas"
     assert gpu_mesh.platform() == jax.default_backend() == "cpu"
     assert resolve_impl("auto") == "xla"
+
+
+def test_public_name_is_the_analysis_module():
+    import relaymoe_jax
+    import relaymoe_jax.gpu_mesh as public
+
+    assert public is relaymoe_jax.gpu_mesh is gpu_mesh  # relaymoe_jax.analysis.gpu_mesh
 
 
 def test_target_configs_ship_with_the_package():
@@ -127,7 +135,7 @@ GPU_RUN = load_script("benchmarks/gpu.py", "gpu_bench_configs")
 BLOCKS = [
     (16, 16, 16),
     (32, 64, 32),
-    *(tuple(GPU_RUN._pallas_cfg(c).values()) for c in GPU_RUN.PALLAS_CONFIGS if c != "default"),
+    *(tuple(GPU_RUN.pallas_cfg(c).values()) for c in GPU_RUN.PALLAS_CONFIGS if c != "default"),
 ]
 
 
@@ -348,11 +356,12 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher):
     """The tiny model's whole train step (router, attention, experts, chunked LM loss, AdamW),
     compute_dtype=bfloat16, compiled by XLA:GPU for 8 H100s with the trainer's options: every
     Triton call takes 16-bit float operands."""
-    from relaymoe_jax.models.configs import load_config
-    from train import loop
+    from relaymoe_jax.models.config_files import load_config
     from train import mesh as train_mesh
+    from train import train_step
+    from train.settings import TrainConfig
 
-    tc = loop.TrainConfig(batch_size=8, seq_len=128, compute_dtype="bfloat16")
+    tc = TrainConfig(batch_size=8, seq_len=128, compute_dtype="bfloat16")
     sizes = train_mesh.parse_mesh(tc.mesh, EP)
     mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
     cfg = load_config(
@@ -360,7 +369,7 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher):
     )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        text = loop.compile_abstract(cfg, tc, mesh, memo=False).as_text()
+        text = train_step.compile_abstract(cfg, tc, mesh, memo=False).as_text()
     calls = triton_calls.triton_calls(text)
     assert len(calls) >= 9 * cfg.num_hidden_layers, _kernel_report(calls)
     wide = [c for c in calls if c.wide_floats]
@@ -435,7 +444,8 @@ def test_triton_call_parser_reads_operands_and_accumulators():
             "api_version=API_VERSION_TYPED_FFI, "
             'metadata={op_name="jit(f)/relaymoe_gmm/pallas_call"}',
             head.format(i=2) + f'custom_call_target="{TRITON_CALL}", operand_layout_constraints='
-            "{s32[4]{0}, s32[4]{0}, bf16[1024,256]{1,0}, bf16[1024,128]{1,0}, f32[4,256,128]{2,1,0}}, "
+            "{s32[4]{0}, s32[4]{0}, bf16[1024,256]{1,0}, bf16[1024,128]{1,0}, "
+            "f32[4,256,128]{2,1,0}}, "
             "output_to_operand_aliasing={{}: (4, {})}, api_version=API_VERSION_TYPED_FFI, "
             'metadata={op_name="jit(f)/relaymoe_tgmm/pallas_call"}',
             "%fusion.3 = f32[8]{0} fusion(%x), kind=kLoop",

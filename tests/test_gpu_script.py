@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from relaymoe_jax import costmodel as cm
+from relaymoe_jax.analysis import costmodel as cm
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
 from scripts import load_script
 

@@ -14,7 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_cases import args, check_parity, make_inputs, moe_fn
-from relaymoe_jax import hlo, moe_ffn, moe_ffn_local, testing, topology
+from relaymoe_jax import moe_ffn, moe_ffn_local, testing
+from relaymoe_jax.analysis import hlo
+from relaymoe_jax.op import topology
 
 T, E = 64, 16
 NODES_LOCAL = [(2, 4), (4, 2)]

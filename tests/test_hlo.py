@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import gpu_mesh, hlo
+from relaymoe_jax.analysis import gpu_mesh, hlo
 
 N, HOPS = 8, 7
 RING = [(i, (i + 1) % N) for i in range(N)]

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from relaymoe_jax import memory
+from relaymoe_jax.analysis import memory
 
 SHAPE = memory.LayerShape(experts=32, top_k=8, hidden=256, ffn=128, tokens_per_device=1024, ep=8)
 
@@ -27,7 +27,7 @@ def test_ring_uses_a_fraction_of_alltoall(measured, ring):
 @pytest.mark.parametrize("routing", ["expert", "token"])
 def test_ring_is_near_its_analytic_floor(measured, routing):
     """Within 22% below and 30% above the analytic live set. Since the loop accumulators are made
-    late (`relaymoe_jax.late`) XLA overlaps part of what the model counts as live together, and
+    late (`relaymoe_jax.util.late`) XLA overlaps part of what the model counts as live together, and
     since the hop's dW sums in place into its accumulator (`tgmm(acc=)`) no per-chunk dW partial
     is live (measured fwd / fwd+bwd: expert 1.11 / 0.81, token 0.92 / 0.80; before the in-place
     sum the fwd+bwd were 0.88 / 0.88)."""

@@ -41,7 +41,7 @@ def mesh(shape=(8,), names=("expert",)):
 
 
 def tiny(**kw):
-    return ModelConfig(**{**TINY, **kw})
+    return ModelConfig.from_dict({**TINY, **kw})
 
 
 def input_ids(seed=0, b=B, s=S, vocab=TINY["vocab_size"]):
@@ -426,9 +426,10 @@ def test_token_flatten_moves_no_data(names, batch):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
 def test_model_parameters_match_the_param_count_formula(name):
-    """The NNX model's trainable parameters, counted element by element, equal
-    `configs.param_count` (the formula, itself checked against HF checkpoints in test_configs)."""
-    from relaymoe_jax.models.configs import load_config, param_count
+    """The NNX model's trainable parameters, counted element by element, equal `param_count`
+    (the formula, itself checked against HF checkpoints in test_configs)."""
+    from relaymoe_jax.models.config_files import load_config
+    from relaymoe_jax.models.param_count import param_count
 
     cfg = load_config(name)
     model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))

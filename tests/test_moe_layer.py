@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import testing
+from relaymoe_jax import MoEOptions, testing
 from relaymoe_jax.models import MoEConfig, MoELayer, rules_for
 
 H, E, K, F, FS = 16, 8, 2, 12, 20
@@ -47,7 +47,7 @@ def test_moe_layer_matches_a_dense_layer(dispatcher, shared):
         num_experts_per_tok=K,
         moe_intermediate_size=F,
         shared_expert_intermediate_size=FS if shared else 0,
-        dispatcher=dispatcher,
+        options=MoEOptions(dispatcher=dispatcher),
     )
     layer = MoELayer(cfg, rules=rules, rngs=nnx.Rngs(0))
     assert layer.w_gate.get_value().sharding.spec == P("fsdp", None, "tp")
@@ -127,7 +127,7 @@ def test_expert_bias_update():
 def test_bad_config(kw, match):
     base = dict(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=F)
     with pytest.raises(ValueError, match=match):
-        MoEConfig(**{**base, **kw})
+        MoEConfig.from_dict({**base, **kw})
 
 
 def test_experts_must_divide_over_their_axes():

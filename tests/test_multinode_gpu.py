@@ -1,7 +1,7 @@
 """The hierarchical ring on the GPU compiler for 2 and 4 hosts of 8 abstract H100s (1x2x8, 1x4x8;
 `relaymoe_jax.gpu_mesh`, no GPU): what crosses hosts, read from the compiled program's
 collective-permute source-target pairs and the topology's process indices, and what XLA:GPU's
-schedule hides those transfers behind (`relaymoe_jax.overlap`).
+schedule hides those transfers behind (`relaymoe_jax.analysis.overlap`).
 
 Compiled with `relaymoe_jax.XLA_OPTIONS`, as the trainer compiles (a hop's arrays sent as one
 collective permute, and three in flight at once: the round's inter-node transfer, the inner
@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import XLA_OPTIONS, gpu_mesh, hlo, moe_ffn, overlap
+from relaymoe_jax import XLA_OPTIONS, moe_ffn
+from relaymoe_jax.analysis import gpu_mesh, hlo, overlap
 
 needs_plugin = pytest.mark.skipif(
     not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"

@@ -7,11 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from relaymoe_jax import remat, topology
+from relaymoe_jax import remat
 from relaymoe_jax.models import ModelConfig, rules_for
-from relaymoe_jax.models.configs import load_config
-from train import cli, loop
+from relaymoe_jax.models.config_files import load_config
+from relaymoe_jax.op import topology
+from train import cli, train_step
 from train import mesh as tm
+from train.settings import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -85,13 +87,13 @@ def test_rules_for_node(names, shape, batch, experts, tokens):
 
 
 def test_model_params_shard_experts_over_node_and_expert():
-    tc = loop.TrainConfig(mesh="node=2,expert=4")
+    tc = TrainConfig(mesh="node=2,expert=4")
     mesh = tm.make_mesh(tc.mesh)
-    _, state, _, rules = loop.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
+    _, state, _, rules = train_step.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
     assert rules.expert_axis == ("node", "expert")
-    w = state["params"]["layers"][0]["mlp"]["w_gate"]
+    w = state.params["layers"][0]["mlp"]["w_gate"]
     assert w.sharding.spec[0] == ("node", "expert")
-    emb = state["params"]["embed_tokens"]
+    emb = state.params["embed_tokens"]
     assert all(e is None for e in emb.sharding.spec)
 
 
@@ -102,15 +104,15 @@ def test_attention_cost_model_splits_the_batch_over_node():
 
 
 def test_ring_option_is_validated():
-    assert ModelConfig().ring == "auto"
+    assert ModelConfig().moe_options.ring == "auto"
     for r in ("flat", "hierarchical", "auto"):
-        assert ModelConfig(ring=r).ring == r
+        assert ModelConfig.from_dict({"ring": r}).moe_options.ring == r
     with pytest.raises(
         ValueError,
         match=r"ring='nested': expected one of \('auto', 'flat', "
         r"'hierarchical'\)",
     ):
-        ModelConfig(ring="nested")
+        ModelConfig.from_dict({"ring": "nested"})
     with pytest.raises(ValueError, match=r"tiny\.yaml \(override ring='ring'\): ring='ring'"):
         load_config("tiny", ring="ring")
 

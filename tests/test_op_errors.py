@@ -141,3 +141,34 @@ def test_routing_plan_checks_like_moe_ffn(inp):
     args = [inp[n] for n in ("x", "ids", "wts", "wg", "wu", "wd")]
     with pytest.raises(ValueError, match=r"token_axes: 'data' is not an axis"):
         routing_plan(*args, mesh=mesh("ep8"), token_axes=("data",))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(capacity_factor="1.0"), r"capacity_factor='1.0': expected > 0, a number"),
+        (dict(capacity_factor=float("inf")), r"capacity_factor=inf: expected > 0 and finite"),
+        (dict(capacity_factor=True), r"capacity_factor=True: expected > 0, a number"),
+        (dict(ring="ring"), r"ring='ring': expected one of \('auto', 'flat', 'hierarchical'\)"),
+        (dict(chunk_size=True), r"chunk_size=True: expected an int >= 1"),
+    ],
+)
+def test_the_options_record_names_the_field_and_what_it_accepts(inp, change, match):
+    """One validator per option, the same for the keywords, the record and the model's config."""
+    from relaymoe_jax import MoEOptions
+
+    with pytest.raises(ValueError, match=match):
+        MoEOptions(**{"dispatcher": "alltoall", **change})
+    with pytest.raises(ValueError, match=match):
+        call(inp, dispatcher="alltoall", **change)
+
+
+def test_options_record_or_keywords_not_both(inp):
+    from relaymoe_jax import MoEOptions
+
+    with pytest.raises(ValueError, match=r"options= is given, and so are \['dispatcher'\]"):
+        call(inp, options=MoEOptions(), dispatcher="alltoall")
+    with pytest.raises(ValueError, match=r"options: expected a relaymoe_jax.MoEOptions, got dict"):
+        call(inp, options={"dispatcher": "alltoall"})
+    with pytest.raises(ValueError, match=r"capacity_factor=1.0 applies to dispatcher='alltoall'"):
+        call(inp, options=MoEOptions(capacity_factor=1.0))  # the combination is checked too

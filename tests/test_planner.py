@@ -6,12 +6,13 @@ import dataclasses
 import jax
 import pytest
 
-from relaymoe_jax import gpu_mesh
-from relaymoe_jax.models.configs import load_config
-from train import loop, planner
+from relaymoe_jax.analysis import gpu_mesh
+from relaymoe_jax.models.config_files import load_config
 from train import mesh as tm
+from train import planner, train_step
+from train.settings import TrainConfig
 
-TC = loop.TrainConfig(batch_size=8, seq_len=256)
+TC = TrainConfig(batch_size=8, seq_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +58,11 @@ def test_capacity_below_full_recompute_peak(setup):
 
 
 def test_abstract_state_matches_init_state():
-    tc = loop.TrainConfig(mesh="fsdp=2,expert=4")
+    tc = TrainConfig(mesh="fsdp=2,expert=4")
     cfg = load_config("configs/tiny.yaml")
     mesh = tm.make_mesh(tc.mesh)
-    _, real, _, _ = loop.init_state(cfg, tc, mesh)
-    _, abstract, _, _ = loop.abstract_state(cfg, tc, mesh)
+    _, real, _, _ = train_step.init_state(cfg, tc, mesh)
+    _, abstract, _, _ = train_step.abstract_state(cfg, tc, mesh)
     describe = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), t)
     assert jax.tree.structure(real) == jax.tree.structure(abstract)
     assert describe(real) == describe(abstract)
@@ -90,7 +91,7 @@ def test_parse_memory_errors(text):
 def test_chunked_attention_cuts_the_step_peak():
     """At seq 2048 the XLA attention's [S, S] scores dominate the fully recomputed step; the
     chunked attention keeps O(S x block) (measured 332.5 -> 126.6 MiB per device)."""
-    tc = loop.TrainConfig(batch_size=8, seq_len=2048)
+    tc = TrainConfig(batch_size=8, seq_len=2048)
     mesh = tm.make_mesh(tc.mesh)
     peak = {
         impl: planner.step_cost(

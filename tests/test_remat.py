@@ -15,7 +15,7 @@ from flax import nnx
 
 import relaymoe_jax.remat as remat
 from relaymoe_jax.models import QwenMoe, qwen
-from relaymoe_jax.models.configs import load_config
+from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.models.layers import rope_cos_sin
 from relaymoe_jax.remat import Cost, brute_force, greedy, optimality_gap, uniform
 
@@ -171,7 +171,7 @@ def _residual_bytes(cfg, option, b, s, dtype):
     def residual_bytes(option):
         def block(x, state):  # cos, sin closed over: constants, as in the model
             norm, attn = nnx.merge(graphdef, state)
-            f = qwen._attention_block
+            f = qwen.attention_block
             if option != "save_all":
                 f = nnx.remat(f, policy=remat.policy(option))
             return f(norm, attn, x, cos, sin)

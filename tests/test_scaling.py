@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from relaymoe_jax import gpu_mesh
+from relaymoe_jax.analysis import gpu_mesh
 from scripts import load_script
 
 pytestmark = [

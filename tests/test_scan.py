@@ -27,9 +27,10 @@ from relaymoe_jax.models import (
     rules_for,
     save_pretrained,
 )
-from relaymoe_jax.models.configs import load_config
+from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.models.qwen import DecoderLayer
-from train import loop
+from train import train_step
+from train.settings import TrainConfig
 
 B, S = 2, 8
 TINY = dict(
@@ -56,7 +57,7 @@ def mesh(shape=(8,), names=("expert",)):
 
 
 def tiny(**kw):
-    return ModelConfig(**{**TINY, **kw})
+    return ModelConfig.from_dict({**TINY, **kw})
 
 
 def input_ids(seed=0):
@@ -152,9 +153,10 @@ def assert_close(a, b, rel=1e-5, what=""):
         ),
         (
             lambda: tiny(attention_remat=("full", "save_qkv"), scan_layers=True),
-            r"attention_remat=\('full', 'save_qkv'\): .*one option for every layer with scan_layers",
+            r"attention_remat=\('full', 'save_qkv'\): "
+            r".*one option for every layer with scan_layers",
         ),
-        (lambda: tiny(scan_layers=1), r"scan_layers=1: expected a value of type"),
+        (lambda: tiny(scan_layers=1), r"scan_layers=1: expected true or false"),
         (lambda: load_config("tiny", scan_layers="yes"), r"override scan_layers='yes'"),
         (lambda: rules_for(mesh(), layers="expert"), r"layers=\('expert',\).*never sharded"),
         (
@@ -336,22 +338,20 @@ def test_train_step_fsdp_matches_unscanned():
     `fsdp` on their largest free dimension (not the layer axis here), and the stacked expert bias
     updates per layer."""
     ids, ref_loss, _, ref_aux, ref_grads = reference()
-    tc = loop.TrainConfig(batch_size=B, seq_len=S, mesh="fsdp=2,expert=4", warmup_steps=0)
+    tc = TrainConfig(batch_size=B, seq_len=S, mesh="fsdp=2,expert=4", warmup_steps=0)
     m = mesh((2, 4), ("fsdp", "expert"))
     # the dense reference dispatcher (1e-5 from the ring) compiles faster; a zero bias is a no-op
     cfg = tiny(scan_layers=True, expert_bias=True, dispatcher="reference")
-    graphdef, state, tx, rules = loop.init_state(cfg, tc, m)
-    w = state["params"]["layers"]["mlp"]["w_gate"]
+    graphdef, state, tx, rules = train_step.init_state(cfg, tc, m)
+    w = state.params["layers"]["mlp"]["w_gate"]
     assert w.sharding.spec == jax.P(None, "expert", "fsdp", None)  # [L, E, H=32, F=16]
-    assert state["params"]["layers"]["input_layernorm"]["weight"].sharding.spec == jax.P(
-        None, "fsdp"
-    )
-    assert state["opt_state"][1][0].mu["layers"]["mlp"]["w_gate"].sharding == w.sharding
-    params0 = {"/".join(map(str, k)): v for k, v in per_layer(state["params"], 2).items()}
+    assert state.params["layers"]["input_layernorm"]["weight"].sharding.spec == jax.P(None, "fsdp")
+    assert state.opt_state[1][0].mu["layers"]["mlp"]["w_gate"].sharding == w.sharding
+    params0 = {"/".join(map(str, k)): v for k, v in per_layer(state.params, 2).items()}
     ids_sharding = jax.NamedSharding(m, rules.fit(ids.shape, "batch", "seq"))
-    shardings = jax.tree.map(lambda x: x.sharding, state)  # as loop.compile_step, FAST
+    shardings = jax.tree.map(lambda x: x.sharding, state)  # as train_step.compile_step, FAST
     state, metrics = run_fast(
-        loop.make_step(graphdef, tx, cfg),
+        train_step.make_step(graphdef, tx, cfg),
         state,
         jax.device_put(ids, ids_sharding),
         in_shardings=(shardings, ids_sharding),
@@ -372,13 +372,13 @@ def test_train_step_fsdp_matches_unscanned():
     want = jax.jit(lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(
         params0, grads
     )
-    got = {"/".join(map(str, k)): v for k, v in per_layer(state["params"], 2).items()}
+    got = {"/".join(map(str, k)): v for k, v in per_layer(state.params, 2).items()}
     assert got.keys() == want.keys()
     for k in want:  # Adam's first step lr * g / (|g| + eps) amplifies tiny gradient differences
         assert_close(got[k], want[k], rel=1e-4, what=f"updated {k}")
         assert np.any(got[k] != params0[k]), k
-    state = loop.update_expert_bias(graphdef, state, metrics["expert_load"])
-    bias = state["rest"]["layers"]["mlp"]["expert_bias"]
+    state = train_step.update_expert_bias(graphdef, state, metrics["expert_load"])
+    bias = state.rest["layers"]["mlp"]["expert_bias"]
     np.testing.assert_array_equal(
         bias,
         router.expert_bias_update(

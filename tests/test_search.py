@@ -3,9 +3,10 @@
 
 import pytest
 
-from relaymoe_jax.models.configs import load_config
-from train import loop, planner, search
+from relaymoe_jax.models.config_files import load_config
 from train import mesh as tm
+from train import planner, search
+from train.settings import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_largest_bad_input():
 
 def test_largest_sequence_by_compiling():
     cfg = load_config("configs/tiny.yaml")
-    tc = loop.TrainConfig(batch_size=8, seq_len=64)
+    tc = TrainConfig(batch_size=8, seq_len=64)
     mesh = tm.make_mesh(tc.mesh)
     capacity = 16 * 2**20  # seq 256 needs 8.5 MiB, 384 more than 16
     seq, rec = planner.largest_size(cfg, tc, mesh, capacity, field="seq_len", step=128, limit=384)

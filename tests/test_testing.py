@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import relaymoe_jax
 from moe_cases import mesh
-from relaymoe_jax import devices, testing
+from relaymoe_jax import testing
+from relaymoe_jax.cli import devices
 from relaymoe_jax.dispatch.reference import reference_moe
 
 # ---------------------------------------------------------------------------------------------

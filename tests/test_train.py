@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from train import cli
+from train import cli, guards
 from train.data import DEFAULT_TEXT, SyntheticData, TextData
 
 SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
@@ -70,7 +70,7 @@ def test_expert_bias_is_checkpointed(tmp_path):
 
 def test_nonfinite_loss_stops_and_keeps_checkpoint(tmp_path):
     out = tmp_path / "nan"
-    with pytest.raises(cli.NonFiniteLossError, match="last good checkpoint is step") as e:
+    with pytest.raises(guards.NonFiniteLossError, match="last good checkpoint is step") as e:
         cli.main(
             [
                 *SMALL,
@@ -142,9 +142,10 @@ def test_bad_config_file_fails_before_compiling(tmp_path, text, match):
 
 
 def test_memory_table_compares_dispatchers(tmp_path, capsys):
-    from relaymoe_jax.models.configs import load_config
-    from train import loop, report
+    from relaymoe_jax.models.config_files import load_config
     from train import mesh as tm
+    from train import report, train_step
+    from train.settings import TrainConfig
 
     assert (
         cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "--synthetic", "--memory-table"])
@@ -156,14 +157,16 @@ def test_memory_table_compares_dispatchers(tmp_path, capsys):
         for line in out.splitlines()
         if line.startswith("| ring") or line.startswith("| alltoall")
     }
-    assert list(rows) == [label for label, _ in report.DISPATCHERS]
+    assert list(rows) == [label for label, _ in report.MEMORY_TABLE_ROWS]
     assert rows["ring"][0].strip() == "trained"
     assert {r[0].strip() for lbl, r in rows.items() if lbl != "ring"} == {"compile-only"}
     total = {lbl: float(r[3]) for lbl, r in rows.items()}
     assert total["alltoall (dropless)"] > total["ring"]
     # the trained step (real state) and the abstract compile agree on the ring's memory
-    tc = loop.TrainConfig(seq_len=32, batch_size=8, synthetic=True)
-    abstract = loop.compile_abstract(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
+    tc = TrainConfig(seq_len=32, batch_size=8, synthetic=True)
+    abstract = train_step.compile_abstract(
+        load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh)
+    )
     assert f"{report.footprint(abstract.memory_analysis()) / 2**20:,.2f}" == rows["ring"][3].strip()
     assert out.rstrip().splitlines()[-1] == f"loss curve: {tmp_path / 'loss.png'}"
 

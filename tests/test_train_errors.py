@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from relaymoe_jax.models.configs import load_config
+from relaymoe_jax.models.config_files import load_config
 from scripts import load_script
-from train import cli, guards, interrupt, loop, planner
+from train import cli, guards, interrupt, planner, train_step
 from train import mesh as tm
+from train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--steps", "1"]
@@ -37,8 +38,8 @@ def no_build(monkeypatch):
     def refuse(*args, **kwargs):
         raise _Built("got as far as building the model")
 
-    monkeypatch.setattr(loop, "init_state", refuse)
-    monkeypatch.setattr(loop, "compile_step", refuse)
+    monkeypatch.setattr(train_step, "init_state", refuse)
+    monkeypatch.setattr(train_step, "compile_step", refuse)
 
 
 # --------------------------------------------------------------------------- --out
@@ -137,7 +138,7 @@ class _FakeGPU:
 
 
 def test_fit_check_uses_an_accelerators_bytes_limit():
-    tc = loop.TrainConfig(seq_len=32)
+    tc = TrainConfig(seq_len=32)
     cfg, mesh = load_config("configs/tiny.yaml"), tm.make_mesh(tc.mesh)
     est = guards.estimate(cfg, tc, mesh)
     assert est.params == 255_360 and est.grads < est.state < 4 * est.grads
@@ -188,12 +189,12 @@ def test_empty_config_file_is_an_error(tmp_path, no_build):
 def test_help_documents_every_flag_and_setting():
     p = cli.build_parser()
     text = p.format_help()
-    fmt = cli._HelpFormatter("x")
+    fmt = cli.HelpFormatter("x")
     for action in p._actions:
         if action.option_strings and action.dest != "help":
             said = fmt._get_help_string(action)
             assert "default" in said or action.required, action.option_strings
-    for f in loop.TrainConfig.__dataclass_fields__.values():
+    for f in TrainConfig.__dataclass_fields__.values():
         default = "unset" if f.default is None else f.default
         assert f"  {f.name}={default} " in text, f.name
         assert f"--{f.name.replace('_', '-')}" in text
@@ -204,7 +205,7 @@ def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
     def stop(*args, **kwargs):
         raise _Built("compiling")
 
-    monkeypatch.setattr(loop, "compile_step", stop)
+    monkeypatch.setattr(train_step, "compile_step", stop)
     with pytest.raises(_Built):
         cli.main([*TINY, "--out", str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
@@ -243,7 +244,7 @@ def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
         os.kill(os.getpid(), signal.SIGTERM)
         return Compiled()
 
-    monkeypatch.setattr(loop, "compile_step", compile_and_signal)
+    monkeypatch.setattr(train_step, "compile_step", compile_and_signal)
     with pytest.raises(
         interrupt.Interrupted,
         match=r"interrupted by SIGTERM before the first "

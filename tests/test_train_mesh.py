@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from relaymoe_jax.models.configs import load_config
-from train import cli, loop
+from relaymoe_jax.models.config_files import load_config
+from train import cli, train_step
 from train import mesh as tm
 from train.data import DEFAULT_TEXT, TextData
+from train.settings import TrainConfig
 
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", "--steps", "3"]
 
@@ -28,12 +29,12 @@ def _run(tmp_path, *extra):
 
 def _numpy_first_loss(mesh_spec):
     """lm_loss of step 1, from the initial model's logits in float64 numpy."""
-    tc = loop.TrainConfig(batch_size=8, seq_len=32, mesh=mesh_spec)
+    tc = TrainConfig(batch_size=8, seq_len=32, mesh=mesh_spec)
     cfg = load_config("configs/tiny.yaml")
     mesh = tm.make_mesh(tc.mesh)
-    graphdef, state, _, _ = loop.init_state(cfg, tc, mesh)
+    graphdef, state, _, _ = train_step.init_state(cfg, tc, mesh)
     ids = TextData([DEFAULT_TEXT], 32, 8, 0, cfg.vocab_size).batch(0)
-    model = nnx.merge(graphdef, jax.tree.map(loop.gather_fsdp, state["params"]), state["rest"])
+    model = nnx.merge(graphdef, jax.tree.map(train_step.gather_fsdp, state.params), state.rest)
     logits = np.asarray(model(jax.numpy.asarray(ids))[0], np.float64)
     logits = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -69,16 +70,16 @@ def test_meshes_match_ep8(tmp_path, ep8, spec):
 
 
 def test_fsdp_stores_params_and_moments_sharded():
-    tc = loop.TrainConfig(mesh="fsdp=2,expert=4")
+    tc = TrainConfig(mesh="fsdp=2,expert=4")
     mesh = tm.make_mesh(tc.mesh)
-    _, state, _, _ = loop.init_state(load_config("configs/tiny.yaml"), tc, mesh)
-    params = jax.tree.leaves(state["params"])
-    mu = jax.tree.leaves(state["opt_state"][1][0].mu)
+    _, state, _, _ = train_step.init_state(load_config("configs/tiny.yaml"), tc, mesh)
+    params = jax.tree.leaves(state.params)
+    mu = jax.tree.leaves(state.opt_state[1][0].mu)
     big = [p for p in params if p.ndim >= 2]
     assert big and all("fsdp" in str(p.sharding.spec) for p in big)
     assert [str(m.sharding.spec) for m in mu] == [str(p.sharding.spec) for p in params]
     # each device stores half of an fsdp-sharded matrix that has no other sharding
-    emb = state["params"]["embed_tokens"]
+    emb = state.params["embed_tokens"]
     assert emb.addressable_shards[0].data.size * 2 == emb.size
 
 
@@ -87,9 +88,11 @@ def test_bf16_compute_keeps_f32_master_weights(tmp_path, ep8):
     for a, b in zip(recs, ep8, strict=True):
         np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-2)
     assert recs[0]["lm_loss"] != ep8[0]["lm_loss"]  # it really computed in bf16
-    tc = loop.TrainConfig(compute_dtype="bfloat16")
-    _, state, _, _ = loop.init_state(load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh))
-    assert {p.dtype for p in jax.tree.leaves(state["params"])} == {np.dtype("float32")}
+    tc = TrainConfig(compute_dtype="bfloat16")
+    _, state, _, _ = train_step.init_state(
+        load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh)
+    )
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
 
 
 @pytest.mark.parametrize(
@@ -129,15 +132,17 @@ def test_fsdp_gather_keeps_folded_experts_sharded(spec):
     included. The step's gather restores each parameter's model sharding (its out_sharding
     metadata): fsdp comes off the parameters it was added to for storage and stays on the
     experts (stripping it from them gathered every expert weight onto every device)."""
-    tc = loop.TrainConfig(mesh=spec)
+    tc = TrainConfig(mesh=spec)
     mesh = tm.make_mesh(tc.mesh)
-    _, state, _, _ = loop.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
-    params = state["params"]
-    gathered = jax.jit(lambda p: jax.tree.map(loop.gather_fsdp, p, is_leaf=loop.is_variable))
+    _, state, _, _ = train_step.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
+    params = state.params
+    gathered = jax.jit(
+        lambda p: jax.tree.map(train_step.gather_fsdp, p, is_leaf=train_step.is_variable)
+    )
     with jax.set_mesh(mesh):
         out = gathered.trace(params).out_info
     got = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    variables = jax.tree.leaves(params, is_leaf=loop.is_variable)
+    variables = jax.tree.leaves(params, is_leaf=train_step.is_variable)
     assert len(got) == len(variables)
     experts = 0
     for v, o in zip(variables, got):

@@ -5,7 +5,8 @@ The tolerance is relative to the loss: 1e-5 over the first 50 steps (rounding di
 the two dispatchers sum expert outputs in different orders), 1e-2 over all 100 (training amplifies
 them). 100 steps, not 200: with the 200-step cosine horizon the learning rate stays high enough
 that the rounding differences grow chaotically, 1.7e-3 by step 100 with this session's package
-set, at the previous commit (3f60639) as well as now; over 100 steps they stay at 1.9e-7. A control shows the first window catches a change in the math: capacity 1.0, which drops
+set, at the previous commit (3f60639) as well as now; over 100 steps they stay at 1.9e-7. A
+control shows the first window catches a change in the math: capacity 1.0, which drops
 (token, expert) pairs, is already off by more at step 1-3.
 """
 

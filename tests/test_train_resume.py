@@ -4,21 +4,25 @@ One 2-step run (module fixture, copied per test) is resumed with changed setting
 is refused naming each key old -> new; `--allow-changes` resumes anyway; a same-math change
 (ring -> dropless all-to-all) is allowed, logged, recorded in metrics.jsonl and marked on the
 plot; a data change is refused; a checkpoint without the identity warns. The schedule follows
---steps, is kept on resume, and its lr is logged per step.
+--steps, is kept on resume, and its lr is logged per step. Checkpoints keep the tree earlier
+trainers saved (the train state as a dict), so their runs resume.
 """
 
-import dataclasses
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from relaymoe_jax.models.config import ModelConfig
-from train import cli, identity, loop, plot, progress
+from train import checkpoint as ckpt
+from train import cli, identity, optimizer, plot, progress, train_step
+from train import mesh as tm
+from train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8"]
@@ -217,6 +221,45 @@ def test_old_checkpoint_without_identity_warns(run, capsys):
     ]
 
 
+def test_checkpoints_keep_the_dict_state_of_earlier_trainers(run, tmp_path):
+    """The train state is a record (`train_step.TrainState`), but a checkpoint holds the dict
+    `{"params", "opt_state", "rest", "rng"}` that earlier trainers saved: the same leaf paths, in
+    the same order. A checkpoint written from that dict, as they wrote it (`ckpt.save` of the
+    dict), resumes to the very numbers of the one this trainer wrote."""
+    settings = cli.parse([*BASE, "--steps", "3", "--out", str(run)])
+    mesh = tm.make_mesh(settings.train.mesh)
+    _, state, _, _ = train_step.init_state(settings.model, settings.train, mesh)
+    old = {"params": state.params, "opt_state": state.opt_state, "rest": state.rest}
+    old["rng"] = state.rng
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(old)[0]]
+    meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["leaf_paths"] == paths and paths[0].startswith("['opt_state']")
+    assert [
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(state.as_saved())[0]
+    ] == paths
+
+    earlier = tmp_path / "earlier"  # the same run, its step 2 saved from the dict
+    shutil.copytree(run, earlier)
+    shutil.rmtree(earlier / "checkpoints")
+    mngr = ckpt.manager(run)
+    step, tree, _ = ckpt.restore(mngr, old)
+    mngr.close()
+    assert step == 2 and isinstance(tree, dict)
+    added = ("step", "leaf_paths", "leaf_types", "checksums")  # ckpt.save adds these
+    mngr = ckpt.manager(earlier)
+    ckpt.save(mngr, 2, tree, {k: v for k, v in meta.items() if k not in added})
+    mngr.wait_until_finished()
+    mngr.close()
+    assert json.loads((earlier / "checkpoints" / "2" / "meta" / "metadata").read_text()) == meta
+
+    for out in (run, earlier):
+        assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(out)]) == 0
+    drop = ("tokens_per_s", "step_time")
+    last = [{k: v for k, v in _metrics(out)[-1].items() if k not in drop} for out in (run, earlier)]
+    assert last[0]["step"] == 3 and last[0] == last[1]
+
+
 def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
     out = tmp_path / "run"
     argv = [*SMALL, "--quiet", "--out", str(out), "warmup_steps=1"]
@@ -224,7 +267,7 @@ def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
     lr = [r["lr"] for r in _metrics(out)]
     # warmup 1 step from 0, then cosine over the 2 steps left (horizon = --steps = 3)
     np.testing.assert_allclose(lr, [0.0, 3e-3, 3e-3 * (0.1 + 0.9 * 0.5)], rtol=1e-6)
-    sched = loop.make_schedule(loop.TrainConfig(warmup_steps=1, schedule_steps=3))
+    sched = optimizer.make_schedule(TrainConfig(warmup_steps=1, schedule_steps=3))
     assert lr == [float(np.float32(sched(s))) for s in range(3)]
     meta = json.loads((out / "checkpoints" / "3" / "meta" / "metadata").read_text())
     assert meta["train_config"]["schedule_steps"] == 3
@@ -249,11 +292,11 @@ def test_schedule_follows_steps_and_is_kept_on_resume(tmp_path, capsys):
 
 
 def test_schedule_steps_is_checked_and_unset_by_default(tmp_path):
-    assert loop.TrainConfig().schedule_steps is None
-    assert loop.schedule_horizon(loop.TrainConfig(), 3000) == 3000
-    assert loop.schedule_horizon(loop.TrainConfig(schedule_steps=500), 3000) == 500
-    assert loop.schedule_horizon(loop.TrainConfig(warmup_steps=10), 3) == 11
-    _, tc, _ = cli.parse([*SMALL, "--steps", "1", "--out", "x", "--schedule-steps", "7"])
+    assert TrainConfig().schedule_steps is None
+    assert optimizer.schedule_horizon(TrainConfig(), 3000) == 3000
+    assert optimizer.schedule_horizon(TrainConfig(schedule_steps=500), 3000) == 500
+    assert optimizer.schedule_horizon(TrainConfig(warmup_steps=10), 3) == 11
+    tc = cli.parse([*SMALL, "--steps", "1", "--out", "x", "--schedule-steps", "7"]).train
     assert tc.schedule_steps == 7
     for bad in (["schedule_steps=fast"], ["schedule_steps=true"]):
         with pytest.raises(ValueError, match="schedule_steps"):
@@ -283,7 +326,7 @@ def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():
     """`ring` (flat / hierarchical / auto) computes the same pairs in another transfer order:
     a same-math change, like `routing`. A checkpoint written before the key existed reads as
     the default "auto", so resuming it with the default is no change."""
-    old = identity._json(dataclasses.asdict(ModelConfig()))
+    old = identity.json_value(ModelConfig().as_dict())
     (c,) = identity.compare({"model_config": old}, dict(old, ring="hierarchical"), {}, {})
     assert (c.key, c.old, c.new, c.same_math) == ("ring", "auto", "hierarchical", True)
     before = {k: v for k, v in old.items() if k != "ring"}

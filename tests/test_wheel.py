@@ -36,7 +36,7 @@ try:
     out["train"] = train.__file__
 except ModuleNotFoundError:
     out["train"] = None
-from relaymoe_jax.models.configs import available_configs, load_config
+from relaymoe_jax.models.config_files import available_configs, load_config
 out["tiny_experts"] = load_config("tiny").num_experts
 out["configs"] = available_configs()
 try:

@@ -10,7 +10,7 @@ Without either, nothing is initialised and the run is single-process.
 
 `initialize` must run before anything touches the jax backend (`jax.devices()`, any computation).
 Every process runs the same program on the same global mesh and data; only the main process
-(`is_main`) writes the metrics log and prints.
+(`is_main`) writes the metrics log and prints (`print_on_main`).
 """
 
 import argparse
@@ -125,6 +125,12 @@ def initialize(args) -> bool:
 def is_main() -> bool:
     """True on process 0 (and in a single-process run): the one that logs and prints."""
     return jax.process_index() == 0
+
+
+def print_on_main(msg: str) -> None:
+    """`msg` on stdout (flushed), from the main process only."""
+    if is_main():
+        print(msg, flush=True)
 
 
 def open_on_main(path: Path, mode: str = "a"):

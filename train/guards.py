@@ -1,14 +1,17 @@
-"""Checks before a run starts, and one-line reports of what goes wrong while it writes.
+"""Checks before a run starts, and the errors a run reports in one line (a diverged loss, a failed
+write).
 
 * `prepare_run_dir`: `--out` must be (or become) a writable directory: a file, a path under a
   file or a read-only directory is a `RunDirError` (a ValueError) before anything is built.
 * `check_fits`: before anything is allocated or compiled, the bytes the train state needs per
   device (parameters, AdamW's two moments and the gradients, all float32 master copies, from
-  `loop.abstract_state`: shapes and shardings only, nothing allocated) against what the machine
-  has: on a GPU or TPU its `memory_stats()["bytes_limit"]`; on CPU the host's available RAM
+  `train_step.abstract_state`: shapes and shardings only, nothing allocated) against what the
+  machine has: on a GPU or TPU its `memory_stats()["bytes_limit"]`; on CPU the host's available RAM
   (`MemAvailable` of /proc/meminfo, else physical pages), shared by the emulated devices. It is
   a lower bound (activations and temporaries come on top), so a config it refuses cannot fit;
   `DoesNotFitError` names both numbers and `--force`.
+* `NonFiniteLossError`: the loss became NaN or Inf (the run stops; the last good checkpoint is
+  kept).
 * `WriteError`: a checkpoint save or a metrics write that failed (disk full, read-only, ...),
   said in one line with the path and the operating system's message (tensorstore reports an
   OS error as text, `[os_error_code=28]`; `describe_write_error` reads it back).
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import jax
 
-from relaymoe_jax.models.configs import param_count
+from relaymoe_jax.models.param_count import param_count
 
 
 class RunDirError(ValueError):
@@ -46,6 +49,10 @@ class DoesNotFitError(ValueError):
 
 class WriteError(Exception):
     """Saving a checkpoint or writing the metrics failed (an OS-level error, e.g. disk full)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf; the last good checkpoint is kept."""
 
 
 # --------------------------------------------------------------------------- --out
@@ -107,11 +114,11 @@ def _shard_bytes(x) -> int:
 
 def estimate(cfg, tc, mesh) -> Estimate:
     """Per-device bytes of the train state and gradients, from shapes and shardings only."""
-    from . import loop  # the train extra (optax); this module itself needs only jax
+    from . import train_step  # the train extra (optax); this module itself needs only jax
 
-    _, state, _, _ = loop.abstract_state(cfg, tc, mesh)
+    _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
     total = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
-    grads = sum(_shard_bytes(x) for x in jax.tree.leaves(state["params"]))
+    grads = sum(_shard_bytes(x) for x in jax.tree.leaves(state.params))
     return Estimate(param_count(cfg)["total"], total, grads)
 
 

@@ -2,8 +2,8 @@
 
 Every checkpoint's JSON metadata records
 
-* `model_config`: every `ModelConfig` field as resolved (the YAML file plus the key=value
-  overrides);
+* `model_config`: every `ModelConfig` key in the flat form (`ModelConfig.as_dict`: the YAML
+  keys) as resolved (the YAML file plus the key=value overrides);
 * `train_config`: the trainer settings (`TrainConfig`), `schedule_steps` resolved to the cosine
   horizon the run uses (see "Schedule");
 * `data`: each text file's path and sha256 (in order: the order changes the packing) and the
@@ -52,11 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
-from relaymoe_jax.models.config import ModelConfig
+from relaymoe_jax.models.config import KEYS, ModelConfig
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import loop
+from .optimizer import make_schedule, schedule_horizon
+from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer")
@@ -78,8 +79,8 @@ SAME_MATH = frozenset(
 )
 DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})  # same math while dropless
 LAYOUT_KEYS = frozenset({"scan_layers"})
-MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(loop.TrainConfig))
+MODEL_FIELDS = KEYS  # the flat form: the op's options are keys like the others
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 class ResumeRefusedError(ckpt.StateMismatchError):
@@ -136,7 +137,8 @@ def data_identity(paths, tokenizer, synthetic: bool) -> dict:
     }
 
 
-def _json(x):
+def json_value(x):
+    """`x` as it reads back from JSON (tuples become lists): how the metadata holds it."""
     return json.loads(json.dumps(x))
 
 
@@ -181,7 +183,7 @@ def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
     the module docstring). Keys the checkpoint did not record are not compared."""
     changes = []
     old_m = meta.get("model_config")
-    defaults = _json(dataclasses.asdict(ModelConfig()))
+    defaults = json_value(ModelConfig().as_dict())
     old_drops = _drops(old_m) if old_m is not None else _drops(model)
     dropless = old_drops is None and _drops(model) is None
     if old_m is not None:
@@ -213,7 +215,7 @@ class RunIdentity:
     def __init__(
         self,
         cfg,
-        tc: loop.TrainConfig,
+        tc: TrainConfig,
         *,
         steps: int,
         data_paths,
@@ -222,13 +224,13 @@ class RunIdentity:
         explicit_schedule: bool = True,
         out=None,
     ):
-        self.model = _json(dataclasses.asdict(cfg))
-        self.train = _json(dataclasses.asdict(tc))
+        self.model = json_value(cfg.as_dict())
+        self.train = json_value(dataclasses.asdict(tc))
         self.data = data_identity(data_paths, tokenizer, tc.synthetic)
         self.meta = {"model_config": self.model, "train_config": self.train, "data": self.data}
         self.steps, self.allow, self.explicit_schedule = steps, frozenset(allow), explicit_schedule
         self.out = out
-        self._lr = np.asarray(loop.make_schedule(tc)(np.arange(steps)), np.float64)
+        self._lr = np.asarray(make_schedule(tc)(np.arange(steps)), np.float64)
         self.resumed_at: int | None = None
         self.changes: list[Change] = []
         self.notes: list[str] = []
@@ -296,32 +298,33 @@ class RunIdentity:
         return rec
 
 
-def prepare(args, tc: loop.TrainConfig, cfg, log=print):
-    """(tc, RunIdentity) for a run of `args.steps` steps: `tc.schedule_steps` resolved to the
-    horizon (`loop.schedule_horizon`), with a warning if the lr will sit at its floor before
-    the end; `args.data`, `args.tokenizer` and `args.allow_changes` read."""
+def prepare(run: RunSettings, log=print) -> tuple[RunSettings, RunIdentity]:
+    """(settings, RunIdentity) for `run`: its `train.schedule_steps` resolved to the horizon
+    (`optimizer.schedule_horizon`), with a warning if the lr will sit at its floor before the
+    end; its data, tokenizer and `--allow-changes` keys read (checked)."""
+    tc = run.train
     explicit = tc.schedule_steps is not None
     if explicit and tc.schedule_steps < 1:
         raise ValueError(
             f"schedule_steps={tc.schedule_steps}: expected an int >= 1 (or unset: follow --steps)"
         )
-    allow = allowed_keys(getattr(args, "allow_changes", None))
-    tc = dataclasses.replace(tc, schedule_steps=loop.schedule_horizon(tc, args.steps))
-    if tc.schedule_steps < args.steps:
+    allow = allowed_keys(run.allow_changes)
+    tc = dataclasses.replace(tc, schedule_steps=schedule_horizon(tc, run.steps))
+    if tc.schedule_steps < run.steps:
         log(
-            f"warning: schedule_steps={tc.schedule_steps} < --steps {args.steps}: the lr "
+            f"warning: schedule_steps={tc.schedule_steps} < --steps {run.steps}: the lr "
             f"reaches its floor {tc.lr * tc.min_lr_ratio:.3g} (lr * min_lr_ratio) at step "
             f"{tc.schedule_steps + 1} and stays there for the last "
-            f"{args.steps - tc.schedule_steps} steps"
+            f"{run.steps - tc.schedule_steps} steps"
         )
-    run = RunIdentity(
-        cfg,
+    identity = RunIdentity(
+        run.model,
         tc,
-        steps=args.steps,
-        data_paths=getattr(args, "data", None),
-        tokenizer=getattr(args, "tokenizer", None),
+        steps=run.steps,
+        data_paths=run.data,
+        tokenizer=run.tokenizer,
         allow=allow,
         explicit_schedule=explicit,
-        out=getattr(args, "out", None),
+        out=run.out,
     )
-    return tc, run
+    return run.replace(train=tc), identity

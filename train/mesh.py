@@ -1,7 +1,7 @@
 """The trainer's device mesh, from the `mesh` option: `"data=2,expert=4"`.
 
 Axes (any subset, in this order in the mesh): `data` (data parallel), `fsdp` (data parallel with
-parameters and optimizer state stored sharded, see `train.loop.fsdp_shardings`), `node` (the
+parameters and optimizer state stored sharded, see `train.train_step.fsdp_sharding`), `node` (the
 outer expert-parallel axis: across hosts), `expert` (the ring; with `node`, the inner,
 intra-host part of it), `context` (sequence sharding for attention), `expert_tensor` (each
 expert's ffn split, ETP). One size may be `-1`: all devices left. The default `"expert=-1"` is EP
@@ -17,7 +17,7 @@ each host's 8 GPUs on `expert`; with one process per host the model's `ring="aut
 the hierarchical ring (an inner ring over `expert`, one inter-node transfer per round over
 `node`; auto reads the hosts from `process_index`). A `node` axis that does
 not follow the hosts (e.g. on one host, or `expert` wider than a host) is legal; `ring="auto"`
-then runs the flat ring over both axes together (`relaymoe_jax.topology` decides; the planner's
+then runs the flat ring over both axes together (`relaymoe_jax.op.topology` decides; the planner's
 header says which).
 """
 
@@ -99,7 +99,8 @@ def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) 
             f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
             f"does not split over expert_tensor={etp}"
         )
-    if cfg.dispatcher == "ring" and cfg.ring == "hierarchical" and len(expert_axes(sizes)) < 2:
+    opts = cfg.moe_options
+    if opts.dispatcher == "ring" and opts.ring == "hierarchical" and len(expert_axes(sizes)) < 2:
         raise ValueError(
             f"mesh={spec!r}: ring='hierarchical' needs the experts over two axes, "
             f"e.g. mesh=node=<hosts>,expert=<GPUs per host>; this mesh has "

@@ -21,7 +21,7 @@ dispatcher:
 
 The header says, per dispatcher, over which mesh axes the experts are spread and, for the ring,
 which ring runs (`ring=`: flat or hierarchical, with the reason when `ring=auto` picks flat;
-`relaymoe_jax.topology`). Without `--target` every emulated device is process 0, so `auto` is
+`relaymoe_jax.op.topology`). Without `--target` every emulated device is process 0, so `auto` is
 flat there.
 
 Exit status 0 when something fits, 1 when nothing does (no dispatcher at --batch x --seq and no
@@ -54,15 +54,17 @@ if __name__ == "__main__" and "--target" in sys.argv:  # before jax: see relaymo
 
 import jax
 
-from relaymoe_jax import gpu_mesh, remat, topology
-from relaymoe_jax.argtypes import positive_int
-from relaymoe_jax.devices import use_cpu_devices
-from relaymoe_jax.models.configs import load_config, parse_overrides
-from relaymoe_jax.models.sharding import rules_for
+from relaymoe_jax import remat
+from relaymoe_jax.analysis import gpu_mesh
+from relaymoe_jax.cli.argtypes import positive_int
+from relaymoe_jax.cli.devices import use_cpu_devices
+from relaymoe_jax.models.config_files import load_config, parse_overrides
 
-from . import loop, search
 from . import mesh as train_mesh
+from . import search, train_step
+from .planner_report import Findings, LargestSize, expert_parallelism, summary
 from .report import footprint
+from .settings import TRAIN_FIELDS, TrainConfig
 
 # device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
 DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
@@ -104,18 +106,19 @@ class StepCost:
     state: int | None = None  # bytes of the step's arguments per device: the train state
 
 
-def step_cost(cfg, tc: loop.TrainConfig, mesh, memo: bool = True) -> StepCost:
-    """Compile (not run) the train step of `cfg` and `tc` on `mesh` (`loop.compile_abstract`),
-    under `mesh` as the context mesh (an abstract GPU mesh needs it for the Pallas kernel)."""
+def step_cost(cfg, tc: TrainConfig, mesh, memo: bool = True) -> StepCost:
+    """Compile (not run) the train step of `cfg` and `tc` on `mesh`
+    (`train_step.compile_abstract`), under `mesh` as the context mesh (an abstract GPU mesh needs
+    it for the Pallas kernel)."""
     with jax.set_mesh(mesh):
-        compiled = loop.compile_abstract(cfg, tc, mesh, memo)
+        compiled = train_step.compile_abstract(cfg, tc, mesh, memo)
     cost, m = compiled.cost_analysis(), compiled.memory_analysis()
     return StepCost(footprint(m), cost["flops"] if cost else None, m.argument_size_in_bytes)
 
 
 def largest_size(
     cfg,
-    tc: loop.TrainConfig,
+    tc: TrainConfig,
     mesh,
     capacity: int,
     *,
@@ -152,7 +155,7 @@ class RematReport:
         return self.full.flops - self.planned.flops
 
 
-def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
+def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
     """Steps 1-3 of the module docstring for `cfg` as given (its dispatcher). ValueError if the
     fully recomputed step does not fit `capacity` bytes."""
     full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
@@ -160,7 +163,7 @@ def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
         raise ValueError(
             f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
             f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
-            f"MiB available (dispatcher={cfg.dispatcher}, batch {tc.batch_size}, "
+            f"MiB available (dispatcher={cfg.moe_options.dispatcher}, batch {tc.batch_size}, "
             f"seq {tc.seq_len}): nothing to plan"
         )
     plan = remat.plan_attention_remat(
@@ -176,91 +179,10 @@ def plan_remat(cfg, tc: loop.TrainConfig, mesh, capacity: int) -> RematReport:
         if set(plan.options) == {"full"}
         else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
     )
-    return RematReport(cfg.dispatcher, capacity, full, plan, planned)
+    return RematReport(cfg.moe_options.dispatcher, capacity, full, plan, planned)
 
 
-def expert_parallelism(cfg, mesh) -> str:
-    """How `cfg.dispatcher` moves the experts' work over `mesh`: which ring (flat or
-    hierarchical, and why with ring="auto"; `relaymoe_jax.topology`) over which axes."""
-    axes = rules_for(mesh).axes("experts")
-    size = lambda names: math.prod(mesh.shape[a] for a in names)
-    over = f"{axes[0]!r}" if len(axes) == 1 else f"{axes}"
-    if cfg.dispatcher == "alltoall":
-        return f"alltoall: all-to-all over {over} ({size(axes)} devices)"
-    if cfg.dispatcher != "ring":
-        return f"{cfg.dispatcher}: experts over {over} ({size(axes)} devices), no ring"
-    inner, outer = axes[-1], axes[:-1]
-    outer_s = f"{outer[0]!r}" if len(outer) == 1 else f"{outer}"
-    found = topology.spans(mesh, axes)  # (inner within a host, outer across hosts)
-    if topology.choose_ring(cfg.ring, mesh, axes):
-        where = (
-            ("", "")
-            if found is None
-            else (
-                ", within a host" if found[0] else ", crossing hosts",
-                ", across hosts" if found[1] else ", within a host",
-            )
-        )
-        return (
-            f"ring: hierarchical (ring={cfg.ring}): inner ring over {inner!r} "
-            f"({mesh.shape[inner]} devices{where[0]}), outer over {outer_s} "
-            f"({size(outer)}{where[1]})"
-        )
-    why = ""
-    if cfg.ring == "auto":
-        if len(axes) < 2:
-            why = ": one expert axis"
-        elif mesh.shape[inner] < 2 or size(outer) < 2:
-            why = ": an expert axis of size 1"
-        elif found is not None and not found[0]:
-            why = f": {inner!r} crosses hosts"
-        elif found is not None and not found[1]:
-            why = f": {outer_s} stays on one host"
-    return f"ring: flat (ring={cfg.ring}{why}) over {over} ({size(axes)} devices)"
-
-
-def table(reports: list[RematReport]) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"
-    rows = [
-        "| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
-        "planned peak MiB | fits | recompute GFLOP saved (cost_analysis) | (formula) |",
-        "|---|---:|---:|---:|---|---:|---|---:|---:|",
-    ]
-    for r in reports:
-        plan = ", ".join(f"{n}x {o}" for o, n in r.plan.counts().items())
-        measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
-        state = "" if r.full.state is None else mib(r.full.state)
-        rows.append(
-            f"| {r.dispatcher} | {mib(r.full.peak)} | {state} | {mib(r.plan.budget)} | "
-            f"{plan} | "
-            f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
-            f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |"
-        )
-    return "\n".join(rows)
-
-
-def size_table(title: str, field: str, found: list) -> str:
-    rows = [
-        title,
-        f"| dispatcher | largest {field} | full-recompute peak MiB | probes | "
-        "remat plan at that size |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for d, size, rec, rep in found:
-        if size is None:
-            rows.append(
-                f"| {d} | none fits | {rec.probes[0][1] / 2**20:,.1f} | {len(rec.probes)} | |"
-            )
-            continue
-        peak = dict(rec.probes)[size]
-        plan = ", ".join(f"{n}x {o}" for o, n in rep.plan.counts().items())
-        rows.append(f"| {d} | {size:,} | {peak / 2**20:,.1f} | {len(rec.probes)} | {plan} |")
-    return "\n".join(rows)
-
-
-def main(argv=None) -> int:
-    """Print the plans; 0 if something fits, 1 (with a line on stderr) if nothing does: no
-    dispatcher's step fits at --batch x --seq and no searched size fits either."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m {__package__}.planner", description=__doc__.splitlines()[0]
     )
@@ -315,7 +237,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dispatchers", default="ring,alltoall")
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
-    args = p.parse_args(argv)
+    return p
+
+
+def _parse(argv) -> argparse.Namespace:
+    """The checked arguments; `memory` defaults to the target's."""
+    args = build_parser().parse_args(argv)
     if not 0 < args.usable <= 1:
         raise ValueError(f"--usable {args.usable}: expected a fraction in (0, 1]")
     if args.memory is None and args.target is None:
@@ -323,10 +250,11 @@ def main(argv=None) -> int:
     if args.hosts < 1 or (args.hosts != 1 and args.target is None):
         raise ValueError(f"--hosts {args.hosts}: expected >= 1, and only with --target")
     args.memory = args.memory or args.target.upper()
-    capacity = int(parse_memory(args.memory) * args.usable)
-    over = parse_overrides(args.overrides)
-    train_kw = {k: over.pop(k) for k in list(over) if k in loop.TRAIN_FIELDS}
-    tc = loop.TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
+    return args
+
+
+def _mesh(args, tc: TrainConfig):
+    """(mesh sizes, mesh, where the sizes come from) for `--target` or the emulated devices."""
     if args.target:
         sizes = train_mesh.parse_mesh(tc.mesh, args.hosts * gpu_mesh.GPUS_PER_HOST)
         mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes), target=args.target)
@@ -343,68 +271,74 @@ def main(argv=None) -> int:
             "(other fusions, cuDNN attention without [S, S] scores, allocator "
             "fragmentation, the CUDA context): treat the sizes as a model, not a promise"
         )
+    return sizes, mesh, where
+
+
+def _plan_dispatcher(d: str, cfg, tc, mesh, capacity: int, args, batch_step, found: Findings):
+    """Plan dispatcher `d` (`cfg`) at --batch x --seq and, if asked, at the largest sizes."""
+    print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
+    try:
+        found.reports.append(plan_remat(cfg, tc, mesh, capacity))
+    except ValueError as e:  # does not fit at this size: say so, still search
+        print(f"# {d}: {e}", flush=True)
+        found.notes.append(f"{d}: {e}")
+    for limit, field, step, out in (
+        (args.max_batch, "batch_size", batch_step, found.by_batch),
+        (args.max_seq, "seq_len", args.seq_step, found.by_seq),
+    ):
+        if limit is None:
+            continue
+        print(f"# {d}: searching the largest {field} <= {limit} ...", flush=True)
+        size, rec = largest_size(
+            cfg, tc, mesh, capacity, field=field, step=step, limit=limit, log=print
+        )
+        rep = (
+            None
+            if size is None
+            else plan_remat(cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
+        )
+        out.append(LargestSize(d, size, rec, rep))
+
+
+def main(argv=None) -> int:
+    """Print the plans; 0 if something fits, 1 (with a line on stderr) if nothing does: no
+    dispatcher's step fits at --batch x --seq and no searched size fits either."""
+    args = _parse(argv)
+    capacity = int(parse_memory(args.memory) * args.usable)
+    over = parse_overrides(args.overrides)
+    train_kw = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
+    tc = TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
+    sizes, mesh, where = _mesh(args, tc)
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
-    reports, by_batch, by_seq, notes, rings = [], [], [], [], []
+    found = Findings()
     for d in args.dispatchers.split(","):
         cfg = load_config(
             args.config,
             expert_size=train_mesh.expert_size(sizes),
             dispatcher=d,
-            other_keys={"trainer": loop.TRAIN_FIELDS},
+            other_keys={"trainer": TRAIN_FIELDS},
             **over,
         )
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
-        rings.append(expert_parallelism(cfg, mesh))
-        if cfg.attention_impl == "chunked" and not any("while loop" in n for n in notes):
-            notes.append(
+        found.rings.append(expert_parallelism(cfg, mesh))
+        if cfg.attention_impl == "chunked":
+            found.note_once(
+                "while loop",
                 "chunked attention: XLA's cost_analysis counts a while loop's body "
                 "once, so its column sees one key block of the attention; the formula "
-                "column counts them all"
+                "column counts them all",
             )
-        print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
-        try:
-            reports.append(plan_remat(cfg, tc, mesh, capacity))
-        except ValueError as e:  # does not fit at this size: say so, still search
-            print(f"# {d}: {e}", flush=True)
-            notes.append(f"{d}: {e}")
-        for limit, field, step, out in (
-            (args.max_batch, "batch_size", batch_step, by_batch),
-            (args.max_seq, "seq_len", args.seq_step, by_seq),
-        ):
-            if limit is None:
-                continue
-            print(f"# {d}: searching the largest {field} <= {limit} ...", flush=True)
-            size, rec = largest_size(
-                cfg, tc, mesh, capacity, field=field, step=step, limit=limit, log=print
-            )
-            rep = (
-                None
-                if size is None
-                else plan_remat(cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
-            )
-            out.append((d, size, rec, rep))
+        _plan_dispatcher(d, cfg, tc, mesh, capacity, args, batch_step, found)
     head = (
         f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
         f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}"
     )
-    print(
-        f"\n{head}\nexpert parallelism: "
-        + "; ".join(rings)
-        + f"\nbatch {tc.batch_size} x seq {tc.seq_len}:\n"
-        + table(reports)
-        + "".join(f"\n- {n}" for n in notes)
-    )
-    if by_batch:
-        print("\n" + size_table(f"largest micro-batch at seq {tc.seq_len}:", "batch", by_batch))
-    if by_seq:
-        print("\n" + size_table(f"largest sequence at micro-batch {tc.batch_size}:", "seq", by_seq))
-    if not any(r.fits for r in reports) and all(
-        size is None for _, size, _, _ in by_batch + by_seq
-    ):
+    print(summary(head, tc, found))
+    if not found.anything_fits():
         print(
             f"error: nothing fits in {capacity / 2**20:,.1f} MiB per device ({args.usable:g} x "
             f"{args.memory}) at batch {tc.batch_size} x seq {tc.seq_len}"
-            + (" nor at any size searched" if by_batch or by_seq else ""),
+            + (" nor at any size searched" if found.by_batch or found.by_seq else ""),
             file=sys.stderr,
         )
         return 1

@@ -2,17 +2,15 @@
 buffer assignment of the compiled step (`memory_analysis()`), compile-only for the dispatchers
 that did not train.
 
-The step of another dispatcher is the same program with `ModelConfig.dispatcher` changed, compiled
-against the abstract state (`loop.compile_abstract`: shapes and shardings, nothing allocated), so
-nothing runs.
+The step of another dispatcher is the same program with `ModelConfig.moe_options` changed,
+compiled against the abstract state (`train_step.compile_abstract`: shapes and shardings, nothing
+allocated), so nothing runs.
 """
 
-import dataclasses
+from . import train_step
 
-from . import loop
-
-# (label, ModelConfig overrides) in table order
-DISPATCHERS = (
+# the table's rows: (label, ModelConfig overrides), in order
+MEMORY_TABLE_ROWS = (
     ("ring", {"dispatcher": "ring"}),
     ("alltoall (dropless)", {"dispatcher": "alltoall", "capacity_factor": None}),
     ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}),
@@ -20,18 +18,20 @@ DISPATCHERS = (
 
 
 def memory_rows(cfg, tc, mesh, trained=None, log=print):
-    """[(label, memory_analysis, how)] for every entry of DISPATCHERS; `trained` is the compiled
-    step that ran (reused for the config's own dispatcher), the others are compiled against the
-    abstract state (`loop.compile_abstract`)."""
+    """[(label, memory_analysis, how)] for every entry of MEMORY_TABLE_ROWS; `trained` is the
+    compiled step that ran (reused for the config's own dispatcher), the others are compiled
+    against the abstract state (`train_step.compile_abstract`)."""
     rows = []
-    for label, over in DISPATCHERS:
-        c = dataclasses.replace(cfg, **over)
-        same = c.dispatcher == cfg.dispatcher and c.capacity_factor == cfg.capacity_factor
+    for label, over in MEMORY_TABLE_ROWS:
+        c = cfg.replace(**over)
+        same = c.moe_options == cfg.moe_options
         if same and trained is not None:
             rows.append((label, trained.memory_analysis(), "trained"))
             continue
         log(f"compiling the train step with {label} (compile only) ...")
-        rows.append((label, loop.compile_abstract(c, tc, mesh).memory_analysis(), "compile-only"))
+        rows.append(
+            (label, train_step.compile_abstract(c, tc, mesh).memory_analysis(), "compile-only")
+        )
     return rows
 
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from relaymoe_jax.dispatch import plan
+from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
 
 
@@ -66,10 +66,10 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
     rows = n * b
 
     with jax.named_scope("a2a_permute"):
-        order, counts_e = plan.sort_pairs(ids_tk, num_e)
-        key_s = plan.pair_keys(ids_tk, num_e)[order]  # sorted keys
+        order, counts_e = pairs.sort_pairs(ids_tk, num_e)
+        key_s = pairs.pair_keys(ids_tk, num_e)[order]  # sorted keys
         real = key_s < num_e
-        start_e = plan.exclusive_cumsum(counts_e)
+        start_e = pairs.exclusive_cumsum(counts_e)
         keep = real
         if cfg.capacity_factor is not None:
             cap = expert_capacity(t, k, num_e, cfg.capacity_factor)
@@ -78,7 +78,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         dest = jnp.minimum(key_s, num_e - 1) // e_local
         kept_e = jnp.zeros((num_e + 1,), jnp.int32).at[jnp.where(keep, key_s, num_e)].add(1)
         kept_e = kept_e[:num_e]
-        kept_dev_start = plan.exclusive_cumsum(kept_e.reshape(n, e_local).sum(1))
+        kept_dev_start = pairs.exclusive_cumsum(kept_e.reshape(n, e_local).sum(1))
         slot = jnp.cumsum(keep) - 1 - kept_dev_start[dest]
         keep = keep & (slot < b)  # overflow (repeated ids) only
         send_counts = (
@@ -92,7 +92,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         slot_pair = jnp.full((rows,), t * k, jnp.int32).at[slot_g].set(order, mode="drop")
         slot_ok = slot_pair < t * k
         slot_pair = jnp.minimum(slot_pair, t * k - 1)
-        send_rh = plan.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
+        send_rh = pairs.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
 
     with jax.named_scope("a2a_dispatch"):
         recv_rh = lax.all_to_all(send_rh, cfg.axis, 0, 0, tiled=True)
@@ -106,9 +106,9 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         row_ok = j[None, :] < blk_end[:, -1:]
         e_of = jnp.minimum(e_of, e_local - 1)
         rank = j[None, :] - jnp.take_along_axis(blk_end - recv_counts, e_of, axis=1)
-        src_before = plan.exclusive_cumsum(recv_counts, axis=0)  # [src, E_l]
+        src_before = pairs.exclusive_cumsum(recv_counts, axis=0)  # [src, E_l]
         dst = (
-            plan.exclusive_cumsum(group_sizes)[e_of]
+            pairs.exclusive_cumsum(group_sizes)[e_of]
             + jnp.take_along_axis(src_before, e_of, axis=1)
             + rank
         )
@@ -120,7 +120,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         )
         sorted_ok = src_of < rows
         # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
-        xs_rh = plan.take_rows_masked_grad(
+        xs_rh = pairs.take_rows_masked_grad(
             recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison
         )
 
@@ -139,7 +139,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         ys_rh = mm(act, w_down).astype(x_th.dtype)
 
     with jax.named_scope("a2a_combine"):
-        yr_rh = plan.take_rows(ys_rh, jnp.minimum(dst, rows - 1), row_ok.reshape(-1), cfg.poison)
+        yr_rh = pairs.take_rows(ys_rh, jnp.minimum(dst, rows - 1), row_ok.reshape(-1), cfg.poison)
         yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True)
         w_slot = jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
         contrib = jnp.where(slot_ok[:, None], yb_rh.astype(jnp.float32) * w_slot[:, None], 0.0)

@@ -15,28 +15,25 @@ into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a f
 Other implementations gather the rows first (NaN-filled past the segment when poisoned).
 """
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from relaymoe_jax.dispatch import plan
+from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
-from relaymoe_jax.late import late_zero
+from relaymoe_jax.util.late import late_zero
 
 
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-    axis: tuple  # the expert mesh axis (or axes) the ring runs over
-    num_experts: int  # E (global)
-    chunk: int  # C, pairs per chunk
-    reduce_axes: tuple  # mesh axes whose devices hold other tokens for the same weights
-    routing: str = "expert"  # "expert": weights travel; "token": tokens travel
-    gmm_impl: str = "auto"
-    poison: bool = False  # fill padding rows with NaN (tests)
-    hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
+class Chunk(NamedTuple):
+    """C consecutive pairs of one partition's segment (the last chunk runs past its end)."""
+
+    pidx: jax.Array  # [C] int32 pair indices (t * k + slot)
+    tok: jax.Array  # [C] int32 their token rows
+    valid: jax.Array  # [C] bool: inside the segment
+    gs: jax.Array  # [E_local] int32 rows per local expert within the chunk
+    wts_c: jax.Array  # [C] f32 router weights, 0 past the segment
 
 
 class Tokens(NamedTuple):
@@ -53,10 +50,10 @@ class Tokens(NamedTuple):
 
 
 def make_tokens(cfg, x_th, ids_tk, wts_tk):
-    order, counts_e = plan.sort_pairs(ids_tk, cfg.num_experts)
+    order, counts_e = pairs.sort_pairs(ids_tk, cfg.num_experts)
     order = jnp.concatenate([order, jnp.zeros((cfg.chunk,), order.dtype)])  # slices never run off
     tk = Tokens(x_th, wts_tk.reshape(-1), order, counts_e)
-    return Tokens(*(plan.vary_like(a, *tk) for a in tk))  # one type for a loop carry
+    return Tokens(*(pairs.vary_like(a, *tk) for a in tk))  # one type for a loop carry
 
 
 def shift(tree, axis, n):
@@ -80,7 +77,7 @@ class Hop:
         """Run body(chunk, carry) over the chunks of partition p's segment of `tk`'s pairs."""
         c, el = self.cfg.chunk, self.e_local
         counts_p = tk.counts_e.reshape(self.n, el).sum(axis=1)
-        start, count = plan.exclusive_cumsum(counts_p)[p], counts_p[p]
+        start, count = pairs.exclusive_cumsum(counts_p)[p], counts_p[p]
         seg_counts = lax.dynamic_slice(tk.counts_e, (p * el,), (el,))
         n_chunks = (count + c - 1) // c
 
@@ -90,11 +87,11 @@ class Hop:
             pidx = lax.dynamic_slice(tk.order, (start + pos0,), (c,))
             valid = jnp.arange(c) < count - pos0
             tok = pidx // self.k
-            chunk = dict(
+            chunk = Chunk(
                 pidx=pidx,
                 tok=tok,
                 valid=valid,
-                gs=plan.chunk_group_sizes(seg_counts, pos0, c),
+                gs=pairs.chunk_group_sizes(seg_counts, pos0, c),
                 wts_c=jnp.where(valid, tk.wts_p[pidx], 0).astype(jnp.float32),
             )
             return i + 1, body(chunk, carry)
@@ -105,8 +102,8 @@ class Hop:
         """The chunk's C token rows of a_th as (matrix, row index): (a_th, tok) for the kernel to
         read, or the gathered rows (past the segment don't-care, NaN when poisoned) and None."""
         if self.fused:
-            return a_th, ch["tok"]
-        return plan.take_rows(a_th, ch["tok"], ch["valid"], self.cfg.poison), None
+            return a_th, ch.tok
+        return pairs.take_rows(a_th, ch.tok, ch.valid, self.cfg.poison), None
 
     def _mm(self, a, w, gs, transpose=False, a_rows=None):
         return gmm(
@@ -141,11 +138,11 @@ class Hop:
 
         def body(ch, out_th):
             x_ch, x_rows = self.rows(tk.x_th, ch)
-            gate = self._mm(x_ch, w_gate, ch["gs"], a_rows=x_rows)
-            up = self._mm(x_ch, w_up, ch["gs"], a_rows=x_rows)
+            gate = self._mm(x_ch, w_gate, ch.gs, a_rows=x_rows)
+            up = self._mm(x_ch, w_up, ch.gs, a_rows=x_rows)
             act = (jax.nn.silu(gate) * up).astype(dt)
-            y_ch = self._mm(act, w_down, ch["gs"])
-            return out_th.at[ch["tok"]].add(y_ch * ch["wts_c"][:, None])  # invalid rows: 0
+            y_ch = self._mm(act, w_down, ch.gs)
+            return out_th.at[ch.tok].add(y_ch * ch.wts_c[:, None])  # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
             return self._chunks(tk, p, body, out_th)
@@ -157,7 +154,7 @@ class Hop:
 
         def body(ch, carry):
             dx_th, dwts_p, (dwg, dwu, dwd) = carry
-            gs = ch["gs"]
+            gs = ch.gs
             x_ch, x_rows = self.rows(tk.x_th, ch)
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
             gate = self._mm(x_ch, w_gate, gs, a_rows=x_rows)
@@ -168,8 +165,8 @@ class Hop:
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
-            dwts_p = dwts_p.at[ch["pidx"]].add(dwts_c)  # invalid rows: act = dact0 = 0
-            wts = ch["wts_c"][:, None]
+            dwts_p = dwts_p.at[ch.pidx].add(dwts_c)  # invalid rows: act = dact0 = 0
+            wts = ch.wts_c[:, None]
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
             dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
@@ -180,7 +177,7 @@ class Hop:
             dx_ch = self._mm(dgate, w_gate, gs, transpose=True) + self._mm(
                 dup, w_up, gs, transpose=True
             )
-            dx_th = dx_th.at[ch["tok"]].add(dx_ch)  # gmm: invalid rows are exact 0
+            dx_th = dx_th.at[ch.tok].add(dx_ch)  # gmm: invalid rows are exact 0
             return dx_th, dwts_p, (dwg, dwu, dwd)
 
         with jax.named_scope("ring_bwd_hop"):
@@ -190,7 +187,7 @@ class Hop:
 
 def zeros_f32(shape, *refs):
     """f32 zeros that vary over the same manual axes as `refs` (an accumulator), made once
-    `refs[0]` exists (`relaymoe_jax.late.late_zero`)."""
-    return plan.vary_like(
+    `refs[0]` exists (`relaymoe_jax.util.late.late_zero`)."""
+    return pairs.vary_like(
         jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]), shape), *refs
     )

@@ -61,28 +61,53 @@ a whole inner relay. At round r, inner hop h, device (o, i) holds the payload of
 dW is summed over `reduce_axes` (mesh axes whose devices hold other tokens for the same weights).
 """
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from relaymoe_jax.dispatch.hop import Hop, RingConfig, make_tokens, shift, zeros_f32
-from relaymoe_jax.first_order import first_order
+from relaymoe_jax.dispatch.hop import Hop, make_tokens, shift, zeros_f32
+from relaymoe_jax.util.first_order import first_order
 
 __all__ = ["RingConfig", "ring_moe"]
 
 add = functools.partial(jax.tree.map, jnp.add)
 
 
-def _rings(cfg, hop):
-    """[(axes, size, index)] of the rings, outermost first: the one flat ring over all of
-    `cfg.axis` (the hop's own size and index), or (hierarchical) the outer ring over `axis[:-1]`
-    and the inner over `axis[-1]`. Ring position = outer index * inner size + inner index = the
-    flat index over `cfg.axis`."""
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Everything static about one device's ring (hashable: one custom VJP per config)."""
+
+    axis: tuple  # the expert mesh axis (or axes) the ring runs over
+    num_experts: int  # E (global)
+    chunk: int  # C, pairs per chunk
+    reduce_axes: tuple  # mesh axes whose devices hold other tokens for the same weights
+    routing: str = "expert"  # "expert": weights travel; "token": tokens travel
+    gmm_impl: str = "auto"
+    poison: bool = False  # fill padding rows with NaN (tests)
+    hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
+
+
+class RingLevel(NamedTuple):
+    """One ring of `relay`: its mesh axes, its size and this device's index on it."""
+
+    axes: tuple
+    size: int
+    index: jax.Array
+
+
+def _rings(cfg, hop) -> tuple[RingLevel, ...]:
+    """The rings, outermost first: the one flat ring over all of `cfg.axis` (the hop's own size
+    and index), or (hierarchical) the outer ring over `axis[:-1]` and the inner over `axis[-1]`.
+    Ring position = outer index * inner size + inner index = the flat index over `cfg.axis`."""
     if not cfg.hierarchical:
-        return ((cfg.axis, hop.n, hop.me),)
-    return tuple((a, lax.axis_size(a), lax.axis_index(a)) for a in (cfg.axis[:-1], cfg.axis[-1:]))
+        return (RingLevel(cfg.axis, hop.n, hop.me),)
+    return tuple(
+        RingLevel(a, lax.axis_size(a), lax.axis_index(a)) for a in (cfg.axis[:-1], cfg.axis[-1:])
+    )
 
 
 def relay(rings, payload, visit, state, zero_acc=None, base=None):

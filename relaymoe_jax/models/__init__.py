@@ -1,7 +1,8 @@
 """Qwen3-style MoE models (Flax NNX) on the RelayMoE op, and the Hugging Face bridge."""
 
 from relaymoe_jax.models.config import ModelConfig
-from relaymoe_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
+from relaymoe_jax.models.hf import from_pretrained, save_pretrained
+from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
 from relaymoe_jax.models.moe import MoEConfig, MoELayer
 from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.router import (

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from relaymoe_jax.late import late_zero
+from relaymoe_jax.util.late import late_zero
 
 F32 = jnp.float32
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN

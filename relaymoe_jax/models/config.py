@@ -1,22 +1,28 @@
 """The model configuration: one frozen dataclass with named sizes, checked on construction.
 
 Field names follow Hugging Face's `Qwen3MoeConfig` / `Qwen2MoeConfig` where one exists, so a
-`config.json` maps onto it directly (`from_hf_dict`). `from_dict` is the strict loader behind the
-YAML files in `configs/`: an unknown key, a wrong type or inconsistent sizes raise a ValueError
-naming the key.
+`config.json` maps onto it directly (`hf_config.from_hf_dict`). How the MoE runs (dispatcher,
+routing, ring, capacity_factor, chunk_size, gmm_impl) is one `MoEOptions` record,
+`moe_options`, checked by `MoEOptions` itself.
+
+The flat form: in YAML, on the command line, in a checkpoint's run identity and wherever a config
+is written or compared, the record's fields are keys next to the others (`KEYS`, in field order).
+`ModelConfig.from_dict` is the strict loader of that form behind the YAML files in `configs/`,
+`as_dict` writes it, and `cfg.replace(dispatcher="alltoall", num_experts=16)` changes fields by
+flat key. An unknown key, a wrong type or inconsistent sizes raise a ValueError that names the
+key and what it accepts (`key=value: expected ...`).
 """
 
 import dataclasses
-import types
 import typing
+from collections.abc import Mapping
 
-from relaymoe_jax.topology import RINGS  # moe_ffn's ring=: "auto", "flat", "hierarchical"
+from relaymoe_jax.models.layers import ATTENTION_IMPLS
+from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
+from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.remat.options import OPTIONS as REMAT_OPTIONS
 
 ARCHS = ("qwen3_moe", "qwen2_moe")
-DISPATCHERS = ("ring", "alltoall", "reference")
-ROUTINGS = ("expert", "token", "auto")
-ATTENTION_IMPLS = ("xla", "chunked")
-REMAT_OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")  # relaymoe_jax.remat.options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +56,9 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # router z-loss coefficient
     expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
     expert_bias_rate: float = 0.001  # its update rate
-    # execution
-    dispatcher: str = "ring"
-    routing: str = "auto"
-    ring: str = "auto"  # ring only (moe_ffn's ring=): "flat", "hierarchical"
-    # (experts over (node, expert) axes) or "auto"
-    capacity_factor: float | None = None
-    chunk_size: int | None = None
-    gmm_impl: str = "auto"
+    # execution: how `moe_ffn` runs (flat keys dispatcher, routing, ring, capacity_factor,
+    # chunk_size, gmm_impl in the flat form); the op uses `moe_options.applicable()`
+    moe_options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
     attention_impl: str = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S] scores on
     # the XLA path) or "chunked" (O(S * block) memory)
     attention_block_k: int = 512  # keys per block of "chunked"
@@ -78,6 +79,35 @@ class ModelConfig:
     def __post_init__(self):
         check(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelConfig":
+        """A config from the flat form (`KEYS`; an omitted key takes its default). Strict: an
+        unknown key is an error; lists become tuples and ints given for float keys floats."""
+        unknown = sorted(set(d) - set(KEYS))
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(KEYS)}")
+        d = {k: _normalise(k, v) for k, v in d.items()}
+        options = MoEOptions.from_mapping(d)
+        rest = {k: v for k, v in d.items() if k not in OPTION_KEYS}
+        return cls(**rest, moe_options=options)
+
+    def as_dict(self) -> dict:
+        """The flat form: every key of `KEYS`, in order, with its value."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out.update(value.as_dict() if f.name == "moe_options" else {f.name: value})
+        return out
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes` (flat keys, or `moe_options=` a whole record), normalised like
+        `from_dict`'s and checked."""
+        changes = {k: _normalise(k, v) for k, v in changes.items()}
+        options = {k: changes.pop(k) for k in list(changes) if k in OPTION_KEYS}
+        if options:
+            changes["moe_options"] = changes.get("moe_options", self.moe_options).replace(**options)
+        return dataclasses.replace(self, **changes)
+
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
@@ -96,116 +126,164 @@ class ModelConfig:
         )
 
 
+# The flat keys: ModelConfig's fields with `moe_options` spelled out as its own fields.
+KEYS: tuple[str, ...] = tuple(
+    k
+    for f in dataclasses.fields(ModelConfig)
+    for k in (OPTION_KEYS if f.name == "moe_options" else (f.name,))
+)
+
+
+def _float_keys(*classes) -> frozenset:
+    hints = {k: h for cls in classes for k, h in typing.get_type_hints(cls).items()}
+    return frozenset(k for k, h in hints.items() if h is float or float in typing.get_args(h))
+
+
+FLOAT_KEYS = _float_keys(ModelConfig, MoEOptions) & set(KEYS)  # an int given here is a float
+
+
+def _normalise(key, value):
+    if isinstance(value, list):
+        return tuple(value)
+    if key in FLOAT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
 def _fail(key, value, want):
     raise ValueError(f"{key}={value!r}: expected {want}")
 
 
-def _type_ok(value, hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is tuple:
-        item = typing.get_args(hint)[0]
-        return isinstance(value, tuple) and all(_type_ok(v, item) for v in value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_from(lo: int):
+    return (lambda v: _is_int(v) and v >= lo), f"an int >= {lo}"
+
+
+def _number_from(lo: float):
+    return (lambda v: _is_number(v) and v >= lo), f"a number >= {lo:g}"
+
+
+def _one_of(allowed: tuple[str, ...]):
+    return (lambda v: isinstance(v, str) and v in allowed), f"one of {allowed}"
+
+
+def _remat_ok(v) -> bool:
+    names = (v,) if isinstance(v, str) else v
+    return isinstance(names, tuple) and all(
+        isinstance(o, str) and o in REMAT_OPTIONS for o in names
+    )
+
+
+_BOOL = (lambda v: isinstance(v, bool)), "true or false"
+_NUMBER = _is_number, "a number"
+
+# One check per field: (accepts(value) -> bool, what it accepts). The rules that tie fields
+# together (top-k within the experts, heads that divide, ...) are `_CONSISTENCY` below.
+FIELD_CHECKS = {
+    "arch": _one_of(ARCHS),
+    "vocab_size": _int_from(1),
+    "hidden_size": _int_from(1),
+    "num_hidden_layers": _int_from(1),
+    "num_attention_heads": _int_from(1),
+    "num_key_value_heads": _int_from(1),
+    "head_dim": (
+        lambda v: v is None or (_is_int(v) and v >= 2 and v % 2 == 0),
+        "an even int >= 2 (RoPE rotates pairs), or null for hidden_size // num_attention_heads",
+    ),
+    "intermediate_size": _int_from(1),
+    "moe_intermediate_size": _int_from(1),
+    "num_experts": _int_from(0),
+    "num_experts_per_tok": (_is_int, "an int"),
+    "norm_topk_prob": _BOOL,
+    "attention_bias": _BOOL,
+    "qkv_bias": _BOOL,
+    "shared_expert_intermediate_size": _int_from(0),
+    "decoder_sparse_step": _int_from(1),
+    "mlp_only_layers": (
+        lambda v: isinstance(v, tuple) and all(map(_is_int, v)),
+        "a list of layer indices (a tuple in Python)",
+    ),
+    "rope_theta": _NUMBER,
+    "rms_norm_eps": _NUMBER,
+    "tie_word_embeddings": _BOOL,
+    "max_position_embeddings": _int_from(1),
+    "initializer_range": _number_from(0),
+    "router_aux_loss_coef": _number_from(0),
+    "router_z_loss_coef": _number_from(0),
+    "expert_bias": _BOOL,
+    "expert_bias_rate": _number_from(0),
+    "moe_options": (
+        lambda v: isinstance(v, MoEOptions),
+        f"a MoEOptions (in the flat form the keys {OPTION_KEYS})",
+    ),
+    "attention_impl": _one_of(ATTENTION_IMPLS),
+    "attention_block_k": _int_from(1),
+    "attention_remat": (
+        _remat_ok,
+        f"one of {REMAT_OPTIONS}, or a list (tuple) of them, one per layer",
+    ),
+    "moe_remat": _BOOL,
+    "scan_layers": _BOOL,
+}
+assert list(FIELD_CHECKS) == [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def _top_k(cfg):
+    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        want = f"an int in [1, num_experts={cfg.num_experts}]"
+        _fail("num_experts_per_tok", cfg.num_experts_per_tok, want)
+
+
+def _heads(cfg):
+    if cfg.head_dim is None and cfg.hidden_size % cfg.num_attention_heads:
+        want = f"a divisor of hidden_size={cfg.hidden_size} (or set head_dim)"
+        _fail("num_attention_heads", cfg.num_attention_heads, want)
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        want = f"a divisor of num_attention_heads={cfg.num_attention_heads}"
+        _fail("num_key_value_heads", cfg.num_key_value_heads, want)
+
+
+def _shared_expert(cfg):
+    if cfg.shared_expert_intermediate_size and cfg.arch != "qwen2_moe":
+        want = "0 unless arch='qwen2_moe'"
+        _fail("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, want)
+
+
+def _layer_lists(cfg):
+    n = cfg.num_hidden_layers
+    if any(not 0 <= i < n for i in cfg.mlp_only_layers):
+        _fail(
+            "mlp_only_layers", cfg.mlp_only_layers, f"layer indices in [0, num_hidden_layers={n})"
+        )
+    remat = cfg.attention_remat
+    if not isinstance(remat, str) and len(remat) != n:
+        want = f"one option or {n} (num_hidden_layers), got {len(remat)}"
+        _fail("attention_remat", remat, want)
+
+
+_CONSISTENCY = (_top_k, _heads, _shared_expert, _layer_lists)
 
 
 def check(cfg: ModelConfig) -> None:
-    """Types, ranges and consistency of the sizes; a ValueError names the offending key."""
-    hints = typing.get_type_hints(ModelConfig)
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if not _type_ok(value, hints[f.name]):
-            _fail(f.name, value, f"a value of type {hints[f.name]}")
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "decoder_sparse_step",
-        "max_position_embeddings",
-    ):
-        if getattr(cfg, name) < 1:
-            _fail(name, getattr(cfg, name), "an int >= 1")
-    if cfg.arch not in ARCHS:
-        _fail("arch", cfg.arch, f"one of {ARCHS}")
-    if cfg.dispatcher not in DISPATCHERS:
-        _fail("dispatcher", cfg.dispatcher, f"one of {DISPATCHERS}")
-    if cfg.routing not in ROUTINGS:
-        _fail("routing", cfg.routing, f"one of {ROUTINGS}")
-    if cfg.ring not in RINGS:
-        _fail("ring", cfg.ring, f"one of {RINGS}")
-    for name in ("num_experts", "shared_expert_intermediate_size"):
-        if getattr(cfg, name) < 0:
-            _fail(name, getattr(cfg, name), "an int >= 0")
-    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
-        _fail(
-            "num_experts_per_tok",
-            cfg.num_experts_per_tok,
-            f"an int in [1, num_experts={cfg.num_experts}]",
-        )
-    if cfg.head_dim is None and cfg.hidden_size % cfg.num_attention_heads:
-        _fail(
-            "num_attention_heads",
-            cfg.num_attention_heads,
-            f"a divisor of hidden_size={cfg.hidden_size} (or set head_dim)",
-        )
-    if cfg.head_dim is not None and (cfg.head_dim < 2 or cfg.head_dim % 2):
-        _fail("head_dim", cfg.head_dim, "an even int >= 2 (RoPE rotates pairs)")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        _fail(
-            "num_key_value_heads",
-            cfg.num_key_value_heads,
-            f"a divisor of num_attention_heads={cfg.num_attention_heads}",
-        )
-    if cfg.shared_expert_intermediate_size and cfg.arch != "qwen2_moe":
-        _fail(
-            "shared_expert_intermediate_size",
-            cfg.shared_expert_intermediate_size,
-            "0 unless arch='qwen2_moe'",
-        )
-    bad = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_hidden_layers]
-    if bad:
-        _fail(
-            "mlp_only_layers",
-            cfg.mlp_only_layers,
-            f"layer indices in [0, num_hidden_layers={cfg.num_hidden_layers})",
-        )
-    for name in (
-        "router_aux_loss_coef",
-        "router_z_loss_coef",
-        "expert_bias_rate",
-        "initializer_range",
-    ):
-        if getattr(cfg, name) < 0:
-            _fail(name, getattr(cfg, name), "a number >= 0")
-    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
-        _fail("capacity_factor", cfg.capacity_factor, "a number > 0 or null")
-    if cfg.attention_impl not in ATTENTION_IMPLS:
-        _fail("attention_impl", cfg.attention_impl, f"one of {ATTENTION_IMPLS}")
-    if cfg.attention_block_k < 1:
-        _fail("attention_block_k", cfg.attention_block_k, "an int >= 1")
-    if not isinstance(cfg.moe_remat, bool):
-        _fail("moe_remat", cfg.moe_remat, "true or false")
-    remat = cfg.attention_remat
-    names = (remat,) if isinstance(remat, str) else remat
-    if any(o not in REMAT_OPTIONS for o in names):
-        _fail("attention_remat", remat, f"one of {REMAT_OPTIONS} or a tuple of them")
-    if not isinstance(remat, str) and len(remat) != cfg.num_hidden_layers:
-        _fail(
-            "attention_remat",
-            remat,
-            f"one option or {cfg.num_hidden_layers} (num_hidden_layers), got {len(remat)}",
-        )
+    """Every field on its own (`FIELD_CHECKS`), then how they fit together; a ValueError names
+    the offending key and what it accepts."""
+    for name, (accepts, want) in FIELD_CHECKS.items():
+        value = getattr(cfg, name)
+        if not accepts(value):
+            _fail(name, value, want)
+    for rule in _CONSISTENCY:
+        rule(cfg)
     if cfg.scan_layers:
         check_scannable(cfg)
 
@@ -235,38 +313,3 @@ def check_mesh(cfg: ModelConfig, expert_size: int) -> None:
     """The experts must split evenly over the expert axis (of size `expert_size`)."""
     if cfg.num_experts % expert_size:
         _fail("num_experts", cfg.num_experts, f"a multiple of the expert axis size {expert_size}")
-
-
-def from_dict(d: dict) -> ModelConfig:
-    """Strict: every key must be a field; lists become tuples; types are checked."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(names)}")
-    d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-    return ModelConfig(**d)
-
-
-_HF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
-
-
-def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
-    """A ModelConfig from a Hugging Face `config.json` (Qwen3-MoE or Qwen2-MoE)."""
-    archs = hf.get("architectures") or []
-    arch = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
-    arch = arch or {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}.get(hf.get("model_type"))
-    if arch is None:
-        raise ValueError(
-            f"config.json: architectures={archs!r}, model_type="
-            f"{hf.get('model_type')!r}: expected Qwen3MoeForCausalLM or "
-            "Qwen2MoeForCausalLM"
-        )
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    d = {k: v for k, v in hf.items() if k in names}
-    d["arch"] = arch
-    d["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
-    if d.get("head_dim") is None:
-        d.pop("head_dim", None)
-    d["rope_theta"] = float(d.get("rope_theta", ModelConfig.rope_theta))
-    d.update(overrides)
-    return ModelConfig(**d)

@@ -12,39 +12,17 @@ Loading never builds the model on one device. The model's structure comes from `
 stacked tensor ([E/EP, H, F]: the per-expert tensors it needs, or a slice of a fused 3-D tensor);
 with `scan_layers`, the same for all L layers of one parameter at once.
 
-Weight mapping (torch `Linear.weight` is [out, in], ours are [in, out]; `mapping` is the code).
-Prefix `model.layers.i.` = ours `layers[i].`; e = expert; T = transpose:
-
-    model.embed_tokens.weight [V, H]           embed_tokens [V, H]
-    input_layernorm / post_attention_layernorm.weight [H]     same names, .weight [H]
-    self_attn.q_proj.weight [N*D, H]           self_attn.q_proj [H, N, D]           T, reshape
-    self_attn.{k,v}_proj.weight [K*D, H]       self_attn.{k,v}_proj [H, K, D]       T, reshape
-    self_attn.{q,k,v}_proj.bias [N*D | K*D]    self_attn.{q,k,v}_bias [N | K, D]    reshape
-    self_attn.o_proj.weight [H, N*D]           self_attn.o_proj [N, D, H]           T, reshape
-    self_attn.o_proj.bias [H] (qwen3)          self_attn.o_bias [H]
-    self_attn.{q,k}_norm.weight [D] (qwen3)    self_attn.{q,k}_norm.weight [D]
-    mlp.gate.weight [E, H]                     mlp.gate [H, E]                      T
-    mlp.experts.e.{gate,up}_proj.weight [F, H] mlp.w_{gate,up}[e] [H, F]            T, stack
-    mlp.experts.e.down_proj.weight [H, F]      mlp.w_down[e] [F, H]                 T, stack
-    mlp.experts.gate_up_proj [E, 2F, H] (fused)  w_gate = [:, :F]^T, w_up = [:, F:]^T per expert
-    mlp.experts.down_proj [E, H, F] (fused)    mlp.w_down [E, F, H]                 T per expert
-    mlp.shared_expert.{gate,up,down}_proj.weight (qwen2)  mlp.shared_expert.*       T
-    mlp.shared_expert_gate.weight [1, H] (qwen2)          mlp.shared_expert_gate [H, 1]  T
-    mlp.{gate,up,down}_proj.weight (dense layers)         mlp.{gate,up,down}_proj   T
-    model.norm.weight [H]                      norm.weight [H]
-    lm_head.weight [V, H] (absent when tied)   lm_head [H, V]                       T
-
-With `scan_layers=True` the model holds one stacked tensor per parameter of the layers, [L, ...]
-(`qwen.py`): loading stacks the L per-layer tensors of each (`model.layers.i.<name>` goes to
-`layers.<name>[i]`), each device reading its own slice of every layer, and export writes one
-tensor per layer as above. The files are the same either way.
+The weights' names and layouts are `hf_mapping.py` (`mapping(cfg)`, one `Entry` per parameter),
+the config.json keys `hf_config.py`. With `scan_layers=True` the model holds one stacked tensor
+per parameter of the layers, [L, ...] (`qwen.py`): loading stacks the L per-layer tensors of each
+(`model.layers.i.<name>` goes to `layers.<name>[i]`), each device reading its own slice of every
+layer, and export writes one tensor per layer. The files are the same either way.
 
 `transformers` 5.x `save_pretrained` writes the per-expert names (it reverts its fused in-memory
 layout on save); the fused names are read too. `save_pretrained` here writes per-expert names by
 default (`expert_layout="fused"` for the other).
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -57,146 +35,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from relaymoe_jax.models.config import ModelConfig, from_hf_dict
+from relaymoe_jax.models.config import ModelConfig
+from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
+from relaymoe_jax.models.hf_mapping import Entry, mapping
 from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.sharding import AxisRules
-
-_ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-_OURS_ONLY = (
-    "arch",
-    "router_z_loss_coef",
-    "expert_bias",
-    "expert_bias_rate",
-    "dispatcher",
-    "routing",
-    "capacity_factor",
-    "chunk_size",
-    "gmm_impl",
-    "attention_remat",
-    "attention_impl",
-    "attention_block_k",
-    "moe_remat",
-    "scan_layers",
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# the mapping
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One parameter: our path, its Hugging Face name, and how the layouts relate.
-
-    kind: "same"; "T" (torch Linear: ours = W.T reshaped; `n_in` leading dims of ours are the
-    input); "reshape" (a bias); "expert" (stacked experts: `name` is the experts prefix and
-    `which` is "gate", "up" or "down").
-    """
-
-    path: tuple
-    name: str
-    kind: str
-    n_in: int = 1
-    which: str = ""
-
-
-def mapping(cfg: ModelConfig) -> list[Entry]:
-    """Every parameter of a `QwenMoe` of `cfg`, in Hugging Face's state-dict order."""
-    out = [Entry(("embed_tokens",), "model.embed_tokens.weight", "same")]
-    qwen3 = cfg.arch == "qwen3_moe"
-    qkv_bias = cfg.attention_bias if qwen3 else cfg.qkv_bias
-    for i in range(cfg.num_hidden_layers):
-        p, q = ("layers", i), f"model.layers.{i}"
-        a, sa = (*p, "self_attn"), f"{q}.self_attn"
-        out.append(Entry((*p, "input_layernorm", "weight"), f"{q}.input_layernorm.weight", "same"))
-        for x in "qkv":
-            out.append(Entry((*a, f"{x}_proj"), f"{sa}.{x}_proj.weight", "T"))
-            if qkv_bias:
-                out.append(Entry((*a, f"{x}_bias"), f"{sa}.{x}_proj.bias", "reshape"))
-        out.append(Entry((*a, "o_proj"), f"{sa}.o_proj.weight", "T", n_in=2))
-        if qwen3 and cfg.attention_bias:
-            out.append(Entry((*a, "o_bias"), f"{sa}.o_proj.bias", "same"))
-        if qwen3:
-            for x in "qk":
-                out.append(Entry((*a, f"{x}_norm", "weight"), f"{sa}.{x}_norm.weight", "same"))
-        out.append(
-            Entry(
-                (*p, "post_attention_layernorm", "weight"),
-                f"{q}.post_attention_layernorm.weight",
-                "same",
-            )
-        )
-        m, sm = (*p, "mlp"), f"{q}.mlp"
-        if cfg.is_moe_layer(i):
-            out.append(Entry((*m, "gate"), f"{sm}.gate.weight", "T"))
-            for w in ("gate", "up", "down"):
-                out.append(Entry((*m, f"w_{w}"), f"{sm}.experts", "expert", which=w))
-            if cfg.shared_expert_intermediate_size:
-                for w in ("gate", "up", "down"):
-                    out.append(
-                        Entry(
-                            (*m, "shared_expert", f"{w}_proj"),
-                            f"{sm}.shared_expert.{w}_proj.weight",
-                            "T",
-                        )
-                    )
-                out.append(
-                    Entry((*m, "shared_expert_gate"), f"{sm}.shared_expert_gate.weight", "T")
-                )
-        else:
-            for w in ("gate", "up", "down"):
-                out.append(Entry((*m, f"{w}_proj"), f"{sm}.{w}_proj.weight", "T"))
-    out.append(Entry(("norm", "weight"), "model.norm.weight", "same"))
-    if not cfg.tie_word_embeddings:
-        out.append(Entry(("lm_head",), "lm_head.weight", "T"))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json
-
-
-def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """A ModelConfig from a Hugging Face config dict, refusing what the model does not implement."""
-    hf = dict(hf)
-    if "num_experts" not in hf and "num_local_experts" in hf:
-        hf["num_experts"] = hf["num_local_experts"]
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise ValueError(
-            f"config.json: rope_parameters={rope!r}, rope_scaling="
-            f"{hf.get('rope_scaling')!r}: only the default RoPE is implemented"
-        )
-    if "rope_theta" in rope:
-        hf["rope_theta"] = rope["rope_theta"]
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise ValueError("config.json: sliding-window attention is not implemented")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}: expected 'silu'")
-    return from_hf_dict(hf, **overrides)
-
-
-def config_to_hf(cfg: ModelConfig, dtype) -> dict:
-    """The Hugging Face config.json dict of `cfg`."""
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _OURS_ONLY}
-    if cfg.arch == "qwen3_moe":
-        d.pop("qkv_bias")
-        d.pop("shared_expert_intermediate_size")
-    else:
-        d.pop("attention_bias")
-    d["mlp_only_layers"] = list(cfg.mlp_only_layers)
-    if cfg.head_dim is None:
-        d.pop("head_dim")
-    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
-    d.update(
-        architectures=[_ARCH_NAMES[cfg.arch]],
-        model_type=cfg.arch,
-        hidden_act="silu",
-        use_sliding_window=False,
-        dtype=jnp.dtype(dtype).name,
-    )
-    return dict(sorted(d.items()))
-
 
 # ---------------------------------------------------------------------------------------------
 # reading
@@ -361,8 +204,8 @@ def from_pretrained(
 ) -> QwenMoe:
     """Load a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint directory onto `mesh`.
 
-    `overrides` replace ModelConfig fields after reading config.json: the execution ones
-    (`dispatcher`, `routing`, `capacity_factor`, `chunk_size`, `gmm_impl`) and the router
+    `overrides` (flat keys, `config.KEYS`) replace config.json's values: the op's options
+    (`dispatcher`, `routing`, `ring`, `capacity_factor`, `chunk_size`, `gmm_impl`) and the router
     options (`router_z_loss_coef`, `expert_bias`, ...). Parameters are stored in `dtype`.
     """
     with open(os.path.join(path, "config.json")) as f:

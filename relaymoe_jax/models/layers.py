@@ -158,6 +158,9 @@ def apply_rope(x_bsnd, cos_bsd, sin_bsd):
     return x_bsnd * cos_bsd[:, :, None, :] + rot * sin_bsd[:, :, None, :]
 
 
+ATTENTION_IMPLS = ("xla", "chunked")  # `causal_attention`'s impl (ModelConfig.attention_impl)
+
+
 def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512):
     """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
 

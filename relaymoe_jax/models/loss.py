@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..dispatch.plan import vary_like
-from .sharding import AxisRules, _token_layout, constrain
+from relaymoe_jax.dispatch.pairs import vary_like
+from relaymoe_jax.models.sharding import AxisRules, constrain, token_layout
 
 DEFAULT_CHUNK = 1024
 
@@ -55,7 +55,7 @@ def lm_loss(x_bsh, w_hv, targets_bs, weights_bs, rules: AxisRules, chunk: int = 
             raise ValueError(f"lm_loss: {name} shape {a.shape}: expected {(b, s)}")
     mesh = rules.mesh
     act = rules.fit((b, s), "batch", "seq")
-    batch_axes, seq_axes, nb, ns = _token_layout(rules, b, s)
+    batch_axes, seq_axes, nb, ns = token_layout(rules, b, s)
     axes = batch_axes + seq_axes
     x_bsh = constrain(x_bsh, mesh, P(*act, None))
     w_hv = constrain(w_hv, mesh, P())

@@ -29,6 +29,7 @@ from the rules' "experts" and "expert_ffn"; on an Auto mesh the tokens go over t
 """
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +39,15 @@ from relaymoe_jax.models import router as rt
 from relaymoe_jax.models.layers import MLP, ExpertBias, param
 from relaymoe_jax.models.sharding import AxisRules, is_explicit, rules_for
 from relaymoe_jax.op import moe_ffn
-from relaymoe_jax.topology import RINGS
-from relaymoe_jax.validate import DISPATCHERS, ROUTINGS
+from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
+from relaymoe_jax.op.options import MoEOptions
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
+    """The MoE block's sizes and router options, and how `moe_ffn` runs (`options`, one
+    `MoEOptions`; `MoEConfig.from_dict` takes its fields as flat keys, like the YAML files)."""
+
     hidden_size: int  # H
     num_experts: int  # E
     num_experts_per_tok: int  # k
@@ -52,12 +56,7 @@ class MoEConfig:
     expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
     expert_bias_rate: float = 0.001
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
-    dispatcher: str = "ring"
-    routing: str = "auto"  # ring only
-    ring: str = "auto"  # ring only: "flat", "hierarchical" or "auto"
-    capacity_factor: float | None = None  # alltoall only
-    chunk_size: int | None = None  # ring only
-    gmm_impl: str = "auto"
+    options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
     initializer_range: float = 0.02
 
     def __post_init__(self):
@@ -70,19 +69,21 @@ class MoEConfig:
                 f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
-        if self.dispatcher not in DISPATCHERS:
-            raise ValueError(
-                f"MoEConfig.dispatcher={self.dispatcher!r}: expected one of {DISPATCHERS}"
-            )
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"MoEConfig.routing={self.routing!r}: expected one of {ROUTINGS}")
-        if self.ring not in RINGS:
-            raise ValueError(f"MoEConfig.ring={self.ring!r}: expected one of {RINGS}")
+        if not isinstance(self.options, MoEOptions):
+            raise ValueError(f"MoEConfig.options={self.options!r}: expected a MoEOptions")
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "MoEConfig":
+        """From flat keys: the fields, with `MoEOptions`' fields (dispatcher, routing, ...) in
+        place of `options`; an option's error names the key (`MoEConfig.dispatcher=...`)."""
+        options = MoEOptions.from_mapping(d, where="MoEConfig.")
+        return cls(**{k: v for k, v in d.items() if k not in OPTION_KEYS}, options=options)
 
     @classmethod
     def from_model(cls, cfg) -> "MoEConfig":
         """The MoE block of a `ModelConfig`."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+        return cls(**{n: getattr(cfg, n) for n in names}, options=cfg.moe_options)
 
 
 class MoELayer(nnx.Module):
@@ -137,7 +138,6 @@ class MoELayer(nnx.Module):
                 bias_e=bias_e,
                 out_dtype=x.dtype,
             )
-        is_ring = cfg.dispatcher == "ring"
         with jax.named_scope("experts"):
             y, st = moe_ffn(
                 x,
@@ -149,13 +149,8 @@ class MoELayer(nnx.Module):
                 mesh=rules.mesh,
                 expert_axis=rules.expert_axis,
                 expert_tensor_axis=rules.expert_tensor_axis,
-                dispatcher=cfg.dispatcher,
-                routing=cfg.routing if is_ring else "auto",
-                ring=cfg.ring if is_ring else "auto",
-                capacity_factor=cfg.capacity_factor if cfg.dispatcher == "alltoall" else None,
-                chunk_size=cfg.chunk_size if is_ring else None,
                 token_axes=None if is_explicit(rules.mesh) else rules.token_axes,
-                gmm_impl=cfg.gmm_impl,
+                **cfg.options.applicable().as_dict(),
                 return_stats=True,
             )
         if self.has_shared:

@@ -20,8 +20,8 @@ Architecture (Hugging Face `modeling_qwen3_moe.py` / `modeling_qwen2_moe.py`):
   w_down [E, F, H].
 
 Attribute names follow Hugging Face's modules (`self_attn.q_proj`, `mlp.experts`...) so the
-checkpoint mapping in `hf.py` reads as a table. Weights are stored [in, out]: q_proj [H, N, D],
-k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dense [H, F] / [F, H].
+checkpoint mapping in `hf_mapping.py` reads as a table. Weights are stored [in, out]:
+q_proj [H, N, D], k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dense [H, F] / [F, H].
 
 `model(input_ids)` returns `(logits [B, S, V], aux)`; `aux` (see `router.py` for the formulas):
     aux_loss            HF's load-balancing loss over all MoE layers (= HF `outputs.aux_loss`)
@@ -67,7 +67,7 @@ stacked Variables are ordinary pytrees, so nothing of NNX's transform machinery 
 `transform_metadata` for sharding metadata, which knows nothing of our `logical_axes`) is
 needed; and stacking built modules rather than `nnx.vmap` over the constructor, so that the
 initializers, shardings and random draws stay those of the unscanned model. `model.layers[i]`
-does not exist then: row i of each stacked variable is layer i (`hf.py` maps names so).
+does not exist then: row i of each stacked variable is layer i (`hf_mapping.py` maps names so).
 """
 
 import jax
@@ -169,7 +169,8 @@ class DenseMLP(MLP):
         return super().__call__(x_bsh), None
 
 
-def _attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd):
+def attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd):
+    """One layer's pre-norm self-attention: the unit the attention remat options checkpoint."""
     return attn(checkpoint_name(norm(x_bsh), "attn_norm"), cos_bsd, sin_bsd)
 
 
@@ -213,9 +214,9 @@ class DecoderLayer(nnx.Module):
 
 def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, block_remat: bool):
     with jax.named_scope("attention_block"):
-        block = _attention_block
+        block = attention_block
         if block_remat and layer.remat_option != "save_all":
-            block = nnx.remat(_attention_block, policy=remat_policy(layer.remat_option))
+            block = nnx.remat(attention_block, policy=remat_policy(layer.remat_option))
         x_bsh = x_bsh + block(layer.input_layernorm, layer.self_attn, x_bsh, cos_bsd, sin_bsd)
     with jax.named_scope("mlp_block"):
         block = _mlp_block

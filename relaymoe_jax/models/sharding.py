@@ -20,10 +20,10 @@ Default layouts (`rules_for(mesh)`), the four the tests run:
   `("node", "expert")`, experts over `("node", "expert")`: moe_ffn's expert_axis is the tuple,
   `node` the outer axis of its hierarchical ring and `expert` the inner one. `node` without
   `expert` is folded like any other axis.
-- folded `("data", "context")` (README "parallel folding"): attention sees batch over `data` and
-  seq over `context` (context parallelism: keys and values are all-gathered over `context`); the
-  MoE sees tokens over `("data", "context")` and runs its ring over `expert_axis=("data",
-  "context")`: the two axes act as one expert axis over the same devices.
+- folded `("data", "context")` (docs/sharding.md, "Parallel folding"): attention sees batch over
+  `data` and seq over `context` (context parallelism: keys and values are all-gathered over
+  `context`); the MoE sees tokens over `("data", "context")` and runs its ring over
+  `expert_axis=("data", "context")`: the two axes act as one expert axis over the same devices.
 
 Any name can be overridden: `rules_for(mesh, heads=("tensor",))`; layouts other than the four
 above are not tested. Activations whose dimension does not divide by an axis' size drop that axis
@@ -34,8 +34,8 @@ With `ModelConfig.scan_layers` every decoder-layer parameter has one more, leadi
 named `layers` (e.g. w_gate is ("layers", "experts", "embed", "expert_ffn")). The rules never
 shard it (`rules_for` refuses an override): `jax.lax.scan` slices one layer per step, which must
 be local to every device, so each device holds its share of every layer as before. (The
-trainer's FSDP *storage*, `train.loop.fsdp_sharding`, treats it like any other dimension: it is
-chosen when it is a parameter's largest free one, e.g. q_norm [48, 16]; the step gathers every
+trainer's FSDP *storage*, `train.train_step.fsdp_sharding`, treats it like any other dimension: it
+is chosen when it is a parameter's largest free one, e.g. q_norm [48, 16]; the step gathers every
 parameter back to these rules before the forward.)
 """
 
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.layout import _entry, is_explicit
+from relaymoe_jax.op.layout import is_explicit, spec_entry
 
 LOGICAL = (
     "batch",
@@ -84,7 +84,7 @@ class AxisRules:
 
     def spec(self, *names: str | None) -> P:
         """PartitionSpec of an array whose dims carry these logical names."""
-        return P(*(_entry(self.axes(n)) for n in names))
+        return P(*(spec_entry(self.axes(n)) for n in names))
 
     def sharding(self, *names: str | None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(*names))
@@ -99,7 +99,7 @@ class AxisRules:
                     break
                 kept.append(a)
                 size *= self.mesh.shape[a]
-            out.append(_entry(tuple(kept)))
+            out.append(spec_entry(tuple(kept)))
         return P(*out)
 
     def size(self, name: str) -> int:
@@ -175,7 +175,7 @@ def _reshape(x, shape, mesh, spec: P):
     return jnp.reshape(x, shape, out_sharding=out)
 
 
-def _token_layout(rules: AxisRules, b: int, s: int):
+def token_layout(rules: AxisRules, b: int, s: int):
     """The axes batch and seq keep for a [b, s] activation, and how many shards each has."""
     spec = rules.fit((b, s), "batch", "seq")
     ba, sa = (() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec)
@@ -194,27 +194,33 @@ def to_tokens(x_bs, rules: AxisRules):
     resharded over `tokens` (a no-op when the kept batch and seq axes are the token axes).
     """
     b, s, *rest = x_bs.shape
-    ba, sa, nb, ns = _token_layout(rules, b, s)
+    ba, sa, nb, ns = token_layout(rules, b, s)
     mesh, more = rules.mesh, [None] * len(rest)
-    x = constrain(x_bs, mesh, P(_entry(ba), _entry(sa), *more))
+    x = constrain(x_bs, mesh, P(spec_entry(ba), spec_entry(sa), *more))
     if ns > 1:  # [nb, b/nb, ns, s/ns] -> [nb, ns, b/nb, s/ns]: shard-major
         x = _reshape(
-            x, (nb, b // nb, ns, s // ns, *rest), mesh, P(_entry(ba), None, _entry(sa), None, *more)
+            x,
+            (nb, b // nb, ns, s // ns, *rest),
+            mesh,
+            P(spec_entry(ba), None, spec_entry(sa), None, *more),
         )
         x = jnp.swapaxes(x, 1, 2)
-    x = _reshape(x, (b * s, *rest), mesh, P(_entry(ba + sa), *more))
-    return constrain(x, mesh, P(_entry(rules.token_axes), *more))
+    x = _reshape(x, (b * s, *rest), mesh, P(spec_entry(ba + sa), *more))
+    return constrain(x, mesh, P(spec_entry(rules.token_axes), *more))
 
 
 def from_tokens(y_t, b: int, s: int, rules: AxisRules):
     """The inverse of `to_tokens`: [B*S, ...] -> [B, S, ...] on its (batch, seq) sharding."""
     _, *rest = y_t.shape
-    ba, sa, nb, ns = _token_layout(rules, b, s)
+    ba, sa, nb, ns = token_layout(rules, b, s)
     mesh, more = rules.mesh, [None] * len(rest)
-    y = constrain(y_t, mesh, P(_entry(ba + sa), *more))
+    y = constrain(y_t, mesh, P(spec_entry(ba + sa), *more))
     if ns > 1:
         y = _reshape(
-            y, (nb, ns, b // nb, s // ns, *rest), mesh, P(_entry(ba), _entry(sa), None, None, *more)
+            y,
+            (nb, ns, b // nb, s // ns, *rest),
+            mesh,
+            P(spec_entry(ba), spec_entry(sa), None, None, *more),
         )
         y = jnp.swapaxes(y, 1, 2)
-    return _reshape(y, (b, s, *rest), mesh, P(_entry(ba), _entry(sa), *more))
+    return _reshape(y, (b, s, *rest), mesh, P(spec_entry(ba), spec_entry(sa), *more))

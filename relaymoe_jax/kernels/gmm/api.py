@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relaymoe_jax import gpu_mesh
 from relaymoe_jax.kernels.gmm import pallas
 from relaymoe_jax.kernels.gmm.common import check_acc
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
+from relaymoe_jax.util.platform import platform
 
 IMPLS = ("auto", "xla", "ragged_dot", "pallas")
 
@@ -46,12 +46,12 @@ def resolve_impl(impl: str, interpret: bool = False, mesh=None) -> str:
     "auto" is "pallas" when the code compiles for a GPU (or when `interpret`
     asks for the Pallas interpreter), else "xla". The platform is `mesh`'s when
     given, else the context mesh's, else JAX's default backend
-    (`relaymoe_jax.gpu_mesh.platform`). `interpret` applies to Pallas.
+    (`relaymoe_jax.util.platform.platform`). `interpret` applies to Pallas.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if interpret or gpu_mesh.platform(mesh) == "gpu" else "xla"
+        return "pallas" if interpret or platform(mesh) == "gpu" else "xla"
     if interpret and impl != "pallas":
         raise ValueError(
             f"interpret=True runs the Pallas kernel; it does not apply to impl={impl!r}"

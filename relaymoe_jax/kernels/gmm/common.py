@@ -1,6 +1,11 @@
-"""What every grouped-matmul implementation shares: the dtype its products are taken in.
+"""What the grouped-matmul implementations (`xla`, `ragged`, `pallas`) share.
 
-A 16-bit operand meeting a float32 one is the common accident: a matmul with
+- The dtype a product is taken in (`operand_dtype`) and its precision (`precision`).
+- The row ranges of the groups (`clamp_group_bounds`, `clamp_group_sizes`) and the (row tile,
+  group) work items of a blocked loop or kernel grid (`work_items`; `xla.py`'s module doc).
+- `match_vma`: operands made varying over the same shard_map axes; `check_acc`: tgmm's `acc`.
+
+Operand dtypes. A 16-bit operand meeting a float32 one is the common accident: a matmul with
 `preferred_element_type=float32` hands its float32 cotangent to the next grouped matmul under
 autodiff. Promoting (float32 math, IEEE precision) would run the GPU kernel in f32 FMA without the
 tensor cores: ~10x to 100x slower (our all-to-all's backward ran ~160x slower on an H200 that
@@ -10,6 +15,9 @@ tensor cores (accumulating in float32 as always), and the output dtype is unchan
 float64, multiply as before (promoted; float32 at `Precision.HIGHEST`, no TF32).
 """
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -48,3 +56,63 @@ def check_acc(acc, shape, dtype):
             f"(preferred_element_type), got {acc.dtype}{tuple(acc.shape)}"
         )
     return acc
+
+
+def clamp_group_bounds(group_sizes_g: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Holds the row range [start_g, end_g) of each group, truncated at m.
+
+    Negative sizes count as 0; groups running past row m are cut at m (the
+    caller promises sum(group_sizes) <= m; this is the defined fallback).
+    """
+    sizes_g = jnp.maximum(group_sizes_g.astype(jnp.int32), 0)
+    end_g = jnp.minimum(jnp.cumsum(sizes_g), m)
+    start_g = jnp.concatenate([jnp.zeros((1,), jnp.int32), end_g[:-1]])
+    return start_g, end_g
+
+
+def clamp_group_sizes(group_sizes_g: jax.Array, m: int) -> jax.Array:
+    """Holds group sizes truncated so that they sum to at most m."""
+    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
+    return end_g - start_g
+
+
+class WorkItems(NamedTuple):
+    """The (tile, group) pairs to visit; entries past `count` are padding."""
+
+    start_g: jax.Array  # [G] first row of each group
+    end_g: jax.Array  # [G] one past the last row of each group
+    group_i: jax.Array  # [max_items] group of item i
+    tile_i: jax.Array  # [max_items] row-tile index of item i
+    count: jax.Array  # () number of real items
+
+
+def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
+    """Holds the (tile, group) work items for m rows tiled by tm."""
+    num_groups = group_sizes_g.shape[0]
+    max_items = -(-m // tm) + num_groups - 1
+    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
+    first_tile_g = start_g // tm
+    last_tile_g = (end_g - 1) // tm
+    tiles_g = jnp.where(end_g > start_g, last_tile_g - first_tile_g + 1, 0)
+    items_end_g = jnp.cumsum(tiles_g)  # inclusive: items of g end here
+    item_i = jnp.arange(max_items, dtype=jnp.int32)
+    group_i = jnp.searchsorted(items_end_g, item_i, side="right").astype(jnp.int32)
+    group_i = jnp.minimum(group_i, num_groups - 1)
+    first_item_i = items_end_g[group_i] - tiles_g[group_i]
+    tile_i = first_tile_g[group_i] + item_i - first_item_i
+    return WorkItems(start_g, end_g, group_i, tile_i, items_end_g[-1])
+
+
+def match_vma(*operands):
+    """Holds the operands, each made varying over every shard_map axis any varies over.
+
+    Inside shard_map a custom_vjp backward rule must return cotangents of the
+    primal's exact type; the weight gradient of a replicated rhs is varying,
+    so rhs is made varying up front and JAX's own transpose of that step psums
+    the gradient. Adding a scalar zero does this through public behaviour
+    (binary ops auto-cast to varying) and XLA folds the add away.
+    """
+    if not any(isinstance(op, jax.core.Tracer) for op in operands):
+        return operands  # concrete arrays: not inside shard_map, skip the eager add
+    zero = sum(lax.full_like(op, 0, jnp.int32, shape=()) for op in operands)
+    return tuple(op + zero.astype(op.dtype) for op in operands)

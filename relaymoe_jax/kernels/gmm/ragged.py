@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from relaymoe_jax.first_order import first_order
-from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
-from relaymoe_jax.kernels.gmm.xla import clamp_group_sizes, match_vma
+from relaymoe_jax.kernels.gmm.common import clamp_group_sizes, match_vma, operand_dtype, precision
+from relaymoe_jax.util.first_order import first_order
 
 
 def gmm_ragged(x_mk, w_gkn, group_sizes_g, transpose_rhs: bool, out_dtype) -> jax.Array:

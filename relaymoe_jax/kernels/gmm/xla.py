@@ -22,63 +22,23 @@ never differentiates through the loop.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from relaymoe_jax.first_order import first_order
-from relaymoe_jax.kernels.gmm.common import operand_dtype, precision
-from relaymoe_jax.late import late_zero
+from relaymoe_jax.kernels.gmm.common import (
+    WorkItems,
+    match_vma,
+    operand_dtype,
+    precision,
+    work_items,
+)
+from relaymoe_jax.util.first_order import first_order
+from relaymoe_jax.util.late import late_zero
 
 DEFAULT_TILE_M = 128
-
-
-def clamp_group_bounds(group_sizes_g: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Holds the row range [start_g, end_g) of each group, truncated at m.
-
-    Negative sizes count as 0; groups running past row m are cut at m (the
-    caller promises sum(group_sizes) <= m; this is the defined fallback).
-    """
-    sizes_g = jnp.maximum(group_sizes_g.astype(jnp.int32), 0)
-    end_g = jnp.minimum(jnp.cumsum(sizes_g), m)
-    start_g = jnp.concatenate([jnp.zeros((1,), jnp.int32), end_g[:-1]])
-    return start_g, end_g
-
-
-def clamp_group_sizes(group_sizes_g: jax.Array, m: int) -> jax.Array:
-    """Holds group sizes truncated so that they sum to at most m."""
-    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    return end_g - start_g
-
-
-class WorkItems(NamedTuple):
-    """The (tile, group) pairs to visit; entries past `count` are padding."""
-
-    start_g: jax.Array  # [G] first row of each group
-    end_g: jax.Array  # [G] one past the last row of each group
-    group_i: jax.Array  # [max_items] group of item i
-    tile_i: jax.Array  # [max_items] row-tile index of item i
-    count: jax.Array  # () number of real items
-
-
-def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
-    """Holds the (tile, group) work items for m rows tiled by tm."""
-    num_groups = group_sizes_g.shape[0]
-    max_items = -(-m // tm) + num_groups - 1
-    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    first_tile_g = start_g // tm
-    last_tile_g = (end_g - 1) // tm
-    tiles_g = jnp.where(end_g > start_g, last_tile_g - first_tile_g + 1, 0)
-    items_end_g = jnp.cumsum(tiles_g)  # inclusive: items of g end here
-    item_i = jnp.arange(max_items, dtype=jnp.int32)
-    group_i = jnp.searchsorted(items_end_g, item_i, side="right").astype(jnp.int32)
-    group_i = jnp.minimum(group_i, num_groups - 1)
-    first_item_i = items_end_g[group_i] - tiles_g[group_i]
-    tile_i = first_tile_g[group_i] + item_i - first_item_i
-    return WorkItems(start_g, end_g, group_i, tile_i, items_end_g[-1])
 
 
 _I0 = np.int32(0)  # a start index of int32 like the traced ones (x64 would make 0 an int64)
@@ -106,21 +66,6 @@ def _zeros_like_vma(shape, dtype, *operands) -> jax.Array:
     zero = sum(lax.full_like(op, 0, dtype, shape=()) for op in operands)
     zero = late_zero(zero, operands[0])  # made once the operands exist
     return jnp.broadcast_to(zero, shape)
-
-
-def match_vma(*operands):
-    """Holds the operands, each made varying over every shard_map axis any varies over.
-
-    Inside shard_map a custom_vjp backward rule must return cotangents of the
-    primal's exact type; the weight gradient of a replicated rhs is varying,
-    so rhs is made varying up front and JAX's own transpose of that step psums
-    the gradient. Adding a scalar zero does this through public behaviour
-    (binary ops auto-cast to varying) and XLA folds the add away.
-    """
-    if not any(isinstance(op, jax.core.Tracer) for op in operands):
-        return operands  # concrete arrays: not inside shard_map, skip the eager add
-    zero = sum(lax.full_like(op, 0, jnp.int32, shape=()) for op in operands)
-    return tuple(op + zero.astype(op.dtype) for op in operands)
 
 
 def _gmm_fwd_impl(x_mk, w_gkn, group_sizes_g, transpose_rhs, tm, out_dtype):

@@ -1,0 +1,1 @@
+"""Shipped XLA GpuTargetConfig text protos (`relaymoe_jax.analysis.gpu_mesh`)."""

@@ -1,1 +1,0 @@
-"""Shipped XLA GpuTargetConfig text protos (`relaymoe_jax.gpu_mesh`)."""

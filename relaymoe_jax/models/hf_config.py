@@ -1,0 +1,94 @@
+"""Hugging Face `config.json` <-> `ModelConfig` (Qwen3MoeForCausalLM / Qwen2MoeForCausalLM).
+
+The field names are Hugging Face's where one exists, so most keys map one to one.
+`config_from_hf` refuses what the model does not implement (RoPE scaling, sliding-window
+attention, another activation) and `from_hf_dict` maps the keys; `config_to_hf` writes the
+dict back without our own keys (`OURS_ONLY`: the op's options, recomputation, layer scan, the
+router options HF has no key for). The weights' names are `hf_mapping.py`.
+"""
+
+import jax.numpy as jnp
+
+from relaymoe_jax.models.config import ARCHS, KEYS, ModelConfig
+from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
+
+HF_ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+assert tuple(HF_ARCHS) == ARCHS
+# our keys with no Hugging Face counterpart: not written to config.json
+OURS_ONLY = (
+    "arch",
+    "router_z_loss_coef",
+    "expert_bias",
+    "expert_bias_rate",
+    *OPTION_KEYS,
+    "attention_remat",
+    "attention_impl",
+    "attention_block_k",
+    "moe_remat",
+    "scan_layers",
+)
+
+
+def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
+    """A ModelConfig from a Hugging Face `config.json` (Qwen3-MoE or Qwen2-MoE): its keys that
+    are ours, then `overrides` (flat keys, e.g. `dispatcher="alltoall"`)."""
+    archs = hf.get("architectures") or []
+    ours = {name: arch for arch, name in HF_ARCHS.items()}
+    arch = next((ours[a] for a in archs if a in ours), None)
+    arch = arch or (hf.get("model_type") if hf.get("model_type") in ARCHS else None)
+    if arch is None:
+        raise ValueError(
+            f"config.json: architectures={archs!r}, model_type="
+            f"{hf.get('model_type')!r}: expected Qwen3MoeForCausalLM or "
+            "Qwen2MoeForCausalLM"
+        )
+    d = {k: v for k, v in hf.items() if k in KEYS}
+    d["arch"] = arch
+    d["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
+    if d.get("head_dim") is None:
+        d.pop("head_dim", None)
+    d["rope_theta"] = float(d.get("rope_theta", ModelConfig.rope_theta))
+    d.update(overrides)
+    return ModelConfig.from_dict(d)
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config dict, refusing what the model does not implement."""
+    hf = dict(hf)
+    if "num_experts" not in hf and "num_local_experts" in hf:
+        hf["num_experts"] = hf["num_local_experts"]
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError(
+            f"config.json: rope_parameters={rope!r}, rope_scaling="
+            f"{hf.get('rope_scaling')!r}: only the default RoPE is implemented"
+        )
+    if "rope_theta" in rope:
+        hf["rope_theta"] = rope["rope_theta"]
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+        raise ValueError("config.json: sliding-window attention is not implemented")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}: expected 'silu'")
+    return from_hf_dict(hf, **overrides)
+
+
+def config_to_hf(cfg: ModelConfig, dtype) -> dict:
+    """The Hugging Face config.json dict of `cfg`."""
+    d = {k: v for k, v in cfg.as_dict().items() if k not in OURS_ONLY}
+    if cfg.arch == "qwen3_moe":
+        d.pop("qkv_bias")
+        d.pop("shared_expert_intermediate_size")
+    else:
+        d.pop("attention_bias")
+    d["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    if cfg.head_dim is None:
+        d.pop("head_dim")
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    d.update(
+        architectures=[HF_ARCHS[cfg.arch]],
+        model_type=cfg.arch,
+        hidden_act="silu",
+        use_sliding_window=False,
+        dtype=jnp.dtype(dtype).name,
+    )
+    return dict(sorted(d.items()))

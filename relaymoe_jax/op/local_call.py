@@ -1,0 +1,160 @@
+"""`moe_ffn_local`'s path: one device's shards, inside the caller's `jax.shard_map`.
+
+The axes the op needs are read from the manual mesh and from the varying-manual-axes types of x
+and the weights (under `check_vma`); then the same front door as `moe_ffn` (`op.resolve`) and the
+same per-device step (`dispatch.local`).
+"""
+
+import math
+
+import jax
+from jax import lax
+
+from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.local import local_moe
+from relaymoe_jax.op import checks, topology
+from relaymoe_jax.op.global_call import ignored_pairs
+from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.op.resolve import Placement, choose_hierarchical, resolve
+from relaymoe_jax.util import tracing
+
+MANUAL = jax.sharding.AxisType.Manual
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual axes of the mesh traced in now (inside a shard_map), else ()."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == MANUAL)
+
+
+def _check_manual(expert_axis, etp, manual):
+    wanted = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
+    outside = [a for a in (*wanted, *((etp,) if etp else ())) if a not in manual]
+    if outside:
+        raise ValueError(
+            f"moe_ffn_local runs inside jax.shard_map over {outside}, but those axes "
+            f"are not manual here (manual: {manual}); with global arrays call "
+            "relaymoe_jax.moe_ffn"
+        )
+
+
+def _etp_gather(x_varies, etp, typed, tokens_sharded_over_etp) -> bool:
+    if tokens_sharded_over_etp is not None:
+        return bool(tokens_sharded_over_etp) and etp is not None
+    if etp is None:
+        return False
+    if typed:
+        return etp in x_varies
+    raise ValueError(
+        f"moe_ffn_local(expert_tensor_axis={etp!r}) under "
+        "shard_map(check_vma=False): pass tokens_sharded_over_etp=True or False "
+        "(whether each expert-tensor rank holds other tokens)"
+    )
+
+
+def infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp):
+    """(gather over ETP, the other token axes, whether check_vma types them), from x's and
+    w_gate's varying axes when the shard_map checks them."""
+    vx = set(jax.typeof(x).manual_axis_type.varying)
+    vw = set(jax.typeof(w_gate).manual_axis_type.varying)
+    # under check_vma the experts vary over the expert axes; without it nothing varies
+    typed = bool(vx or vw)
+    missing = [a for a in ea if a not in vx]
+    if typed and missing:
+        raise ValueError(
+            f"moe_ffn_local: x does not vary over the expert axes {missing}: each "
+            "device must hold its own tokens there (tokens replicated over an expert "
+            "axis would have their weight gradients counted once per copy)"
+        )
+    gather = _etp_gather(vx, etp, typed, tokens_sharded_over_etp)
+    if not typed:
+        return gather, (), False
+    others = [a for a in manual if a not in (*ea, etp)]
+    return gather, tuple(a for a in others if a in vx and a not in vw), True
+
+
+def _ring_mesh(ea):
+    """The `jax.set_mesh` mesh when it has the expert axes (its devices say which hosts a ring
+    spans), else None."""
+    concrete = tracing.concrete_mesh()
+    if concrete is not None and not set(ea) <= set(concrete.axis_names):
+        return None
+    return concrete
+
+
+def _placement(options, ea, etp, mesh, sizes, gather, reduce_axes):
+    ep = math.prod(mesh.shape[a] for a in ea)
+    etp_size = mesh.shape[etp] if etp is not None else 1
+    concrete = _ring_mesh(ea)
+    if concrete is not None:
+        hierarchical = choose_hierarchical(options, concrete, ea, "moe_ffn_local")
+    else:
+        hierarchical = options.ring == "hierarchical"
+    return Placement(
+        expert_axes=ea,
+        etp=etp,
+        ep=ep,
+        etp_size=etp_size,
+        ring_tokens=sizes.tokens * (etp_size if gather else 1),
+        gather_etp=gather,
+        reduce_axes=reduce_axes,
+        hosts=topology.ring_hosts(concrete, ea) if concrete is not None else 1,
+        hierarchical=hierarchical,
+    )
+
+
+def run(
+    args,
+    options: MoEOptions,
+    *,
+    expert_axis,
+    expert_tensor_axis,
+    tokens_sharded_over_etp,
+    return_stats,
+):
+    """`moe_ffn_local` on checked options; returns y, or (y, stats)."""
+    if options.dispatcher == "reference":
+        raise ValueError(
+            "dispatcher='reference' is not available per device: use moe_ffn, or "
+            "relaymoe_jax.dispatch.reference.reference_moe on gathered arrays"
+        )
+    mesh = jax.sharding.get_abstract_mesh()
+    manual, etp = manual_axes(), expert_tensor_axis
+    _check_manual(expert_axis, etp, manual)
+    ea = checks.check_axes(
+        tuple(mesh.axis_names),
+        expert_axis,
+        etp,
+        dispatcher=options.dispatcher,
+        gmm_impl=options.gmm_impl,
+    )
+    topology.check_ring_axes(options.ring, ea)
+    local = checks.check_arrays(*args)
+    x, ids, wts, w_gate = args[:4]
+    ep = math.prod(mesh.shape[a] for a in ea)
+    etp_size = mesh.shape[etp] if etp is not None else 1
+    checks.check_sizes(
+        local, ep=ep, expert_axis=expert_axis, etp=etp, etp_size=etp_size, local=True
+    )
+    gather, reduce_axes, typed = infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp)
+    where = _placement(options, ea, etp, mesh, local, gather, reduce_axes)
+    spec, _ = resolve(
+        options,
+        local._replace(experts=local.experts * ep, ffn=local.ffn * etp_size),
+        checks.dtypes(x, wts, w_gate),
+        where,
+        mesh=mesh,
+        poison=pairs.poisoning(),
+        return_stats=return_stats,
+        check_vma=typed,
+        who="moe_ffn_local",
+    )
+    t, h, k = local.tokens, local.hidden, local.top_k
+    y_th, dropped = local_moe(
+        spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *args[3:]
+    )
+    y = y_th.reshape(x.shape)
+    if not return_stats:
+        return y
+    ignored = lax.psum(ignored_pairs(ids, spec.num_experts), spec.stat_axes)
+    return y, {"dropped_pairs": dropped, "ignored_pairs": ignored}

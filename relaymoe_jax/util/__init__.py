@@ -1,0 +1,8 @@
+"""Small JAX helpers the op, its kernels and the model share (nothing here imports the rest).
+
+- `late`: `late_zero`, a loop accumulator's scalar made once the loop's input exists.
+- `first_order`: `first_order`, an identity whose JVP raises (the op is first-order only).
+- `platform`: `platform()`, the platform traced code compiles for (mesh, context, backend).
+- `tracing`: what jax is tracing now, and the mesh of `jax.set_mesh` (the op's one `jax._src`
+  reader).
+"""

@@ -1,0 +1,88 @@
+"""The trainer's settings, typed: `TrainConfig` (the trainer fields, set by `key=value` or
+`--flag`) and `RunSettings` (one run of `python -m train` as its command line asks, what
+`train.cli.parse` returns and `train.run` executes).
+
+The model's settings are the `ModelConfig` of the YAML file (`relaymoe_jax.models`), which
+validates its own fields (the op's options through `relaymoe_jax.op.MoEOptions`).
+"""
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+
+from relaymoe_jax.models.config import ModelConfig
+from relaymoe_jax.models.loss import DEFAULT_CHUNK
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Trainer settings (model settings are the `ModelConfig` of the YAML file)."""
+
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    schedule_steps: int | None = None  # cosine horizon; None: the run's --steps (train.identity)
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    seed: int = 0
+    save_every: int = 100
+    synthetic: bool = False
+    mesh: str = "expert=-1"  # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, float32 master weights
+    loss_chunk: int = DEFAULT_CHUNK  # tokens per device per LM-head chunk (models/loss.py)
+
+
+TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The value type of a TrainConfig field: `int` for `int | None` (None then means "unset")."""
+    t = {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if len(args) == 1 else t
+
+
+def checked_train_config(values: Mapping) -> TrainConfig:
+    """The TrainConfig of `values` (trainer fields only), each value checked against its
+    field's type: an int is taken for a float, None only where the default is None (unset);
+    ValueError naming the field otherwise."""
+    kw = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in values:
+            continue
+        v, want = values[f.name], field_type(f)
+        if v is None and f.default is None:  # unset (schedule_steps: follow --steps)
+            pass
+        elif want is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ValueError(f"trainer option {f.name}={v!r}: expected {want.__name__}")
+        kw[f.name] = v
+    return TrainConfig(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """One run of the trainer, as parsed and checked from its command line."""
+
+    config: str  # --config as given: a path or a shipped config's name
+    steps: int  # --steps: train until this step
+    out: Path  # --out: the run directory
+    train: TrainConfig
+    model: ModelConfig  # the YAML file with its key=value overrides
+    data: tuple[str, ...] | None = None  # --data files; None: the shipped text
+    tokenizer: Path | None = None  # --tokenizer: a tokenizer.json; None: byte-level
+    quiet: bool = False  # --quiet: no per-step line
+    memory_table: bool = False  # --memory-table
+    force: bool = False  # --force: skip the memory check
+    allow_changes: tuple[str, ...] = ()  # --allow-changes items, as given (train.identity)
+
+    def replace(self, **changes) -> "RunSettings":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,306 @@
+"""The train state and the compiled train step: model, optimizer state, one AdamW update.
+
+The train state is one record, `TrainState(opt_state, params, rest, rng)`: `params` the model's
+`nnx.Param` state, `rest` every other model variable (the aux-loss-free expert bias), `opt_state`
+optax's state (`train.optimizer`) and `rng` a raw uint32 key. The step is compiled once, ahead of
+time, with the state's own shardings as both input and output shardings and the state donated;
+the first call then reuses exactly that executable. (The plain `nnx.jit` reference step
+recompiled at step 2: `jax_explain_cache_misses` shows the optimizer's scalars, the i32[] step
+count and a u32[] scalar, arriving unsharded at step 1 and replicated over the Explicit mesh from
+step 2.) Compiled steps are memoised per process by (model config, optimizer settings, batch
+shape, mesh), so repeated in-process runs (tests) compile once.
+"""
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from relaymoe_jax.models import QwenMoe
+from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
+from relaymoe_jax.xla_options import XLA_OPTIONS
+
+from .optimizer import make_optimizer
+from .settings import COMPUTE_DTYPES, TrainConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What the step updates, one pytree. The fields are in the order of the dict
+    `{"opt_state", "params", "rest", "rng"}` the state was before (jax sorts a dict's keys), so
+    the compiled step sees the same leaves in the same order; checkpoints hold that dict
+    (`as_saved`, `from_saved`: the saved tree keeps its structure and names)."""
+
+    opt_state: typing.Any  # optax's state
+    params: typing.Any  # nnx.State of the model's nnx.Param variables
+    rest: typing.Any  # nnx.State of every other model variable (the expert bias)
+    rng: typing.Any  # a raw uint32 key (jax.random.key_data)
+
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+    def as_saved(self) -> dict:
+        """The tree a checkpoint holds: `{"params", "opt_state", "rest", "rng"}`."""
+        return {
+            "params": self.params,
+            "opt_state": self.opt_state,
+            "rest": self.rest,
+            "rng": self.rng,
+        }
+
+    @classmethod
+    def from_saved(cls, tree: dict) -> "TrainState":
+        """The state of a checkpoint's tree (`as_saved`)."""
+        return cls(**{f.name: tree[f.name] for f in dataclasses.fields(cls)})
+
+
+def abstract_state(cfg, tc: TrainConfig, mesh):
+    """(graphdef, state, tx, rules) like `init_state`, with `jax.ShapeDtypeStruct` leaves (shape,
+    dtype, sharding) and nothing allocated: for compile-only measurements of any model size."""
+    model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    params = jax.tree.map(lambda x: sds(x, fsdp_sharding(x, mesh)), params)
+    rest = jax.tree.map(lambda x: sds(x, x.sharding), rest)
+    tx = make_optimizer(tc)
+    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params), _opt_shardings(tx, params, mesh))
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    state = TrainState(opt_state, params, rest, sds(key, NamedSharding(mesh, P())))
+    return graphdef, state, tx, model.rules
+
+
+def _replicated_if_needed(x, mesh):
+    if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def _spec_entries(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fsdp_sharding(x, mesh) -> NamedSharding:
+    """Where a parameter (or its optimizer moments) is stored on a mesh with an `fsdp` axis: its
+    model sharding plus `fsdp` on the largest dimension that is not sharded yet and divides by
+    the axis; unchanged if none does (e.g. norms of odd size) or the mesh has no `fsdp`."""
+    spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
+    n = mesh.shape.get("fsdp", 1)
+    free = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % n == 0]
+    if n == 1 or not free or any("fsdp" in _spec_entries(e) for e in spec):
+        return x.sharding
+    d = max(free, key=lambda i: (x.shape[i], -i))
+    spec[d] = "fsdp"
+    return NamedSharding(mesh, P(*spec))
+
+
+def gather_fsdp(x):
+    """Inside the step: the parameter back on its model sharding, an all-gather whose transpose
+    reduce-scatters the gradient back to the stored sharding.
+
+    Give it the `nnx.Variable` (map with `is_leaf=is_variable`): its value is resharded to the
+    model's spec (the Variable's `out_sharding` metadata), which keeps an `fsdp` that the model
+    itself uses: with parallel folding (no `expert` axis) the experts are sharded over every axis,
+    `fsdp` included, and `fsdp_sharding` leaves them as they are. A bare array can only have
+    `fsdp` removed from its spec: right for everything but folded experts."""
+    if isinstance(x, nnx.Variable):
+        value, spec = x.get_value(), x.get_metadata().get("out_sharding")
+        if spec is None:
+            return x.replace(gather_fsdp(value))
+        sharding = jax.typeof(value).sharding
+        if tuple(sharding.spec) == tuple(spec):
+            return x
+        return x.replace(jax.sharding.reshard(value, NamedSharding(sharding.mesh, P(*spec))))
+    sharding = jax.typeof(x).sharding
+    spec = [tuple(a for a in _spec_entries(e) if a != "fsdp") for e in sharding.spec]
+    if all(len(a) == len(_spec_entries(e)) for a, e in zip(spec, sharding.spec)):
+        return x
+    spec = [None if not a else a[0] if len(a) == 1 else a for a in spec]
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
+
+
+def is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _opt_shardings(tx, params, mesh):
+    """Shardings for `tx.init(params)`: every subtree shaped like `params` (Adam's moments) takes
+    the parameters' shardings, the rest (counts) is replicated. (Left to itself, `jit(tx.init)`
+    returns the moments replicated: a full copy of every expert's moments on every device.)"""
+    pdef = jax.tree.structure(params)
+    like_params = lambda t: jax.tree.structure(t) == pdef
+    own = jax.tree.map(lambda p: p.sharding, params)
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda t: own if like_params(t) else rep,
+        jax.eval_shape(tx.init, params),
+        is_leaf=like_params,
+    )
+
+
+def init_state(cfg, tc: TrainConfig, mesh):
+    """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`); with
+    an `fsdp` mesh axis the parameters (hence the optimizer moments) are stored per
+    `fsdp_sharding`."""
+    model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(tc.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if "fsdp" in mesh.axis_names:
+        params = jax.tree.map(lambda p: jax.device_put(p, fsdp_sharding(p, mesh)), params)
+    tx = make_optimizer(tc)
+    opt_state = jax.jit(tx.init, out_shardings=_opt_shardings(tx, params, mesh))(params)
+    rng = jax.random.key_data(jax.random.key(tc.seed))
+    state = TrainState(opt_state, params, rest, rng)
+    state = jax.tree.map(lambda x: _replicated_if_needed(x, mesh), state)
+    return graphdef, state, tx, model.rules
+
+
+def next_token_targets(ids_bs):
+    """(targets, weights) on ids' sharding: targets[b, s] = ids[b, s+1], weight 1 except 0 at the
+    last position. Built on ids gathered over the sequence, as a sequence dimension sharded over
+    `context` cannot be sliced by one position."""
+    sharding = jax.typeof(ids_bs).sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    whole = jax.sharding.reshard(ids_bs, NamedSharding(sharding.mesh, P(spec[0], None)))
+    targets = jax.sharding.reshard(jnp.roll(whole, -1, axis=1), sharding)
+    s = ids_bs.shape[1]
+    weights = jax.sharding.reshard(
+        jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape).astype(jnp.float32), sharding
+    )
+    return targets, weights
+
+
+def make_step(graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK):
+    """step(state, ids) -> (state, metrics): one AdamW update on next-token cross-entropy plus
+    the router losses. The parameters are gathered from their `fsdp` storage (if any) and, with
+    `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
+    weights, the optimizer and the update stay float32; the router and the losses compute in
+    float32 anyway). The LM head and cross-entropy run in chunks of `loss_chunk` tokens per
+    device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab] logits are ever built.
+    The expert bias is not touched here: `update_expert_bias` (eager, as
+    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics["expert_load"]`."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+    dtype = jnp.dtype(compute_dtype)
+
+    def cast(v):
+        v = gather_fsdp(v)
+        x = v.get_value() if is_variable(v) else v
+        x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return v.replace(x) if is_variable(v) else x
+
+    def loss_fn(params, rest, ids):
+        model = nnx.merge(graphdef, jax.tree.map(cast, params, is_leaf=is_variable), rest)
+        model.dtype = dtype
+        x_bsh, aux = model.hidden(ids)
+        targets, weights = next_token_targets(ids)
+        with jax.named_scope("lm_loss"):
+            nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)
+        lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
+        return lm + aux["router_loss"], (lm, aux)
+
+    def step(state, ids):
+        (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, state.rest, ids
+        )
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+        metrics = {
+            "loss": loss,
+            "lm_loss": lm,
+            "aux_loss": aux["aux_loss"],
+            "z_loss": aux["z_loss"],
+            "router_loss": aux["router_loss"],
+            "grad_norm": optax.tree.norm(grads),
+            "dropped_pairs": aux["dropped_pairs"],
+            "expert_load": aux["expert_load"],
+        }
+        return TrainState(opt_state, params, state.rest, rng), metrics
+
+    return step
+
+
+_COMPILED: dict = {}
+
+
+def step_key(cfg, tc: TrainConfig, batch_shape, mesh):
+    """What the compiled step depends on (not the seed, save interval or data source)."""
+    opt = dataclasses.replace(tc, seed=0, save_every=1, synthetic=False)
+    return (cfg, repr(opt), tuple(batch_shape), mesh)
+
+
+def update_expert_bias(graphdef, state, expert_load):
+    """The aux-loss-free bias update after a step, outside the optimizer (and outside jit), via
+    `QwenMoe.update_expert_bias`; keeps the bias's sharding so the compiled step still fits."""
+    model = nnx.merge(graphdef, state.params, state.rest)
+    model.update_expert_bias(expert_load)
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return state.replace(rest=rest)
+
+
+def compile_step(step, state, ids_sharding, batch_shape, key=None):
+    """The step compiled once for `state`'s shardings (in = out, state donated); memoised by
+    `key` (see `step_key`) when given."""
+    if key is not None and key in _COMPILED:
+        return _COMPILED[key]
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    # without these XLA:GPU waits for most of a ring hop's transfer before its compute
+    # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
+    jitted = jax.jit(
+        step,
+        in_shardings=(shardings, ids_sharding),
+        out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
+        donate_argnums=0,
+        compiler_options=XLA_OPTIONS,
+    )
+    abstract_ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
+    compiled = jitted.lower(state, abstract_ids).compile()
+    if key is not None:
+        _COMPILED[key] = compiled
+    return compiled
+
+
+def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True):
+    """The train step of `cfg` and `tc` on `mesh`, compiled against `abstract_state` (nothing
+    allocated, nothing run): for memory and cost analysis. `memo=False` keeps no executable
+    (searches compile many sizes once each)."""
+    graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
+    shape = (tc.batch_size, tc.seq_len)
+    ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
+    step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
+    return compile_step(
+        step, state, ids_sharding, shape, key=step_key(cfg, tc, shape, mesh) if memo else None
+    )
+
+
+def memory_summary(compiled) -> str:
+    """Per-device memory of the compiled step, from `memory_analysis()`."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return "memory_analysis() unavailable on this backend"
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    fields = [
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "peak_memory_in_bytes",
+    ]
+    return "per-device memory of the train step: " + ", ".join(
+        f"{f.removesuffix('_size_in_bytes').removesuffix('_in_bytes')}={mib(getattr(m, f, 0))}"
+        for f in fields
+    )
+
+
+def put_batch(batch: np.ndarray, sharding):
+    """The full (global) int32 batch as one array on `sharding`. Each process fills only its own
+    devices' shards, from its copy of the batch (every process computes the same batch from
+    (seed, step)), so this also works when the mesh spans several processes."""
+    batch = np.asarray(batch, np.int32)
+    return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
