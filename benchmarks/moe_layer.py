@@ -7,6 +7,13 @@ with the Pallas grouped-matmul kernel. Ring traffic is read from the compiled HL
 collective permutes in one iteration of the forward ring loop and of the backward ring loop, next
 to the paper's Table 2 prediction. Run `python benchmarks/moe_layer.py --help`; the first output
 line is the command that reproduces the table. No timing is possible with --target.
+
+Without shape flags (or --target, --paper, --modes) it measures a small shape that compiles on a
+CPU host in seconds (E=64, k=8, H=512, F=256, 2,048 tokens per device, float32 on 8 emulated
+devices), not the paper's. The paper's layer (Qwen3-30B-A3B's experts: E=128, k=8 and 16,
+H=2048, F=768, 61,440 tokens per device) is `--target h100` (the XLA:GPU compiler's buffer
+assignment for 8 H100s, bf16, no GPU needed: the README's headline) or `--paper` (XLA:CPU's,
+f32 and bf16, compile only).
 """
 
 import argparse
@@ -67,8 +74,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--paper",
         action="store_true",
-        help="issue 2's target: E=128, k=8 and 16, H=2048, F=768, T=61440, f32+bf16 "
-        "(implies --compile-only)",
+        help="the paper's layer (Qwen3-30B-A3B's experts): E=128, k=8 and 16, H=2048, F=768, "
+        "T=61440, f32+bf16, on the emulated CPU devices (implies --compile-only; --target "
+        "h100 for the GPU compiler's figures)",
     )
     p.add_argument(
         "--modes",

@@ -1,13 +1,50 @@
 """Test setup: 8 emulated CPU devices (jax's jax_num_cpu_devices, not XLA_FLAGS), set before jax
-runs anything; the CPU platform unless JAX_PLATFORMS says otherwise; x64 off."""
+runs anything; the CPU platform unless JAX_PLATFORMS says otherwise; x64 off.
+
+Compile time is most of the suite's time, so these settings cut it without changing a program:
+- one persistent compilation cache for the whole run (a fresh temporary directory, removed at the
+  end), shared by the xdist workers and by the trainer subprocesses the tests start (through the
+  environment), so a program compiled once (the same test model in many trainer runs, the same op
+  on two workers) is not compiled again;
+- XLA's LLVM backend at -O0 (`--xla_backend_optimization_level=0`, appended to XLA_FLAGS). The HLO
+  passes, the buffer assignment (`memory_analysis()`) and the schedule are unchanged, and so are
+  the numbers: XLA:CPU does not reassociate floating point (no fast math), whatever LLVM's level.
+  Deviceless GPU compiles read HLO-level facts and Triton's operand types, which LLVM's level does
+  not touch;
+- each test file runs on one xdist worker (pyproject's `--dist loadfile`), so a module-scoped
+  fixture (one benchmark run, one trained model) runs once, and a program the file's tests share
+  is traced and compiled once, in one process. (xdist's `loadgroup` cannot group under pytest 9.2:
+  it rewrites `item._nodeid`, which pytest no longer reads.)
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
+_CACHE_ENV = "RELAYMOE_TEST_JAX_CACHE"
+if _CACHE_ENV not in os.environ:  # the first process (pytest, or xdist's controller) makes it
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="relaymoe-jax-test-cache-")
+    _OWNS_CACHE = True
+else:
+    _OWNS_CACHE = False
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_ENV])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
-from relaymoe_jax.cli.devices import use_cpu_devices
+import jax  # noqa: E402
+
+from relaymoe_jax.cli.devices import use_cpu_devices  # noqa: E402
 
 use_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)
+
+
+def pytest_unconfigure(config):
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)

@@ -310,6 +310,19 @@ def test_expert_bias_update_inside_jit_equals_eager():
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
 
 
+@pytest.mark.parametrize("shape", [(3, 8), (1, 8), (2, 9), (8,)])
+def test_model_expert_bias_update_refuses_a_load_of_the_wrong_shape(shape):
+    """One row of counts per MoE layer, [num_moe_layers, E]: more rows were silently ignored and
+    fewer an IndexError; now one error, and no layer's bias changes."""
+    cfg = tiny(expert_bias=True, expert_bias_rate=0.25, dispatcher="reference")
+    model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))
+    before = [np.asarray(model.layers[i].mlp.expert_bias[...]) for i in model.moe_layers]
+    with pytest.raises(ValueError, match=r"expected \[2, 8\]: one row of expert counts per MoE"):
+        model.update_expert_bias(np.ones(shape, np.int32))
+    for i, b in zip(model.moe_layers, before):
+        np.testing.assert_array_equal(np.asarray(model.layers[i].mlp.expert_bias[...]), b)
+
+
 # ---------------------------------------------------------------------------------------------
 # structure
 

@@ -4,6 +4,7 @@ gradient against a dense layer written here, the aux outputs against float64 num
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -117,6 +118,15 @@ def test_expert_bias_update():
         (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 exceeds num_experts=8"),
         (dict(dispatcher="a2a"), r"MoEConfig.dispatcher='a2a': expected one of"),
         (dict(routing="experts"), r"MoEConfig.routing='experts': expected one of"),
+        (dict(norm_topk_prob="false"), r"MoEConfig.norm_topk_prob='false': expected a bool"),
+        (dict(expert_bias=1), r"MoEConfig.expert_bias=1: expected a bool"),
+        (dict(expert_bias_rate=-0.5), r"MoEConfig.expert_bias_rate=-0.5: expected a finite"),
+        (dict(expert_bias_rate=float("inf")), r"MoEConfig.expert_bias_rate=inf: expected a"),
+        (dict(initializer_range="0.02"), r"MoEConfig.initializer_range='0.02': expected a"),
+        (
+            dict(shared_expert_intermediate_size=-1),
+            r"MoEConfig.shared_expert_intermediate_size=-1: expected an int >= 0",
+        ),
         (
             dict(ring="nested"),
             r"MoEConfig.ring='nested': expected one of \('auto', 'flat', "
@@ -138,3 +148,236 @@ def test_experts_must_divide_over_their_axes():
             rules=rules,
             rngs=nnx.Rngs(0),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# in a user's model: y typed like x, an unplaced batch trains
+
+DP_EP = jax.make_mesh((2, 4), ("data", "expert"))  # the default axis types: Explicit
+
+
+def small_cfg(dispatcher="ring", **kw):
+    return MoEConfig(
+        hidden_size=H,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=F,
+        options=MoEOptions(dispatcher=dispatcher),
+        **kw,
+    )
+
+
+class UserNet(nnx.Module):
+    """A user's model: their linear layers around our MoE layer, on the default mesh."""
+
+    def __init__(self, dispatcher, mesh, rngs):
+        self.inp = nnx.Linear(H, H, rngs=rngs)
+        self.moe = MoELayer(small_cfg(dispatcher), mesh=mesh, rngs=rngs)
+        self.out = nnx.Linear(H, 3, rngs=rngs)
+
+    def __call__(self, x):
+        y, aux = self.moe(self.inp(x))
+        return self.out(y), aux
+
+
+def train_one_step(dispatcher, x, target):
+    """One SGD step of UserNet (nnx.jit, value_and_grad, nnx.Optimizer), the user's way."""
+    net = UserNet(dispatcher, jax.make_mesh((8,), ("expert",)), nnx.Rngs(0))
+    opt = nnx.Optimizer(net, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(net, opt, x, target):
+        def loss_fn(net):
+            out, aux = net(x)  # the next layer's backward contracts y over the tokens
+            return jnp.mean((out - target) ** 2) + 0.01 * aux["aux_loss"]
+
+        loss, grads = nnx.value_and_grad(loss_fn)(net)
+        opt.update(net, grads)
+        return loss, grads
+
+    loss, grads = step(net, opt, x, target)
+    return float(loss), nnx.to_pure_dict(grads), nnx.to_pure_dict(nnx.state(net, nnx.Param))
+
+
+def test_a_user_model_trains_one_step_with_an_unplaced_batch():
+    """Issue 25: on the default (Explicit) mesh with a batch straight from numpy, y came back
+    sharded over the tokens and the user's next layer's backward failed (ShardingTypeError)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8, H)).astype(np.float32)
+    target = rng.standard_normal((4, 8, 3)).astype(np.float32)
+    loss, grads, params = train_one_step("ring", x, target)
+    want_loss, want_grads, want_params = train_one_step("reference", x, target)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for got, want in ((grads, want_grads), (params, want_params)):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max()),
+            got,
+            want,
+        )
+    assert (
+        np.abs(want_grads["moe"]["w_up"]).max() > 0
+        and np.abs(want_grads["inp"]["kernel"]).max() > 0
+    )
+
+
+PLACEMENTS = {  # x [batch 8, seq 4, H] on the (data 2, expert 4) mesh: unknown to the op,
+    # known and split over the expert axis, known over every axis, hidden sharded
+    "unplaced": None,
+    "unplaced, under jax.set_mesh": "context",
+    "batch over data": P("data"),
+    "batch over data, seq over expert": P("data", "expert"),
+    "hidden over data": P(None, None, "data"),
+}
+
+
+@pytest.mark.parametrize("where", PLACEMENTS)
+def test_y_is_typed_like_x(where):
+    """y's sharding type is x's (replicated for an unplaced x), forward and backward, with the
+    shared expert too: traced only (jax.eval_shape), nothing compiled."""
+    layer = MoELayer(small_cfg(shared_expert_intermediate_size=FS), mesh=DP_EP, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+    spec = PLACEMENTS[where]
+    x = jax.ShapeDtypeStruct(
+        (8, 4, H),
+        jnp.float32,
+        sharding=None if spec in (None, "context") else NamedSharding(DP_EP, spec),
+    )
+    seen = []
+
+    def loss(x, params):
+        y, _ = nnx.merge(graphdef, params)(x)
+        seen.append((jax.typeof(x).sharding.spec, jax.typeof(y).sharding.spec))
+        return jnp.sum(y * y)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    if spec == "context":
+        with jax.set_mesh(DP_EP):
+            gx, _ = jax.eval_shape(grad, x, params)
+    else:
+        gx, _ = jax.eval_shape(grad, x, params)
+    ((x_spec, y_spec),) = seen
+    assert y_spec == x_spec, (where, x_spec, y_spec)
+    assert gx.shape == x.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# contradictory arguments: refused before tracing, naming what was expected
+
+
+def fsdp_tp():
+    return jax.make_mesh((4, 2), ("fsdp", "tp"))
+
+
+def make_layer(cfg=None, **kw):
+    return MoELayer(cfg or small_cfg(), rngs=nnx.Rngs(0), **kw)
+
+
+LAYER_ERRORS = {
+    "an (fsdp, tp) mesh without rules": (
+        lambda: make_layer(mesh=fsdp_tp()),
+        r"the experts would be sharded over \('fsdp', 'tp'\) but the tokens only over "
+        r"\('fsdp',\).*rules=rules_for\(mesh, experts='fsdp', expert_ffn='tp'\)",
+    ),
+    "experts and expert_ffn on one axis": (
+        lambda: make_layer(rules=rules_for(fsdp_tp(), experts="tp", expert_ffn="tp")),
+        r"experts=\('tp',\) and expert_ffn=\('tp',\) share the mesh axis 'tp'.*"
+        r"map expert_ffn to another axis or to None",
+    ),
+    "experts and embed on one axis": (
+        lambda: make_layer(rules=rules_for(fsdp_tp(), experts="fsdp", embed="fsdp")),
+        r"experts=\('fsdp',\) and embed=\('fsdp',\) share the mesh axis 'fsdp'",
+    ),
+    "embed and router on one axis (the gate [H, E])": (
+        lambda: make_layer(rules=rules_for(fsdp_tp(), experts="fsdp", embed="tp", router="tp")),
+        r"mesh axis 'tp' is mapped to both 'embed' and 'router', two dimensions of one array",
+    ),
+    "two expert_ffn axes": (
+        lambda: make_layer(
+            rules=rules_for(jax.make_mesh((2, 2, 2), ("expert", "a", "b")), expert_ffn=("a", "b"))
+        ),
+        r"expert_ffn=\('a', 'b'\): expected one mesh axis at most",
+    ),
+    "experts on no axis": (
+        lambda: make_layer(rules=rules_for(fsdp_tp(), experts=None)),
+        r"the rules map 'experts' to no mesh axis",
+    ),
+    "a mesh other than the rules' mesh": (
+        lambda: make_layer(mesh=jax.make_mesh((8,), ("expert",)), rules=foreign_mesh()[1]),
+        r"mesh= \{'expert': 8\} is not the rules' mesh \{'fsdp': 4, 'tp': 2\}",
+    ),
+    "rules that are not an AxisRules": (
+        lambda: make_layer(rules={"experts": "fsdp"}),
+        r"rules=dict: expected an AxisRules",
+    ),
+    "an ffn that does not split over expert_ffn": (
+        lambda: make_layer(
+            MoEConfig(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=5),
+            rules=foreign_mesh()[1],
+        ),
+        r"w_gate \[num_experts, hidden_size, moe_intermediate_size\]: dimension 'expert_ffn' "
+        r"of size 5 does not divide over the 2 devices of its mesh axes \('tp',\)",
+    ),
+    "an integer dtype": (
+        lambda: make_layer(rules=foreign_mesh()[1], dtype=jnp.int32),
+        r"dtype=int32: expected a floating dtype",
+    ),
+    "x of another hidden size": (
+        lambda: make_layer(rules=foreign_mesh()[1])(np.zeros((2, 4, H + 1), np.float32)),
+        r"x has shape \(2, 4, 17\), expected \[\.\.\., hidden_size\] with the layer's "
+        r"hidden_size=16",
+    ),
+    "x on another mesh": (
+        lambda: make_layer(mesh=jax.make_mesh((8,), ("expert",)))(
+            jax.device_put(np.zeros((8, 4, H), np.float32), NamedSharding(DP_EP, P("data")))
+        ),
+        r"x is on the mesh \{'data': 2, 'expert': 4\}, but the layer's parameters are on "
+        r"\{'expert': 8\}",
+    ),
+    "rngs that are not an nnx.Rngs": (
+        lambda: MoELayer(small_cfg(), mesh=DP_EP, rngs=0),
+        r"rngs=int: expected an nnx.Rngs",
+    ),
+    "x without a token dimension": (
+        lambda: make_layer(rules=foreign_mesh()[1])(np.zeros((H,), np.float32)),
+        r"x has shape \(16,\), expected \[\.\.\., hidden_size\].*at least one token dimension",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_ERRORS)
+def test_contradictory_layer_arguments_are_refused(case):
+    build, match = LAYER_ERRORS[case]
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def expert_bias_layer():
+    return make_layer(small_cfg(expert_bias=True), rules=foreign_mesh()[1])
+
+
+BIAS_ERRORS = {  # (load, rate, the error)
+    "one expert too many": (
+        np.ones(E + 1),
+        None,
+        r"expert_load is float32\[9\], expected int "
+        r"or float counts shaped like the bias, \[8\]",
+    ),
+    "a leading 1": (np.ones((1, E)), None, r"expert_load is float32\[1, 8\], expected .*\[8\]"),
+    "[L, E] for one layer": (np.ones((2, E)), None, r"\[2, 8\], .*\[L, E\] for stacked layers"),
+    "a scalar": (np.int32(3), None, r"expert_load is int32\[\], expected"),
+    "booleans": (np.ones(E, bool), None, r"expert_load is bool\[8\], expected int or float"),
+    "a negative rate": (np.ones(E), -0.1, r"rate=-0.1: expected a finite number >= 0"),
+    "a NaN rate": (np.ones(E), float("nan"), r"rate=nan: expected a finite number >= 0"),
+    "a string rate": (np.ones(E), "0.1", r"rate='0.1': expected a finite number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", BIAS_ERRORS)
+def test_update_expert_bias_refuses_a_load_or_rate_it_cannot_use(case):
+    load, rate, match = BIAS_ERRORS[case]
+    layer = expert_bias_layer()
+    before = np.asarray(layer.expert_bias[...])
+    with pytest.raises(ValueError, match=match):
+        layer.update_expert_bias(load, rate)
+    np.testing.assert_array_equal(np.asarray(layer.expert_bias[...]), before)  # untouched
+    assert layer.expert_bias[...].shape == (E,)

@@ -53,7 +53,8 @@ def _start(name: str, logs: Path, devices: int, argv: list[str], log_info: bool 
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+        f"--xla_force_host_platform_device_count={devices}".strip(),
     }
     out, err = (open(logs / f"{name}.{k}", "w") for k in ("out", "err"))
     run = ["-c", LOG_INFO] if log_info else ["-m", "train"]

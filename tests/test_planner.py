@@ -230,3 +230,147 @@ def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(capsys):
     ) in out
     row = next(line for line in out.splitlines() if line.startswith("| ring |"))
     assert [c.strip() for c in row.strip("|").split("|")][6] == "yes"
+
+
+# --------------------------------------------------------------------------- sizes the model takes
+
+
+def _fake_step_cost(calls, over=0.0):
+    """A stand-in for `planner.step_cost` that compiles nothing: 1 MiB per 1,024 tokens when
+    fully recomputed, plus (1 + over) x the bytes the solver counts for the plan's options."""
+
+    def step_cost(cfg, tc, mesh, memo=True):
+        calls.append((tc.batch_size, tc.seq_len, cfg.attention_remat))
+        options = cfg.attention_remat
+        options = (options,) * cfg.num_hidden_layers if isinstance(options, str) else options
+        costs = planner.remat.layer_costs(
+            cfg, tc.batch_size, tc.seq_len, dict(mesh.shape), tc.compute_dtype
+        )
+        kept = sum(costs[i][o].bytes for i, o in enumerate(options) if o != "full")
+        return planner.StepCost(tc.batch_size * tc.seq_len * 2**10 + int((1 + over) * kept), 0.0)
+
+    return step_cost
+
+
+PLAN = ["--config", "configs/tiny.yaml", "--memory", "40MiB", "--usable", "1", "--batch", "8"]
+
+
+def test_seq_beyond_the_models_positions_is_refused_before_compiling(monkeypatch):
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    with pytest.raises(
+        ValueError,
+        match=r"^--seq 512 exceeds max_position_embeddings=256 of configs/tiny\.yaml: the model "
+        r"cannot take it \(plan at most --seq 256, or set max_position_embeddings=512 if the "
+        r"model can\)$",
+    ):
+        planner.main([*PLAN, "--seq", "512"])
+    assert calls == []
+    assert planner.main([*PLAN, "--seq", "512", "max_position_embeddings=512"]) == 0
+
+
+def test_max_seq_search_stops_at_the_models_positions(monkeypatch, capsys):
+    """--max-seq past max_position_embeddings: searched up to it, and said; the largest-size
+    helper never probes past it either (it used to raise the config's limit to the search's)."""
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    argv = [*PLAN, "--seq", "128", "--max-seq", "1024", "--dispatchers", "ring"]
+    assert planner.main(argv) == 0
+    out = capsys.readouterr().out
+    note = (
+        "--max-seq 1024 searched up to max_position_embeddings=256 of configs/tiny.yaml only: "
+        "the model takes no longer sequence"
+    )
+    assert f"# {note}" in out and f"\n- {note}" in out
+    assert max(seq for _, seq, _ in calls) == 256
+    assert "| ring | 256 |" in out
+    cfg, tc = load_config("configs/tiny.yaml"), TrainConfig(batch_size=8, seq_len=128)
+    seq, rec = planner.largest_size(
+        cfg, tc, tm.make_mesh(tc.mesh), 2**40, field="seq_len", step=128, limit=4096
+    )
+    assert seq == rec.limit == 256 and max(s for s, _ in rec.probes) == 256
+    with pytest.raises(ValueError, match=r"below --seq-step 512: no length to search"):
+        planner.main([*argv[:-2], "--seq-step", "512"])
+
+
+def test_seq_step_without_max_seq_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"^--seq-step 256 only sets the lengths --max-seq searches: add --max-seq LIMIT, "
+        r"or drop --seq-step$",
+    ):
+        planner.main([*PLAN, "--seq", "128", "--seq-step", "256"])
+
+
+# --------------------------------------------------------------------------- plans that fit
+
+
+def test_a_plan_over_capacity_is_planned_again(monkeypatch):
+    """XLA's peak is not the full peak plus the kept bytes: a compiled plan over the capacity
+    is planned again within less (each miss recorded and noted); at worst every layer is
+    `full`, which fits by construction."""
+    cfg = load_config("configs/tiny.yaml")
+    mesh = tm.make_mesh(TC.mesh)
+    costs = planner.remat.layer_costs(cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), "float32")
+    one = costs[0]["save_attn_out"].bytes
+    full = TC.batch_size * TC.seq_len * 2**10
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls, over=0.5))
+    r = planner.plan_remat(cfg, TC, mesh, full + 2 * one)  # 2 layers' worth: 3 of them compiled
+    assert [m[0].options for m in r.misses] == [("save_attn_out", "save_attn_out")]
+    assert r.misses[0][1] == full + 3 * one and r.fits
+    assert r.plan.options == ("save_attn_out", "full") and r.planned.peak == full + 1.5 * one
+    (note,) = planner.replan_notes(r, "batch 8 x seq 256")
+    assert note.startswith(
+        "ring at batch 8 x seq 256: the plan 2x save_attn_out compiled to "
+        f"{(full + 3 * one) / 2**20:,.1f} MiB, {one / 2**20:,.1f} MiB over"
+    ), note
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls, over=100))
+    r = planner.plan_remat(cfg, TC, mesh, full + 2 * one)
+    assert 1 <= len(r.misses) <= planner.REPLANS and r.plan.options == ("full", "full")
+    assert r.planned == r.full and r.fits
+
+
+def test_moe_remat_plan_fits_its_compiled_step():
+    """With moe_remat, `full` is one checkpoint around the whole layer, and any other option
+    keeps the MLP block's input too: the solver counts it (it did not, and planned over its
+    budget). Compiled on XLA:CPU (chunked attention, no [S, S] scores): a budget that the
+    attention's bytes alone would fit but the plan does not gets all `full`; one that fits the
+    whole cost gets the plan, whose compiled peak is the full peak plus what the solver
+    counted (within 1%)."""
+    cfg = load_config(
+        "configs/tiny.yaml", moe_remat=True, attention_impl="chunked", attention_block_k=128
+    )
+    mesh = tm.make_mesh(TC.mesh)
+    sh = planner.remat.AttentionShape.of(
+        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), "float32"
+    )
+    qkv = planner.remat.option_costs(sh)["save_qkv"].bytes
+    mlp_input = sh.b * sh.s * sh.H * sh.e
+    full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
+    below = planner.plan_remat(cfg, TC, mesh, full.peak + qkv - mlp_input + 1024)
+    assert below.plan.options == ("full", "full") and below.fits
+    r = planner.plan_remat(cfg, TC, mesh, full.peak + qkv + 1024)
+    assert r.plan.options == ("save_qkv", "full") and r.plan.bytes == qkv
+    assert r.fits and not r.misses
+    grew = r.planned.peak - full.peak
+    assert abs(grew - qkv) < 0.01 * qkv, (grew, qkv)
+    assert grew > qkv - mlp_input + 1024  # the attention's bytes alone: over that budget
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [  # a TypeError traceback, a misleading "nothing fits", a TypeError traceback before
+        (["batch_size=16"], "batch_size=16: set it with --batch (here 8)"),
+        (["seq_len=64"], "seq_len=64: set it with --seq (here 128)"),
+        (["compute_dtype=float16"], "compute_dtype='float16': expected one of ('float32', "),
+        (["lr=fast"], "trainer option lr='fast': expected float"),
+        (["warmup_steps=-1"], "trainer option warmup_steps=-1: expected >= 0"),
+    ],
+)
+def test_trainer_keys_are_checked_before_compiling(monkeypatch, extra, said):
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    with pytest.raises(ValueError) as e:
+        planner.main([*PLAN, "--seq", "128", *extra])
+    assert str(e.value).startswith(said) and calls == [], str(e.value)

@@ -223,3 +223,91 @@ def test_use_cpu_devices_refuses_another_count_once_jax_started():
     with pytest.raises(RuntimeError, match="already initialised with 8 CPU devices"):
         testing.use_cpu_devices(4)
     assert jax.device_count("cpu") == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the documented calls, and misuse said in one sentence
+
+REFERENCE = functools.partial(relaymoe_jax.moe_ffn, mesh=M, dispatcher="reference")
+
+
+def test_the_documented_calls_work_with_unplaced_arguments():
+    """The module docstring's calls with testing.moe_inputs as they come (not on the mesh): the
+    negative control's perturbations were committed to one device ("incompatible devices").
+    The control runs assert_moe_parity's check unperturbed first, so it covers both calls."""
+    ids = testing.routing_case("ragged", T, K, E, 8, seed=0)
+    inp = testing.moe_inputs(ids, E, hidden=8, ffn=8)
+    caught = testing.assert_parity_detects(OURS, REFERENCE, *inp.args)
+    assert sorted(caught) == ["drop", "duplicate", "misweight"]
+
+
+def _unplaced():
+    ids = testing.routing_case("uniform", T, K, E, 8, seed=0)
+    return testing.moe_inputs(ids, E, hidden=8, ffn=8)
+
+
+def _nnx_style():
+    from flax import nnx
+
+    graphdef, params = nnx.split(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+    layer = lambda x, params: nnx.merge(graphdef, params)(x)
+    return layer, layer, _unplaced().x, params
+
+
+WITH_STATS = functools.partial(relaymoe_jax.moe_ffn, mesh=M, return_stats=True)
+MISUSE = {  # helper, its arguments, keywords, the error
+    "the control on an NNX-style f(x, params)": (
+        testing.assert_parity_detects,
+        _nnx_style,
+        {},
+        r"assert_parity_detects perturbs the routing it is given, so f and g must take "
+        r"moe_ffn's positional arguments .*got 2 arguments \(float32\[32,8\], a State of 2 "
+        r"leaves\).*run the control on its expert step",
+    ),
+    "the control without w_gate nor num_experts": (
+        testing.assert_parity_detects,
+        lambda: (dense, dense, *_unplaced().args[:3]),
+        {},
+        r"num_experts= is needed when args\[3\] is not w_gate",
+    ),
+    "f returns (y, stats), g returns y": (
+        testing.assert_moe_parity,
+        lambda: (WITH_STATS, REFERENCE, *_unplaced().args),
+        {},
+        r"assert_moe_parity: f returns \(float32\[32,8\], \{'dropped_pairs': int32\[\], "
+        r"'ignored_pairs': int32\[\]\}\) but g returns float32\[32,8\].*pass has_aux=True",
+    ),
+    "the same in the control": (
+        testing.assert_parity_detects,
+        lambda: (WITH_STATS, REFERENCE, *_unplaced().args),
+        {},
+        r"assert_parity_detects: f returns \(float32\[32,8\], .* but g returns float32\[32,8\]",
+    ),
+    "y of another shape": (
+        testing.assert_moe_parity,
+        lambda: (lambda *a: REFERENCE(*a)[None], REFERENCE, *_unplaced().args),
+        {},
+        r"f returns float32\[1,32,8\] but g returns float32\[32,8\]; both must return y with "
+        r"the same structure and shapes$",
+    ),
+    "has_aux=True with y alone": (
+        testing.assert_moe_parity,
+        lambda: (REFERENCE, REFERENCE, *_unplaced().args),
+        {"has_aux": True},
+        r"has_aux=True, so f must return \(y, aux\), but it returns float32\[32,8\]",
+    ),
+    "a cotangent shaped unlike y": (
+        testing.moe_value_and_grads,
+        lambda: (REFERENCE, *_unplaced().args),
+        {"cotangent": (np.zeros((T, 8)),) * 2},
+        r"the function returns float32\[32,8\], but the cotangent is \(float32\[32,8\], "
+        r"float32\[32,8\]\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISUSE)
+def test_misuse_is_one_clear_error_before_anything_runs(case):
+    helper, make_args, kw, match = MISUSE[case]
+    with pytest.raises(ValueError, match=match):
+        helper(*make_args(), **kw)

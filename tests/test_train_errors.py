@@ -21,7 +21,7 @@ import pytest
 
 from relaymoe_jax.models.config_files import load_config
 from scripts import load_script
-from train import cli, guards, interrupt, planner, train_step
+from train import cli, guards, interrupt, optimizer, planner, train_step
 from train import mesh as tm
 from train.settings import TrainConfig
 
@@ -176,11 +176,101 @@ def test_trainer_key_in_the_yaml_file(tmp_path, no_build):
         cli.main(["--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "x")])
 
 
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("nope", "no config file 'nope' here ({cwd}) and no shipped config configs/nope.yaml; "),
+        (
+            "nope.yaml",
+            "no config file 'nope.yaml' here ({cwd}) and no shipped config configs/nope.yaml; ",
+        ),
+        (
+            "configs/tiny.yaml",  # the README's path, run from another directory
+            "no config file configs/tiny.yaml (relative to {cwd}); a shipped config has that "
+            "name: pass 'tiny'; ",
+        ),
+        ("/no/such/dir/x.yaml", "no config file /no/such/dir/x.yaml; "),
+    ],
+)
+def test_missing_config_says_what_was_looked_for(tmp_path, monkeypatch, given, said):
+    """Each name or path once, as given (no configs/configs/tiny.yaml.yaml), then the shipped
+    configs; a shipped name (`tiny`, `tiny.yaml`) works from anywhere."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        load_config(given)
+    assert str(e.value).startswith(said.format(cwd=tmp_path) + "available: ['moe-e128'"), e.value
+    assert load_config("tiny.yaml") == load_config("tiny")
+
+
 def test_empty_config_file_is_an_error(tmp_path, no_build):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("# nothing yet\n")
     with pytest.raises(ValueError, match=r"empty\.yaml: the config file is empty"):
         cli.main(["--config", str(cfg), "--steps", "1", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [  # a flag the run would ignore
+        (["--synthetic", "--data", "x.txt"], "--data with --synthetic: the synthetic stream "),
+        (["synthetic=true", "--tokenizer", "t.json"], "--tokenizer with --synthetic: "),
+        (
+            ["--synthetic", "--data", "x.txt", "--tokenizer", "t.json"],
+            "--data and --tokenizer with --synthetic: the synthetic stream reads no text file "
+            "and no tokenizer; drop --data and --tokenizer or --synthetic",
+        ),
+        # a setting given twice (the flag used to win silently)
+        (["lr=0.1", "--lr", "0.2"], "lr is given twice, as lr=0.1 and as --lr: give it once"),
+        (["--seed", "1", "seed=1"], "seed is given twice, as seed=1 and as --seed"),
+        # an op option the trained dispatcher ignores
+        (
+            ["capacity_factor=1.0"],
+            "capacity_factor=1.0 applies to dispatcher='alltoall' only, and this run trains "
+            "dispatcher='ring': it would be ignored; drop it or add dispatcher=alltoall",
+        ),
+        (
+            ["dispatcher=alltoall", "routing=token", "--memory-table", "capacity_factor=2.0"],
+            None,  # the memory table's ring row uses routing; the all-to-all uses the capacity
+        ),
+        (["dispatcher=alltoall", "chunk_size=64"], "chunk_size=64 applies to dispatcher='ring'"),
+        # a value outside its range (warmup_steps=-1 was clamped to 0)
+        (["warmup_steps=-1"], "trainer option warmup_steps=-1: expected >= 0"),
+        (["lr=-0.001"], "trainer option lr=-0.001: expected a finite number >= 0"),
+        (["lr=.nan"], "trainer option lr=nan: expected a finite number >= 0"),
+        (["b2=1.0"], "trainer option b2=1.0: expected in [0, 1)"),
+        (["min_lr_ratio=2"], "trainer option min_lr_ratio=2.0: expected in [0, 1]"),
+        (["clip_norm=0"], "trainer option clip_norm=0.0: expected a finite number > 0"),
+        (["--seed", "-1"], "trainer option seed=-1: expected >= 0"),
+        (["save_every=0"], "trainer option save_every=0: expected >= 1"),
+        (["loss_chunk=0"], "trainer option loss_chunk=0: expected >= 1"),
+    ],
+)
+def test_contradictory_or_ignored_settings_are_refused(tmp_path, extra, said):
+    """Before anything is read, built or compiled: one sentence naming the setting."""
+    argv = [*TINY, "--out", str(tmp_path / "x"), *extra]
+    if said is None:
+        assert cli.parse(argv).model.moe_options.routing == "token"
+        return
+    with pytest.raises(ValueError) as e:
+        cli.parse(argv)
+    assert str(e.value).startswith(said), str(e.value)
+
+
+@pytest.mark.parametrize("warmup, warned", [(10, True), (0, False)])
+def test_one_step_at_learning_rate_0_is_said(tmp_path, no_build, capsys, warmup, warned):
+    """`--steps 1` with a warmup (which starts at lr 0, optax's schedule at count 0) would
+    leave the weights as initialised: a warning names warmup_steps=0, said before building."""
+    with pytest.raises(_Built):
+        cli.main([*TINY, "--out", str(tmp_path), f"warmup_steps={warmup}"])
+    tc = TrainConfig(warmup_steps=warmup, schedule_steps=11)
+    assert (float(optimizer.make_schedule(tc)(0)) == 0) is warned
+    out = capsys.readouterr().out
+    line = (
+        "warning: --steps 1 with warmup_steps=10: the warmup starts at lr 0, so the only step's "
+        "optimizer update is zero and the weights stay as initialised; add warmup_steps=0 to "
+        "train it at lr=0.003"
+    )
+    assert (line in out.splitlines()) is warned, out
 
 
 # --------------------------------------------------------------------------- --help, start-up
@@ -207,7 +297,7 @@ def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(train_step, "compile_step", stop)
     with pytest.raises(_Built):
-        cli.main([*TINY, "--out", str(tmp_path)])
+        cli.main([*TINY, "--out", str(tmp_path), "warmup_steps=0"])  # no lr-0 warning first
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(
         "building configs/tiny.yaml: 255,360 parameters, train state and gradients "
@@ -219,6 +309,8 @@ def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
 
 
 def test_stop_records_signals_and_restores_handlers(capfd):
+    """The first signal is the one; a repeated one says what the run is still doing: before the
+    first step there is no step and no checkpoint to finish."""
     before = signal.getsignal(signal.SIGTERM)
     with interrupt.Stop() as stop:
         assert stop.requested() is None
@@ -226,8 +318,14 @@ def test_stop_records_signals_and_restores_handlers(capfd):
         assert stop.requested() == signal.SIGTERM
         os.kill(os.getpid(), signal.SIGINT)  # the first signal stays the one
         assert stop.requested() == signal.SIGTERM and stop.count == 2
+        stop.training = True
+        os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
-    assert "SIGINT again: still finishing" in capfd.readouterr().err
+    assert capfd.readouterr().err.splitlines() == [
+        "SIGINT again: stopping before the first step; nothing to finish or save",
+        "SIGINT again: still finishing the step in progress and its checkpoint, then exiting "
+        "(SIGKILL stops at once; an unfinished save is never restored)",
+    ]
     assert interrupt.Interrupted(signal.SIGINT, "x").exit_code == 130
     assert interrupt.Interrupted(signal.SIGTERM, "x").exit_code == 143
 
@@ -256,6 +354,28 @@ def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     metrics = tmp_path / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text() == ""
+
+
+def test_unless_stopped_returns_at_a_signal_and_raises_what_fn_raises():
+    """The compile's helper thread: its value or its exception; None as soon as a signal is
+    recorded, the helper left running (the trainer then exits without waiting for it)."""
+    import threading
+
+    release = threading.Event()
+    with interrupt.Stop() as stop:
+        assert interrupt.unless_stopped(lambda: 7, stop) == 7
+        with pytest.raises(ZeroDivisionError):
+            interrupt.unless_stopped(lambda: 1 / 0, stop)
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.perf_counter()
+        assert interrupt.unless_stopped(lambda: release.wait(30), stop) is None
+        assert time.perf_counter() - t0 < 10 and stop.signum == signal.SIGINT
+        assert interrupt.left_running()
+    release.set()
+    not_installed = interrupt.Stop()  # no handlers: just a call, in this thread
+    assert interrupt.unless_stopped(threading.current_thread, not_installed) is (
+        threading.current_thread()
+    )
 
 
 def test_describe_write_error():

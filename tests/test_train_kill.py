@@ -321,6 +321,42 @@ def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(tmp_path, refere
     assert _values(out) == reference[1]
 
 
+def test_sigint_during_the_first_compile_stops_at_once(tmp_path):
+    """Ctrl-C while the first step compiles: nothing ran, so nothing is saved, and the run does
+    not wait for the compile to end (it runs in a helper thread, `interrupt.unless_stopped`).
+    A shape of its own and no compilation cache: a cold compile, which takes seconds; the
+    signal goes as soon as the compile starts. A repeated Ctrl-C never speaks of a step or a
+    checkpoint to finish."""
+    out = tmp_path / "run"
+    cmd = ["seq_len=24" if a == "seq_len=32" else a for a in _cmd(out)]
+    env = {k: v for k, v in _env().items() if k not in _CACHE}
+    with open(tmp_path / "out.log", "w") as so, open(tmp_path / "err.log", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se)
+        try:
+            log = tmp_path / "out.log"
+            _wait_until(lambda: "compiling the train step" in log.read_text(), proc, TIMEOUT_S)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.01)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    stdout, err = log.read_text(), (tmp_path / "err.log").read_text()
+    assert code == 130, (stdout, err)
+    assert "train step ready" not in stdout, stdout  # stopped before the compile ended
+    lines = [ln for ln in err.splitlines() if ln != "SIGINT again: " + STOPPING_NOTE]
+    assert lines == [
+        "interrupted by SIGINT before the first step; nothing new to save (no checkpoint yet)"
+    ], err
+    assert not (out / "metrics.jsonl").exists() or not _lines(out / "metrics.jsonl")
+
+
+STOPPING_NOTE = "stopping before the first step; nothing to finish or save"
+
+
 # --- disk full (RLIMIT_FSIZE: writes past the size fail with EFBIG) -----------------------
 
 # a fresh interpreter sets the limit and execs the trainer (a preexec_fn would run Python in a

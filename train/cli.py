@@ -15,6 +15,7 @@ and its test: docs/robustness.md.
 import argparse
 import dataclasses
 import importlib.util
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -231,14 +232,51 @@ def _train_config(args, over: dict) -> TrainConfig:
     win), checked."""
     train_kw = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
     for f in dataclasses.fields(TrainConfig):
-        if getattr(args, f.name) is not None:
-            train_kw[f.name] = getattr(args, f.name)
+        flag = getattr(args, f.name)
+        if flag is not None and f.name in train_kw:
+            raise ValueError(
+                f"{f.name} is given twice, as {f.name}={train_kw[f.name]!r} and as "
+                f"--{f.name.replace('_', '-')}: give it once"
+            )
+        if flag is not None:
+            train_kw[f.name] = flag
     tc = checked_train_config(train_kw)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if tc.batch_size < 1 or tc.seq_len < 2 or tc.save_every < 1:
-        raise ValueError("batch_size >= 1, seq_len >= 2 and save_every >= 1 are required")
     return tc
+
+
+def _check_data_flags(args, tc: TrainConfig) -> None:
+    """ValueError for data flags the run would ignore: --synthetic reads no file."""
+    if tc.synthetic:
+        given = " and ".join(
+            f for f, v in (("--data", args.data), ("--tokenizer", args.tokenizer)) if v
+        )
+        if given:
+            raise ValueError(
+                f"{given} with --synthetic: the synthetic stream reads no text file and no "
+                f"tokenizer; drop {given} or --synthetic"
+            )
+
+
+def _check_ignored_options(over: dict, cfg, memory_table: bool) -> None:
+    """ValueError for an op option set on the command line that nothing of this run uses: the
+    trained dispatcher ignores it (`MoEOptions.applicable`), and so does the --memory-table (its
+    ring row takes the ring's options; its all-to-all rows set their own capacity_factor). A
+    config file may hold them all (one file for several dispatchers)."""
+    opts = cfg.moe_options
+    used = opts.applicable()
+    for key in over:
+        if not hasattr(used, key) or getattr(used, key) == getattr(opts, key):
+            continue
+        if memory_table and key != "capacity_factor":
+            continue  # the table's ring row uses it
+        owner = "alltoall" if key == "capacity_factor" else "ring"
+        raise ValueError(
+            f"{key}={over[key]!r} applies to dispatcher={owner!r} only, and this run trains "
+            f"dispatcher={opts.dispatcher!r}: it would be ignored; drop it or add "
+            f"dispatcher={owner}"
+        )
 
 
 def parse(argv) -> RunSettings:
@@ -248,6 +286,7 @@ def parse(argv) -> RunSettings:
     over = parse_overrides(args.overrides)
     _check_keys(over)
     tc = _train_config(args, over)
+    _check_data_flags(args, tc)
     sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
     if tc.compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype={tc.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
@@ -258,6 +297,7 @@ def parse(argv) -> RunSettings:
         **over,
     )
     train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+    _check_ignored_options(over, cfg, args.memory_table)
     if tc.seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"seq_len={tc.seq_len} exceeds max_position_embeddings="
@@ -311,11 +351,17 @@ def entry() -> None:
     except (guards.NonFiniteLossError, MissingExtraError, ValueError, guards.WriteError) as e:
         _exit(f"error: {e}", 1)
     except OSError as e:  # FileNotFoundError, a metrics or plot write ...
-        _exit(f"error: {guards.describe_write_error(e)}", 1)
+        ours = isinstance(e, FileNotFoundError) and e.errno is None  # a missing config, data
+        _exit(f"error: {e if ours else guards.describe_write_error(e)}", 1)  # or tokenizer file
     sys.exit(code)
 
 
 def _exit(line: str, code: int) -> None:
-    """`line` on stderr and exit with `code`."""
+    """`line` on stderr and exit with `code`; at once (`os._exit`, after flushing) while a
+    compile a signal interrupted still runs in its helper thread (`interrupt.unless_stopped`):
+    the interpreter's shutdown would otherwise run beside it."""
     print(line, file=sys.stderr, flush=True)
+    if interrupt.left_running():
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)

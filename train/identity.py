@@ -41,7 +41,9 @@ than warmup_steps + 1). It is recorded, so a resume with another --steps and no 
 is a math change (`schedule_steps` old -> new): add `schedule_steps=<old>` to keep the
 checkpoint's schedule, or `--allow-changes schedule_steps` to switch (the lr moves onto the new
 cosine from the next step on). A horizon shorter than --steps is allowed with a warning naming
-the step from which the lr stays at its floor `lr * min_lr_ratio`.
+the step from which the lr stays at its floor `lr * min_lr_ratio`. The warmup starts at lr 0
+(step 1), so `--steps 1` with a warmup would train nothing: a warning says so and names
+`warmup_steps=0`.
 """
 
 import argparse
@@ -316,6 +318,12 @@ def prepare(run: RunSettings, log=print) -> tuple[RunSettings, RunIdentity]:
             f"reaches its floor {tc.lr * tc.min_lr_ratio:.3g} (lr * min_lr_ratio) at step "
             f"{tc.schedule_steps + 1} and stays there for the last "
             f"{run.steps - tc.schedule_steps} steps"
+        )
+    if run.steps == 1 and tc.lr > 0 and float(make_schedule(tc)(0)) == 0:
+        log(
+            f"warning: --steps 1 with warmup_steps={tc.warmup_steps}: the warmup starts at lr 0, "
+            f"so the only step's optimizer update is zero and the weights stay as initialised; "
+            f"add warmup_steps=0 to train it at lr={tc.lr:g}"
         )
     identity = RunIdentity(
         run.model,

@@ -11,6 +11,9 @@ A second (third, ...) signal while the run is stopping changes nothing: the step
 the save still finish (a note on stderr says so), since an interrupted save would only leave a
 temporary directory that is never restored. To abort at once, send SIGKILL: the run then resumes
 from its previous checkpoint (orbax commits a step by renaming a complete temporary directory).
+Before the first step (`Stop.training` still False) there is neither a step nor a save to finish,
+and the note says so; the compile, the longest wait there, runs in a helper thread
+(`unless_stopped`), so a signal stops the run at once instead of after it.
 
 In a multi-process run each process asks the others at every step (`requested()`, one small
 all-gather), so all of them stop after the same step and save it together, whichever of them got
@@ -52,6 +55,7 @@ class Stop:
     def __init__(self):
         self.signum: int | None = None
         self.count = 0
+        self.training = False  # set by the trainer at its first step: there is a step to finish
         self._old: dict = {}
 
     def __enter__(self):
@@ -70,6 +74,10 @@ class Stop:
                 self._old.setdefault(s, old)
         return self
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._old)
+
     def release(self) -> None:
         """Put the previous handlers back (from now on a signal acts as it did before; one
         installed outside Python, which Python cannot reinstall, becomes the default action)."""
@@ -82,15 +90,15 @@ class Stop:
         if self.signum is None:
             self.signum = signum
             return
+        if self.training:
+            doing = (
+                "still finishing the step in progress and its checkpoint, then exiting (SIGKILL "
+                "stops at once; an unfinished save is never restored)"
+            )
+        else:
+            doing = "stopping before the first step; nothing to finish or save"
         # os.write, not print: the main thread may be inside a print to the same stream
-        os.write(
-            2,
-            (
-                f"{signal_name(signum)} again: still finishing the step in progress and its "
-                "checkpoint, then exiting (SIGKILL stops at once; an unfinished save is "
-                "never restored)\n"
-            ).encode(),
-        )
+        os.write(2, f"{signal_name(signum)} again: {doing}\n".encode())
 
     def requested(self) -> int | None:
         """The signal to stop on, or None. In a multi-process run, an all-gather of every
@@ -103,3 +111,39 @@ class Stop:
         got = np.asarray(multihost_utils.process_allgather(np.int32(mine)))  # the next step,
         flags = [int(s) for s in got.ravel() if s]  # so every process decides the same way
         return (mine or max(flags)) if flags else None
+
+
+_LEFT_RUNNING: list[threading.Thread] = []  # `unless_stopped` helpers a signal left behind
+
+
+def unless_stopped(fn, stop: Stop, poll_s: float = 0.05):
+    """`fn()` run in a helper thread while this (main) thread waits, so that a signal is seen at
+    once: fn's result (its exception raised here), or None as soon as `stop` records a signal;
+    the helper is then left to run (`left_running`), and the process should exit without waiting
+    for it. In a multi-process run (all processes stop at the same points, `requested`), or with
+    no handlers installed, just `fn()`."""
+    if not stop.installed or jax.process_count() > 1:
+        return fn()
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # raised again in the waiting thread
+            box["error"] = e
+
+    helper = threading.Thread(target=work, name="relaymoe-train-compile", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        if stop.signum is not None:
+            _LEFT_RUNNING.append(helper)
+            return None
+        helper.join(poll_s)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def left_running() -> bool:
+    """True while a helper that `unless_stopped` left behind still runs."""
+    return any(t.is_alive() for t in _LEFT_RUNNING)

@@ -13,11 +13,12 @@ dispatcher:
    per-device peak from XLA's buffer assignment (`memory_analysis()`: arguments + temporaries +
    outputs not aliased to donated arguments); the budget is the usable memory minus that peak;
 2. choose one option per layer with the greedy c/m solver (`relaymoe_jax.remat`);
-3. compile the planned step and check its peak fits; report the FLOPs it no longer recomputes,
-   from `cost_analysis()` (full minus planned);
+3. compile the planned step and check its peak fits (else plan again within less: `plan_remat`);
+   report the FLOPs it no longer recomputes, from `cost_analysis()` (full minus planned);
 4. with `--max-batch` / `--max-seq`, find the largest micro-batch at `--seq` / sequence length at
-   `--batch` whose fully recomputed step fits (`train.search`: doubling then bisection, one
-   compile per probe) and plan the remat at that size.
+   `--batch` (never past the model's `max_position_embeddings`, nor is `--seq`) whose fully
+   recomputed step fits (`train.search`: doubling then bisection, one compile per probe) and plan
+   the remat at that size.
 
 The header says, per dispatcher, over which mesh axes the experts are spread and, for the ring,
 which ring runs (`ring=`: flat or hierarchical, with the reason when `ring=auto` picks flat;
@@ -62,23 +63,15 @@ from relaymoe_jax.models.config_files import load_config, parse_overrides
 
 from . import mesh as train_mesh
 from . import search, train_step
-from .planner_report import Findings, LargestSize, expert_parallelism, summary
+from .planner_report import Findings, LargestSize, expert_parallelism, replan_notes, summary
 from .report import footprint
-from .settings import TRAIN_FIELDS, TrainConfig
+from .settings import TRAIN_FIELDS, TrainConfig, sized_train_config
 
+SEQ_STEP = 128  # --seq-step's default
 # device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
 DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+_UNITS = {"": 1, "B": 1} | {
+    f"{p}{i}B": (2**10 if i else 10**3) ** n for n, p in enumerate("KMGT", 1) for i in ("", "I")
 }
 
 
@@ -128,10 +121,12 @@ def largest_size(
     log=lambda msg: None,
 ):
     """(largest batch_size or seq_len (`field`), a multiple of `step` up to `limit`, whose fully
-    recomputed step fits `capacity`, or None; the `search.Search` record)."""
+    recomputed step fits `capacity`, or None; the `search.Search` record). A sequence never goes
+    past the model's `max_position_embeddings` (the record's `limit` is then that bound): a
+    longer one is not one the model takes."""
     full = dataclasses.replace(cfg, attention_remat="full")
-    if field == "seq_len" and limit > full.max_position_embeddings:
-        full = dataclasses.replace(full, max_position_embeddings=limit)
+    if field == "seq_len":
+        limit = min(limit, cfg.max_position_embeddings)
     peak = lambda n: step_cost(full, dataclasses.replace(tc, **{field: n}), mesh, memo=False).peak
     return search.largest(peak, capacity, step, limit, log)
 
@@ -143,6 +138,7 @@ class RematReport:
     full: StepCost
     plan: remat.Plan
     planned: StepCost
+    misses: tuple = ()  # (plan, compiled peak) of the plans that did not fit, re-planned
 
     @property
     def fits(self) -> bool:
@@ -155,9 +151,15 @@ class RematReport:
         return self.full.flops - self.planned.flops
 
 
+REPLANS = 2  # plans tried again within less when the compiled one does not fit
+
+
 def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
     """Steps 1-3 of the module docstring for `cfg` as given (its dispatcher). ValueError if the
-    fully recomputed step does not fit `capacity` bytes."""
+    fully recomputed step does not fit `capacity` bytes. XLA's buffer assignment is not exactly
+    the fully recomputed peak plus the bytes the plan keeps: a planned step whose compiled peak
+    is over `capacity` is planned again within its kept bytes less the overshoot (at most
+    `REPLANS` times, then every layer `full`, which fits), each miss kept in `misses`."""
     full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
     if full.peak > capacity:
         raise ValueError(
@@ -166,20 +168,26 @@ def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
             f"MiB available (dispatcher={cfg.moe_options.dispatcher}, batch {tc.batch_size}, "
             f"seq {tc.seq_len}): nothing to plan"
         )
-    plan = remat.plan_attention_remat(
-        cfg,
-        batch=tc.batch_size,
-        seq=tc.seq_len,
-        mesh_shape=dict(mesh.shape),
-        dtype=tc.compute_dtype,
-        budget=capacity - full.peak,
-    )
-    planned = (
-        full
-        if set(plan.options) == {"full"}
-        else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
-    )
-    return RematReport(cfg.moe_options.dispatcher, capacity, full, plan, planned)
+    misses, budget = [], capacity - full.peak
+    while True:  # ends: all "full" is `full`, which fits
+        plan = remat.plan_attention_remat(
+            cfg,
+            batch=tc.batch_size,
+            seq=tc.seq_len,
+            mesh_shape=dict(mesh.shape),
+            dtype=tc.compute_dtype,
+            budget=budget if len(misses) < REPLANS else 0,
+        )
+        planned = (
+            full
+            if set(plan.options) == {"full"}
+            else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
+        )
+        if planned.peak <= capacity:
+            d = cfg.moe_options.dispatcher
+            return RematReport(d, capacity, full, plan, planned, tuple(misses))
+        misses.append((plan, planned.peak))
+        budget = max(0, plan.bytes - (planned.peak - capacity))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-step",
         type=positive_int,
-        default=128,
-        help="sequence lengths searched: multiples of this (default 128)",
+        default=None,
+        help=f"with --max-seq: the sequence lengths searched are multiples of this (default "
+        f"{SEQ_STEP})",
     )
     p.add_argument("--dispatchers", default="ring,alltoall")
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
@@ -249,8 +258,39 @@ def _parse(argv) -> argparse.Namespace:
         raise ValueError("--memory is required without --target (H100, H200 or a size)")
     if args.hosts < 1 or (args.hosts != 1 and args.target is None):
         raise ValueError(f"--hosts {args.hosts}: expected >= 1, and only with --target")
+    if args.seq_step is not None and args.max_seq is None:
+        raise ValueError(
+            f"--seq-step {args.seq_step} only sets the lengths --max-seq searches: add "
+            "--max-seq LIMIT, or drop --seq-step"
+        )
     args.memory = args.memory or args.target.upper()
+    args.seq_step = args.seq_step or SEQ_STEP
     return args
+
+
+def _check_lengths(args, cfg, found: Findings) -> int | None:
+    """The --max-seq to search (capped at the model's max_position_embeddings, with a note);
+    ValueError if --seq is longer than the model takes, or the cap leaves no --seq-step."""
+    most = cfg.max_position_embeddings
+    if args.seq > most:
+        raise ValueError(
+            f"--seq {args.seq} exceeds max_position_embeddings={most} of {args.config}: the "
+            f"model cannot take it (plan at most --seq {most}, or set "
+            f"max_position_embeddings={args.seq} if the model can)"
+        )
+    if args.max_seq is None or args.max_seq <= most:
+        return args.max_seq
+    if args.seq_step > most:
+        raise ValueError(
+            f"--max-seq {args.max_seq} is capped at max_position_embeddings={most} of "
+            f"{args.config}, below --seq-step {args.seq_step}: no length to search"
+        )
+    found.notes.append(
+        f"--max-seq {args.max_seq} searched up to max_position_embeddings={most} of "
+        f"{args.config} only: the model takes no longer sequence"
+    )
+    print(f"# {found.notes[-1]}", flush=True)
+    return most
 
 
 def _mesh(args, tc: TrainConfig):
@@ -282,6 +322,10 @@ def _plan_dispatcher(d: str, cfg, tc, mesh, capacity: int, args, batch_step, fou
     except ValueError as e:  # does not fit at this size: say so, still search
         print(f"# {d}: {e}", flush=True)
         found.notes.append(f"{d}: {e}")
+    else:
+        found.notes.extend(
+            replan_notes(found.reports[-1], f"batch {tc.batch_size} x seq {tc.seq_len}")
+        )
     for limit, field, step, out in (
         (args.max_batch, "batch_size", batch_step, found.by_batch),
         (args.max_seq, "seq_len", args.seq_step, found.by_seq),
@@ -292,11 +336,11 @@ def _plan_dispatcher(d: str, cfg, tc, mesh, capacity: int, args, batch_step, fou
         size, rec = largest_size(
             cfg, tc, mesh, capacity, field=field, step=step, limit=limit, log=print
         )
-        rep = (
-            None
-            if size is None
-            else plan_remat(cfg, dataclasses.replace(tc, **{field: size}), mesh, capacity)
-        )
+        rep = None
+        if size is not None:
+            at = dataclasses.replace(tc, **{field: size})
+            rep = plan_remat(cfg, at, mesh, capacity)
+            found.notes.extend(replan_notes(rep, f"batch {at.batch_size} x seq {at.seq_len}"))
         out.append(LargestSize(d, size, rec, rep))
 
 
@@ -306,12 +350,12 @@ def main(argv=None) -> int:
     args = _parse(argv)
     capacity = int(parse_memory(args.memory) * args.usable)
     over = parse_overrides(args.overrides)
-    train_kw = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
-    tc = TrainConfig(batch_size=args.batch, seq_len=args.seq, **train_kw)
+    sizes = {"batch_size": ("--batch", args.batch), "seq_len": ("--seq", args.seq)}
+    tc = sized_train_config(over, sizes)  # takes the trainer keys out of `over`
     sizes, mesh, where = _mesh(args, tc)
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
     found = Findings()
-    for d in args.dispatchers.split(","):
+    for i, d in enumerate(args.dispatchers.split(",")):
         cfg = load_config(
             args.config,
             expert_size=train_mesh.expert_size(sizes),
@@ -320,6 +364,8 @@ def main(argv=None) -> int:
             **over,
         )
         train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+        if i == 0:  # the same model for every dispatcher
+            args.max_seq = _check_lengths(args, cfg, found)
         found.rings.append(expert_parallelism(cfg, mesh))
         if cfg.attention_impl == "chunked":
             found.note_once(

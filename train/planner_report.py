@@ -92,6 +92,18 @@ def _plan_text(plan) -> str:
     return ", ".join(f"{n}x {o}" for o, n in plan.counts().items())
 
 
+def replan_notes(report, where: str) -> list[str]:
+    """A note per plan of `report` (planner.RematReport, at `where`: "batch B x seq S") whose
+    compiled step did not fit and was planned again within less."""
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    return [
+        f"{report.dispatcher} at {where}: the plan {_plan_text(plan)} compiled to {mib(peak)} "
+        f"MiB, {mib(peak - report.capacity)} MiB over (XLA's buffer assignment is not the sum of "
+        "the bytes the plan keeps); planned again within less"
+        for plan, peak in report.misses
+    ]
+
+
 def table(reports: list) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"
     rows = [

@@ -91,8 +91,9 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
             log(f"already at step {start} >= --steps {run.steps}; nothing to do")
         else:
             _stop_before_training(stop, mngr)
-            compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding)
+            compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding, stop)
             _stop_before_training(stop, mngr)  # a signal during the compile
+            stop.training = True  # from now on a signal lets the step and its save finish
             ctx = StepContext(
                 run, graphdef, compiled, data, ids_sharding, mngr, metrics_path, ident, stop
             )
@@ -109,8 +110,10 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         _close(mngr, failing=sys.exc_info()[1] is not None)
 
 
-def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding):
-    """The step compiled for `state` (memoised in-process), with its start-up lines."""
+def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop):
+    """The step compiled for `state` (memoised in-process), with its start-up lines; None if a
+    signal came first (`interrupt.unless_stopped`: the compile runs in a helper thread, so the
+    signal is seen at once)."""
     tc, cfg = run.train, run.model
     shape = (tc.batch_size, tc.seq_len)
     log(
@@ -120,8 +123,15 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding):
     t0 = time.perf_counter()
     step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
     compiled = train_step.compile_step(
-        step, state, ids_sharding, shape, key=train_step.step_key(cfg, tc, shape, mesh)
+        step,
+        state,
+        ids_sharding,
+        shape,
+        key=train_step.step_key(cfg, tc, shape, mesh),
+        runner=lambda build: interrupt.unless_stopped(build, stop),
     )
+    if compiled is None:
+        return None
     log(
         f"train step ready in {time.perf_counter() - t0:.1f} s on "
         f"{jax.device_count()} {jax.default_backend()} devices "

@@ -7,6 +7,7 @@ validates its own fields (the op's options through `relaymoe_jax.op.MoEOptions`)
 """
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +42,23 @@ class TrainConfig:
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
+_finite = math.isfinite
+# what each numeric trainer field must satisfy (a value outside is refused, never clamped)
+RANGES = {
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "seq_len": (lambda v: v >= 2, ">= 2"),
+    "lr": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "clip_norm": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "seed": (lambda v: v >= 0, ">= 0"),
+    "save_every": (lambda v: v >= 1, ">= 1"),
+    "loss_chunk": (lambda v: v >= 1, ">= 1 (tokens per device per chunk)"),
+}
+
 
 def field_type(f: dataclasses.Field) -> type:
     """The value type of a TrainConfig field: `int` for `int | None` (None then means "unset")."""
@@ -51,8 +69,8 @@ def field_type(f: dataclasses.Field) -> type:
 
 def checked_train_config(values: Mapping) -> TrainConfig:
     """The TrainConfig of `values` (trainer fields only), each value checked against its
-    field's type: an int is taken for a float, None only where the default is None (unset);
-    ValueError naming the field otherwise."""
+    field's type (an int is taken for a float, None only where the default is None: unset) and
+    range (`RANGES`); ValueError naming the field otherwise."""
     kw = {}
     for f in dataclasses.fields(TrainConfig):
         if f.name not in values:
@@ -64,8 +82,27 @@ def checked_train_config(values: Mapping) -> TrainConfig:
             v = float(v)
         elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
             raise ValueError(f"trainer option {f.name}={v!r}: expected {want.__name__}")
+        ok, expected = RANGES.get(f.name, (None, None))
+        if ok is not None and not ok(v):
+            raise ValueError(f"trainer option {f.name}={v!r}: expected {expected}")
         kw[f.name] = v
     return TrainConfig(**kw)
+
+
+def sized_train_config(over: dict, sizes: Mapping[str, tuple[str, int]]) -> TrainConfig:
+    """The trainer fields of the key=value items `over` (taken out of it), checked as
+    `checked_train_config` does, with the fields `sizes` ({field: (its flag, value)}, e.g. the
+    planner's --batch and --seq) set by their flags; ValueError for a size given as key=value
+    too, or a compute_dtype not in COMPUTE_DTYPES."""
+    values = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
+    for field, (flag, value) in sizes.items():
+        if field in values:
+            raise ValueError(f"{field}={values[field]!r}: set it with {flag} (here {value})")
+        values[field] = value
+    tc = checked_train_config(values)
+    if tc.compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={tc.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+    return tc
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,9 +244,11 @@ def update_expert_bias(graphdef, state, expert_load):
     return state.replace(rest=rest)
 
 
-def compile_step(step, state, ids_sharding, batch_shape, key=None):
+def compile_step(step, state, ids_sharding, batch_shape, key=None, runner=None):
     """The step compiled once for `state`'s shardings (in = out, state donated); memoised by
-    `key` (see `step_key`) when given."""
+    `key` (see `step_key`) when given. `runner(fn)` runs the lowering and compile `fn` (default:
+    calls it); a None it returns (`train.interrupt.unless_stopped`: a signal came first) is
+    returned as is and not memoised."""
     if key is not None and key in _COMPILED:
         return _COMPILED[key]
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -260,8 +262,9 @@ def compile_step(step, state, ids_sharding, batch_shape, key=None):
         compiler_options=XLA_OPTIONS,
     )
     abstract_ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
-    compiled = jitted.lower(state, abstract_ids).compile()
-    if key is not None:
+    build = lambda: jitted.lower(state, abstract_ids).compile()
+    compiled = build() if runner is None else runner(build)
+    if key is not None and compiled is not None:
         _COMPILED[key] = compiled
     return compiled
 

@@ -87,18 +87,26 @@ def available_configs() -> list[str]:
 
 
 def resolve_config_path(path_or_name: str | Path) -> Path:
-    """An existing file path as given, else `configs/<name>.yaml`."""
+    """An existing file path as given, else a shipped config by name (`tiny`, `tiny.yaml`:
+    `configs/tiny.yaml`). FileNotFoundError saying what was looked for, and, for a path whose
+    file name is a shipped config's (`configs/tiny.yaml` run from elsewhere), its name."""
     p = Path(path_or_name)
     if p.is_file():
         return p
     name = str(path_or_name)
     if "/" not in name and "\\" not in name:
-        cand = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
-        if cand.is_file():
-            return cand
-    raise FileNotFoundError(
-        f"no config file {name!r} and no configs/{name}.yaml; available: {available_configs()}"
-    )
+        file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+        if (CONFIG_DIR / file).is_file():
+            return CONFIG_DIR / file
+        raise FileNotFoundError(
+            f"no config file {name!r} here ({Path.cwd()}) and no shipped config "
+            f"configs/{file}; available: {available_configs()}"
+        )
+    hint = ""
+    if p.suffix in (".yaml", ".yml") and p.stem in available_configs():
+        hint = f"; a shipped config has that name: pass {p.stem!r}"
+    where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+    raise FileNotFoundError(f"no config file {name}{where}{hint}; available: {available_configs()}")
 
 
 # ---------------------------------------------------------------------------------------------

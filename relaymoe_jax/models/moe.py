@@ -16,7 +16,10 @@ Parameters (Hugging Face Qwen3-MoE names; logical axes in brackets, mapped to th
                              (shared_expert_intermediate_size > 0)
 The experts run on `moe_ffn` over x as the caller has it: expert_axis and expert_tensor_axis come
 from the rules' "experts" and "expert_ffn"; on an Auto mesh the tokens go over the rules'
-"tokens" axes, on an Explicit one they stay where x is.
+"tokens" axes, on an Explicit one they stay where x is, and y comes back with x's sharding
+(replicated when x is not on the mesh: a numpy batch, or an unplaced one under jit), so the
+caller's next layer sees what it would without the MoE. Arguments that contradict each other
+(the rules, the sizes, x's hidden size or mesh) are refused before tracing, naming both sides.
 
 `aux` (this layer's, float32 unless said; formulas in `router.py`):
     router_logits   [..., E]   the router's logits
@@ -29,18 +32,26 @@ from the rules' "experts" and "expert_ffn"; on an Auto mesh the tokens go over t
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import router as rt
 from relaymoe_jax.models.layers import MLP, ExpertBias, param
 from relaymoe_jax.models.sharding import AxisRules, is_explicit, rules_for
 from relaymoe_jax.op import moe_ffn
+from relaymoe_jax.op.layout import known_sharding
 from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
 from relaymoe_jax.op.options import MoEOptions
+
+# the expert weights' logical axes: w_gate and w_up [E, H, F], w_down [E, F, H]
+W_IN, W_OUT = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +80,17 @@ class MoEConfig:
                 f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
+        for name in ("norm_topk_prob", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: expected a bool")
+        v = self.shared_expert_intermediate_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                f"MoEConfig.shared_expert_intermediate_size={v!r}: expected an int >= 0 "
+                "(0: no shared expert)"
+            )
+        for name in ("expert_bias_rate", "initializer_range"):
+            _check_rate(f"MoEConfig.{name}", getattr(self, name))
         if not isinstance(self.options, MoEOptions):
             raise ValueError(f"MoEConfig.options={self.options!r}: expected a MoEOptions")
 
@@ -86,6 +108,78 @@ class MoEConfig:
         return cls(**{n: getattr(cfg, n) for n in names}, options=cfg.moe_options)
 
 
+def _check_rate(what, v) -> None:
+    """A finite number >= 0: a Python or numpy scalar, or a 0-d array (a traced one passes)."""
+    if isinstance(v, jax.core.Tracer):
+        return
+    number = isinstance(v, (int, float, np.number, jax.Array)) and not isinstance(
+        v, (bool, np.bool_)
+    )
+    if not (number and np.ndim(v) == 0 and not jnp.issubdtype(jnp.result_type(v), jnp.bool_)):
+        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
+    if not 0 <= float(v) < math.inf:
+        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
+
+
+def _layer_rules(mesh, rules) -> AxisRules:
+    """The layer's rules: `rules`, else `rules_for(mesh)`; a mesh given with rules is theirs."""
+    if rules is None:
+        if mesh is None:
+            raise ValueError("MoELayer: pass mesh= (default rules) or rules=")
+        return rules_for(mesh)
+    if not isinstance(rules, AxisRules):
+        raise ValueError(
+            f"MoELayer: rules={type(rules).__name__}: expected an AxisRules (rules_for(mesh, ...))"
+        )
+    if mesh is not None and mesh != rules.mesh:
+        raise ValueError(
+            f"MoELayer: mesh= {dict(mesh.shape)} is not the rules' mesh "
+            f"{dict(rules.mesh.shape)}; pass one of them (the rules carry their mesh)"
+        )
+    return rules
+
+
+def _check_rules(cfg, rules, dtype) -> None:
+    """What the experts need of the rules, and every parameter's sizes against its axes."""
+    if not rules.axes("experts"):
+        raise ValueError(
+            "MoELayer: the rules map 'experts' to no mesh axis; moe_ffn runs the experts over "
+            "one: rules_for(mesh, experts=AXIS)"
+        )
+    rules.expert_tensor_axis  # noqa: B018  (raises for more than one expert_ffn axis)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"MoELayer: dtype={jnp.dtype(dtype)}: expected a floating dtype")
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    n = rules.size("experts")
+    if e % n:
+        raise ValueError(
+            f"MoELayer: num_experts={e} is not divisible by the {n} devices of "
+            f"the experts' mesh axes {rules.axes('experts')}"
+        )
+    for what, shape, names in (
+        ("gate [hidden_size, num_experts]", (h, e), ("embed", "router")),
+        ("w_gate [num_experts, hidden_size, moe_intermediate_size]", (e, h, f), W_IN),
+    ):
+        rules.check_divides(shape, names, f"MoELayer: {what}")
+
+
+def y_sharding(x, mesh):
+    """Where the layer puts y on an Explicit mesh: x's own sharding when x is on the mesh,
+    replicated when it is not (an unplaced array, e.g. a batch straight from numpy); None on an
+    Auto mesh (the compiler places it). x on another mesh is refused."""
+    s = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    on = getattr(s, "mesh", None) if isinstance(s, NamedSharding) else None
+    if on is not None and on.axis_names and dict(on.shape) != dict(mesh.shape):
+        raise ValueError(
+            f"MoELayer: x is on the mesh {dict(on.shape)}, but the layer's parameters are on "
+            f"{dict(mesh.shape)}: build the layer on the model's mesh (MoELayer(cfg, mesh=...) "
+            "or rules=rules_for(mesh, ...))"
+        )
+    if not is_explicit(mesh):
+        return None
+    return known_sharding(x, mesh) or NamedSharding(mesh, P())
+
+
 class MoELayer(nnx.Module):
     def __init__(
         self,
@@ -96,17 +190,13 @@ class MoELayer(nnx.Module):
         rules: AxisRules | None = None,
         dtype=jnp.float32,
     ):
-        if rules is None:
-            if mesh is None:
-                raise ValueError("MoELayer: pass mesh= (default rules) or rules=")
-            rules = rules_for(mesh)
+        if not isinstance(cfg, MoEConfig):
+            raise ValueError(f"MoELayer: cfg={type(cfg).__name__}: expected a MoEConfig")
+        if not isinstance(rngs, nnx.Rngs):
+            raise ValueError(f"MoELayer: rngs={type(rngs).__name__}: expected an nnx.Rngs")
+        rules = _layer_rules(mesh, rules)
+        _check_rules(cfg, rules, dtype)
         h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        n = rules.size("experts")
-        if e % n:
-            raise ValueError(
-                f"MoELayer: num_experts={e} is not divisible by the {n} devices of "
-                f"the experts' mesh axes {rules.axes('experts')}"
-            )
         std = cfg.initializer_range
         self.cfg, self.rules = cfg, rules
         self.gate = param(rules, rngs, (h, e), ("embed", "router"), dtype, std=std)
@@ -114,10 +204,9 @@ class MoELayer(nnx.Module):
             self.expert_bias = param(
                 rules, None, (e,), ("router",), jnp.float32, init="zeros", kind=ExpertBias
             )
-        w_in, w_out = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
-        self.w_gate = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
-        self.w_up = param(rules, rngs, (e, h, f), w_in, dtype, std=std)
-        self.w_down = param(rules, rngs, (e, f, h), w_out, dtype, std=std)
+        self.w_gate = param(rules, rngs, (e, h, f), W_IN, dtype, std=std)
+        self.w_up = param(rules, rngs, (e, h, f), W_IN, dtype, std=std)
+        self.w_down = param(rules, rngs, (e, f, h), W_OUT, dtype, std=std)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = MLP(
@@ -128,6 +217,14 @@ class MoELayer(nnx.Module):
     def __call__(self, x):
         """x [..., H] -> (y like x, aux dict; see the module docstring)."""
         cfg, rules = self.cfg, self.rules
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) < 2 or shape[-1] != cfg.hidden_size:
+            raise ValueError(
+                f"MoELayer: x has shape {shape}, expected [..., hidden_size] with the layer's "
+                f"hidden_size={cfg.hidden_size} (MoEConfig.hidden_size) and at least one token "
+                "dimension"
+            )
+        out = y_sharding(x, rules.mesh)
         with jax.named_scope("router"):
             bias_e = self.expert_bias[...] if cfg.expert_bias else None
             logits, probs, ids, weights = rt.route(
@@ -150,6 +247,7 @@ class MoELayer(nnx.Module):
                 expert_axis=rules.expert_axis,
                 expert_tensor_axis=rules.expert_tensor_axis,
                 token_axes=None if is_explicit(rules.mesh) else rules.token_axes,
+                out_sharding=out,
                 **cfg.options.applicable().as_dict(),
                 return_stats=True,
             )
@@ -157,6 +255,8 @@ class MoELayer(nnx.Module):
             with jax.named_scope("shared_expert"):
                 gate = jax.nn.sigmoid(jnp.dot(x, self.shared_expert_gate[...]))
                 y = y + gate * self.shared_expert(x)
+            if out is not None:
+                y = jax.sharding.reshard(y, out)
         f_e, p_e = rt.balance_stats(probs, ids)
         aux = {
             "router_logits": logits,
@@ -171,13 +271,24 @@ class MoELayer(nnx.Module):
 
     def update_expert_bias(self, expert_load_e, rate: float | None = None):
         """bias += rate * sign(mean(load) - load) (`router.expert_bias_update`), outside the
-        optimizer; `expert_load_e` is aux["expert_load"] summed over the step ([L, E] for a
-        stacked layer)."""
+        optimizer; `expert_load_e` is aux["expert_load"] summed over the step, shaped like the
+        bias: [E], or [L, E] for a stacked layer."""
         if not self.cfg.expert_bias:
             raise ValueError("update_expert_bias: the layer has expert_bias=False")
         rate = self.cfg.expert_bias_rate if rate is None else rate
+        _check_rate("update_expert_bias: rate", rate)
         old = self.expert_bias.get_value()
-        new = rt.expert_bias_update(old, jnp.asarray(expert_load_e), rate)
+        load = jnp.asarray(expert_load_e)
+        numeric = jnp.issubdtype(load.dtype, jnp.integer) or jnp.issubdtype(
+            load.dtype, jnp.floating
+        )
+        if tuple(load.shape) != tuple(old.shape) or not numeric:
+            raise ValueError(
+                f"update_expert_bias: expert_load is {load.dtype}{list(load.shape)}, expected "
+                f"int or float counts shaped like the bias, {list(old.shape)} ([L, E] for "
+                "stacked layers, [E] otherwise): aux['expert_load'] summed over the step"
+            )
+        new = rt.expert_bias_update(old, load, rate)
         if not isinstance(old, jax.core.Tracer):  # eager: keep the placement (jit keeps it)
             new = jax.device_put(new, old.sharding)
         self.expert_bias.set_value(new)

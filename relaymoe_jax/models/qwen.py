@@ -365,6 +365,13 @@ class QwenMoe(nnx.Module):
         if not self.config.expert_bias:
             raise ValueError("update_expert_bias: the config has expert_bias=False")
         load_le = jnp.asarray(expert_load_le)
+        want = (len(self.moe_layers), self.config.num_experts)
+        if not self.config.scan_layers and tuple(load_le.shape) != want:
+            raise ValueError(
+                f"update_expert_bias: expert_load is {load_le.dtype}{list(load_le.shape)}, "
+                f"expected {list(want)}: one row of expert counts per MoE layer "
+                "(aux['expert_load'] summed over the step)"
+            )
         if self.config.scan_layers:  # every layer is MoE: one [L, E] bias, updated row-wise
             self.layers.mlp.update_expert_bias(load_le, rate)
         else:

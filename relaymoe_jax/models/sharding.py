@@ -84,7 +84,33 @@ class AxisRules:
 
     def spec(self, *names: str | None) -> P:
         """PartitionSpec of an array whose dims carry these logical names."""
-        return P(*(spec_entry(self.axes(n)) for n in names))
+        return P(*(spec_entry(a) for a in self._distinct(names, [self.axes(n) for n in names])))
+
+    def _distinct(self, names, axes):
+        """`axes` (one tuple per dim), refused when a mesh axis shards two dims of one array."""
+        seen = {}
+        for n, dim_axes in zip(names, axes):
+            for a in dim_axes:
+                if a in seen:
+                    raise ValueError(
+                        f"AxisRules: mesh axis {a!r} is mapped to both {seen[a]!r} and {n!r}, "
+                        f"two dimensions of one array (logical axes {tuple(names)}); a mesh "
+                        f"axis shards at most one dimension: map them to different axes "
+                        f"(rules_for(mesh, {n}=...))"
+                    )
+                seen[a] = n
+        return axes
+
+    def check_divides(self, shape, names, what: str) -> None:
+        """Refuse a parameter `what` whose dims do not divide by their mesh axes' sizes."""
+        for d, n in zip(shape, names):
+            size = self.size(n) if n is not None else 1
+            if d % size:
+                raise ValueError(
+                    f"{what}: dimension {n!r} of size {d} does not divide over the {size} "
+                    f"devices of its mesh axes {self.axes(n)} (shape {tuple(shape)}, logical "
+                    f"axes {tuple(names)})"
+                )
 
     def sharding(self, *names: str | None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(*names))
@@ -99,8 +125,8 @@ class AxisRules:
                     break
                 kept.append(a)
                 size *= self.mesh.shape[a]
-            out.append(spec_entry(tuple(kept)))
-        return P(*out)
+            out.append(tuple(kept))
+        return P(*map(spec_entry, self._distinct(names, out)))
 
     def size(self, name: str) -> int:
         return math.prod(self.mesh.shape[a] for a in self.axes(name))
@@ -153,12 +179,52 @@ def rules_for(mesh: jax.sharding.Mesh, **overrides: tuple[str, ...] | str | None
                 "(the layer scan slices one layer per step)"
             )
         table[k] = v
-    if any(a not in table["tokens"] for a in table["experts"]):
-        raise ValueError(
-            f"tokens={table['tokens']} must include every expert axis "
-            f"{table['experts']} (moe_ffn's token_axes rule)"
-        )
+    _check_moe_axes(table, mesh)
     return AxisRules(mesh, tuple(table.items()))
+
+
+def _check_moe_axes(table, mesh) -> None:
+    """The rules the MoE weights and `moe_ffn` need: experts, embed and expert_ffn on distinct
+    mesh axes, one expert_ffn axis at most, and the tokens over every expert axis."""
+    w = ("experts", "embed", "expert_ffn")
+    for i, a in enumerate(w):
+        for b in w[i + 1 :]:
+            both = [x for x in table[a] if x in table[b]]
+            if both:
+                raise ValueError(
+                    f"rules_for: {a}={table[a]} and {b}={table[b]} share the mesh axis "
+                    f"{both[0]!r}, but they are two dimensions of the expert weights "
+                    f"[E, H, F] (experts, embed, expert_ffn), which one mesh axis cannot "
+                    f"shard twice; map {b} to another axis or to None"
+                )
+    if len(table["expert_ffn"]) > 1:
+        raise ValueError(
+            f"rules_for: expert_ffn={table['expert_ffn']}: expected one mesh axis at most "
+            "(moe_ffn takes one expert_tensor_axis)"
+        )
+    experts, tokens = table["experts"], table["tokens"]
+    missing = tuple(a for a in experts if a not in tokens)
+    if not missing:
+        return
+    kept = tuple(a for a in experts if a in tokens)
+    fold = f"rules_for(mesh, tokens={tokens + missing}) to run the experts over all of {experts}"
+    if kept and len(missing) == 1 and not table["expert_ffn"]:
+        fix = (
+            f"e.g. rules=rules_for(mesh, experts={spec_entry(kept)!r}, "
+            f"expert_ffn={missing[0]!r}) (experts over {spec_entry(kept)!r}, each expert's ffn "
+            f"split over {missing[0]!r}), or {fold}"
+        )
+    elif tokens:
+        fix = f"e.g. rules=rules_for(mesh, experts=...) with axes among {tokens}, or {fold}"
+    else:
+        fix = f"e.g. rules={fold.replace(' to run', ', to run')}"
+    axes = ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items())
+    raise ValueError(
+        f"rules_for(mesh {{{axes}}}): the experts would be sharded over {experts} but the "
+        f"tokens only over {tokens}, and moe_ffn needs the tokens over every expert axis; "
+        f"say which mesh axes hold the experts and pass the rules to MoELayer / QwenMoe: {fix} "
+        "(docs/model.md, Sharding rules)"
+    )
 
 
 def constrain(x, mesh, spec: P):

@@ -38,6 +38,17 @@ blocks, masked ones included):
     c(save_attn_out) = c(save_qkv) + 4 b N s S D             Q @ K^T and P @ V
     c(save_all)      = c(save_attn_out)                       (so the solver never picks it)
 
+With `moe_remat` (the MLP/MoE block recomputed too), "full" is one checkpoint around the whole
+decoder layer that keeps only the layer's input (`models/qwen.py`), while every other option
+checkpoints the two blocks apart, and the MLP block's checkpoint keeps its own input, the residual
+stream after the attention: each option's `m` then adds that activation,
+
+    [moe_remat] + b s H e                                    the MLP block's input
+
+Every `m` is relative to the fully recomputed step, whose peak sets the planner's budget: without
+this term a plan the solver counts as within its budget is over it by one activation per planned
+layer.
+
 The memory terms of save_qkv and save_attn_out are exactly the tensors the policy names; those of
 save_all are the residuals jax hands to XLA without a checkpoint, less the small ones ([b, s, 1]
 statistics, RoPE tables). `tests/test_remat.py` compares both with
@@ -68,6 +79,7 @@ class AttentionShape:
     e: int
     qk_norm: bool
     chunked: bool = False  # attention_impl="chunked" (see the module docstring)
+    layer_remat: bool = False  # moe_remat: "full" is the whole-layer checkpoint (see above)
 
     @classmethod
     def of(cls, cfg, batch: int, seq: int, mesh_shape: dict, dtype) -> "AttentionShape":
@@ -95,6 +107,7 @@ class AttentionShape:
             e=np.dtype(dtype).itemsize,
             qk_norm=cfg.arch == "qwen3_moe",
             chunked=cfg.attention_impl == "chunked",
+            layer_remat=bool(getattr(cfg, "moe_remat", False)),
         )
 
 
@@ -123,6 +136,8 @@ def option_costs(sh: AttentionShape) -> dict[str, Cost]:
         out = Cost(qkv.bytes + b * s * N * D * e, qkv.flops + 2 * b * N * s * S * D)
         every = Cost(out.bytes + rest + b * N * s * S * (9 + e), out.flops + 2 * b * N * s * S * D)
     costs = {"save_qkv": qkv, "save_attn_out": out, "save_all": every}
+    if sh.layer_remat:  # the MLP block's own checkpoint keeps its input (module docstring)
+        costs = {o: Cost(c.bytes + b * s * H * e, c.flops) for o, c in costs.items()}
     assert tuple(costs) == OPTIONS[1:]
     return costs
 

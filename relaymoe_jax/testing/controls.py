@@ -7,8 +7,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from relaymoe_jax.testing.grads import arg_names, argnums_of, moe_value_and_grads, random_cotangent
+from relaymoe_jax.testing.grads import (
+    arg_names,
+    argnums_of,
+    describe,
+    moe_value_and_grads,
+    random_cotangent,
+    same_y_shapes,
+)
 from relaymoe_jax.testing.parity import assert_runs_close, default_rtol, require_chex_asserts
 
 
@@ -78,9 +86,39 @@ def _perturbations(ids_tk, wts_tk, num_experts):
 
 
 def _like(a, ref):
-    """numpy `a` on `ref`'s sharding when ref is a jax array, so sharded calls stay sharded."""
+    """numpy `a` on `ref`'s sharding when ref is placed on a mesh, so sharded calls stay sharded
+    (an unplaced ref leaves `a` unplaced too: committing it to ref's one device would clash with
+    a program on the mesh's devices)."""
     sharding = getattr(ref, "sharding", None)
-    return jax.device_put(a, sharding) if isinstance(ref, jax.Array) else a
+    return jax.device_put(a, sharding) if isinstance(sharding, NamedSharding) else a
+
+
+def _routing_args(args, num_experts):
+    """(expert_ids, expert_weights, num_experts) of moe_ffn-style args, or a ValueError saying
+    what the control needs."""
+    ids, wts = (args[1], args[2]) if len(args) >= 3 else (None, None)
+    ok = all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (ids, wts))
+    ok = ok and jnp.issubdtype(ids.dtype, jnp.integer) and tuple(ids.shape) == tuple(wts.shape)
+    if not ok:
+        got = ", ".join(map(describe, args))
+        raise ValueError(
+            "assert_parity_detects perturbs the routing it is given, so f and g must take "
+            "moe_ffn's positional arguments (x, expert_ids, expert_weights, w_gate, w_up, "
+            f"w_down, ...): args[1] the integer expert_ids [..., top_k] and args[2] the "
+            f"expert_weights of the same shape; got {len(args)} arguments ({got}). A layer that "
+            "routes inside (f(x, params), the NNX style) cannot be perturbed from outside: run "
+            "the control on its expert step (a function of x, ids, weights and the expert "
+            "weights), and assert_moe_parity on the whole layer"
+        )
+    if num_experts is None:
+        w_gate = args[3] if len(args) >= 4 else None
+        if getattr(w_gate, "ndim", 0) != 3:
+            raise ValueError(
+                "assert_parity_detects: num_experts= is needed when args[3] is not w_gate "
+                f"[E, H, F] (got {describe(w_gate)})"
+            )
+        num_experts = w_gate.shape[0]
+    return ids, wts, num_experts
 
 
 def assert_parity_detects(f, g, *args, num_experts=None, **parity_kw):
@@ -89,8 +127,10 @@ def assert_parity_detects(f, g, *args, num_experts=None, **parity_kw):
     the token takes the same expert; skipped when top_k == 1).
 
     f and g take moe_ffn's positional arguments (x, expert_ids, expert_weights, w_gate, w_up,
-    w_down); num_experts defaults to w_gate.shape[0]. parity_kw go to `assert_moe_parity`
-    (argnums, cotangent, rtol, atol, dtype, has_aux, poison, jit, seed). Usage:
+    w_down, ...), since the routing they are given is what is perturbed (a ValueError says so for
+    other arguments, e.g. an NNX layer's f(x, params)); num_experts defaults to w_gate.shape[0].
+    parity_kw go to `assert_moe_parity` (argnums, cotangent, rtol, atol, dtype, has_aux, poison,
+    jit, seed). Usage:
 
         assert_parity_detects(theirs, ours, *inp.args)
 
@@ -100,23 +140,24 @@ def assert_parity_detects(f, g, *args, num_experts=None, **parity_kw):
     Raises AssertionError; returns {perturbation: the AssertionError assert_moe_parity raised}.
     """
     require_chex_asserts()
-    num_experts = args[3].shape[0] if num_experts is None else num_experts
+    ids, wts, num_experts = _routing_args(args, num_experts)
     pkw = dict(parity_kw)
     argnums = argnums_of(args, pkw.pop("argnums", None))
     rtol = pkw.pop("rtol", None)
     rtol = default_rtol(args, pkw.pop("dtype", None)) if rtol is None else rtol
     atol = pkw.pop("atol", 0.0)
     has_aux, seed = pkw.get("has_aux", False), pkw.pop("seed", 0)
+    y = same_y_shapes(f, g, args, has_aux, "assert_parity_detects")
     if pkw.get("cotangent") is None and argnums:
-        pkw["cotangent"] = random_cotangent(g, args, has_aux, seed)
+        pkw["cotangent"] = random_cotangent(g, args, has_aux, seed, y=y)
     names = arg_names([f, g], len(args))
     want = moe_value_and_grads(g, *args, argnums=argnums, names=names, **pkw)
     caught = {}
-    for kind, (what, scale, mask, new_ids) in _perturbations(args[1], args[2], num_experts).items():
+    for kind, (what, scale, mask, new_ids) in _perturbations(ids, wts, num_experts).items():
         extra = (
-            _like(scale.astype(jnp.result_type(args[2])), args[2]),
-            _like(mask, args[1]),
-            _like(new_ids.astype(jnp.result_type(args[1])), args[1]),
+            _like(scale.astype(jnp.result_type(wts)), wts),
+            _like(mask, ids),
+            _like(new_ids.astype(jnp.result_type(ids)), ids),
         )
         got = moe_value_and_grads(_perturbed(f), *args, *extra, argnums=argnums, names=names, **pkw)
         try:

@@ -52,15 +52,72 @@ def arg_names(fns, nargs):
     return tuple(f"arg{i}" for i in range(nargs))
 
 
-def random_cotangent(fn, args, has_aux, seed):
-    """float32 N(0, 1) shaped like fn's y (a pytree of them for a pytree y); replicated on the
-    mesh of the first sharded argument (a jit over explicitly sharded arrays needs every argument
-    on that mesh)."""
+class _Shape:
+    """An output's shape and dtype, printed as jax prints a type (float32[64,16])."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def __repr__(self):
+        return f"{self.s.dtype}[{','.join(map(str, self.s.shape))}]"
+
+
+def describe(tree) -> str:
+    """Arrays (or their `jax.eval_shape`) in one line: float32[64,16],
+    (float32[64,16], {'dropped_pairs': int32[]}), ...; other leaves by their type."""
+    shaped = lambda a: hasattr(a, "shape") and hasattr(a, "dtype")
+    text = repr(jax.tree.map(lambda a: _Shape(a) if shaped(a) else _Type(a), tree))
+    if len(text) > 200 or "\n" in text:  # a parameter State, say
+        n = len(jax.tree.leaves(tree))
+        return f"a {type(tree).__name__} of {n} leaves"
+    return text
+
+
+class _Type(_Shape):
+    def __repr__(self):
+        return type(self.s).__name__
+
+
+def y_shapes(fn, args, has_aux, name="f", who="moe_value_and_grads"):
+    """The shapes of fn's y (`jax.eval_shape`); with has_aux, fn must return (y, aux)."""
     out = jax.eval_shape(fn, *args)
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(
+            f"{who}: has_aux=True, so {name} must return (y, aux), but it returns {describe(out)}"
+        )
+    return out[0] if has_aux else out
+
+
+def _returns_pair(out) -> bool:
+    return isinstance(out, (tuple, list)) and len(out) == 2 and hasattr(out[0], "shape")
+
+
+def same_y_shapes(f, g, args, has_aux, who):
+    """g's y shapes, after checking that f's y has the same structure and shapes (dtypes may
+    differ: a bfloat16 f against a float32 g)."""
+    yf = y_shapes(f, args, has_aux, "f", who)
+    yg = y_shapes(g, args, has_aux, "g", who)
+    shapes = lambda t: jax.tree.map(lambda s: tuple(s.shape), t)
+    same = jax.tree.structure(yf) == jax.tree.structure(yg) and shapes(yf) == shapes(yg)
+    if same:
+        return yg
+    hint = "; both must return y with the same structure and shapes"
+    if not has_aux and (_returns_pair(yf) or _returns_pair(yg)):
+        hint += (
+            ". If one returns (y, aux) (e.g. moe_ffn with return_stats=True), make both return "
+            "(y, aux) and pass has_aux=True (aux is returned, not compared), e.g. "
+            "lambda *a: (g(*a), None); or drop the aux"
+        )
+    raise ValueError(f"{who}: f returns {describe(yf)} but g returns {describe(yg)}{hint}")
+
+
+def random_cotangent(fn, args, has_aux, seed, y=None):
+    """float32 N(0, 1) shaped like fn's y (a pytree of them for a pytree y; `y`: its shapes when
+    known); replicated on the mesh of the first sharded argument (a jit over explicitly sharded
+    arrays needs every argument on that mesh)."""
+    out = y_shapes(fn, args, has_aux) if y is None else y
     rng = np.random.default_rng(seed)
-    r = jax.tree.map(
-        lambda y: rng.standard_normal(y.shape).astype(np.float32), out[0] if has_aux else out
-    )
+    r = jax.tree.map(lambda y: rng.standard_normal(y.shape).astype(np.float32), out)
     for a in jax.tree.leaves(args):
         sharding = getattr(a, "sharding", None)
         if isinstance(sharding, NamedSharding):
@@ -80,6 +137,12 @@ def _value_and_grads_fn(fn, argnums, has_aux, jit, poison):
             full[i] = a
         out = fn(*full)
         y, aux = out if has_aux else (out, None)
+        if jax.tree.structure(y) != jax.tree.structure(r):
+            raise ValueError(
+                f"moe_value_and_grads: the function returns {describe(y)}, but the cotangent "
+                f"is {describe(r)}: give a cotangent shaped like y (has_aux=True when the "
+                "function returns (y, aux))"
+            )
         dots = jax.tree.map(
             lambda a, b: jnp.sum(a.astype(jnp.promote_types(a.dtype, b.dtype)) * b), y, r
         )

@@ -15,6 +15,7 @@ from relaymoe_jax.testing.grads import (
     is_inexact,
     moe_value_and_grads,
     random_cotangent,
+    same_y_shapes,
 )
 
 # max |got - want| allowed per array, relative to the reference array's max |want|.
@@ -104,7 +105,8 @@ def assert_moe_parity(
     rtol defaults to DEFAULT_RTOL of `dtype` (default: the least precise floating-point argument):
     float32 1e-5 is far below one (token, expert) pair's share of y, so a dropped, duplicated or
     misweighted pair fails (see `assert_parity_detects`). has_aux: f and g return (y, aux); aux
-    is returned, not compared. poison: run both under `relaymoe_jax.poison_unwritten()`.
+    is returned, not compared (f's y and g's must have the same structure and shapes: a
+    ValueError says what each returns). poison: run both under `relaymoe_jax.poison_unwritten()`.
     jit: jit each value-and-grad computation (cached per function object).
 
     Raises AssertionError naming the output or gradient that differed and its max error.
@@ -112,8 +114,9 @@ def assert_moe_parity(
     """
     require_chex_asserts()
     argnums = argnums_of(args, argnums)
+    y = same_y_shapes(f, g, args, has_aux, "assert_moe_parity")
     if cotangent is None and argnums:
-        cotangent = random_cotangent(g, args, has_aux, seed)
+        cotangent = random_cotangent(g, args, has_aux, seed, y=y)
     kw = dict(
         argnums=argnums,
         cotangent=cotangent,
