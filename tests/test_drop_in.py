@@ -218,7 +218,8 @@ def test_moe_ffn_local_refuses_what_it_cannot_do():
     with pytest.raises(
         ValueError,
         match=r"moe_ffn_local runs inside jax.shard_map over "
-        r"\['expert'\], but those axes are not manual here",
+        r"\['expert'\], but no axis is manual here; with global arrays call "
+        "relaymoe_jax.moe_ffn",
     ):
         jax.jit(lambda *a: moe_ffn_local(*a, expert_axis="expert"))(*args)
     replicated = jax.shard_map(

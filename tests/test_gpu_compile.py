@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax import XLA_OPTIONS, moe_ffn
+from relaymoe_jax import XLA_OPTIONS, moe_ffn, moe_ffn_local
 from relaymoe_jax.analysis import gpu_mesh, hlo, triton_calls
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
@@ -459,3 +459,40 @@ def test_triton_call_parser_reads_operands_and_accumulators():
     assert calls[0].wide_floats == (("f32", (1024, 256)),)
     assert calls[1].wide_floats == ()
     assert triton_calls.wide_float_calls(text) == calls[:1]
+
+
+@needs_plugin
+@pytest.mark.parametrize("dispatcher", ["ring", "alltoall"])
+def test_partial_manual_shard_map_compiles_16_bit_kernels(dispatcher):
+    """moe_ffn_local in MaxText's partial-manual shard_map (axis_names={'expert'} on an Auto
+    (data=2, expert=4) mesh of 8 abstract H100s, check_vma=True) with the compiled Pallas kernel:
+    fwd+bwd compiles, and every Triton call takes 16-bit operands. (CPU tests check its values
+    with the other implementations and the interpreter.)"""
+    auto = jax.sharding.AxisType.Auto
+    mesh = gpu_mesh.mesh((2, 4), ("data", "expert"), axis_types=(auto, auto))
+    spec = P("expert")
+    body = functools.partial(
+        moe_ffn_local, expert_axis="expert", dispatcher=dispatcher, gmm_impl="pallas"
+    )
+    run = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, axis_names={"expert"}
+    )
+
+    def loss(*a):
+        return jnp.sum(run(*a).astype(jnp.float32) ** 2)
+
+    t = 4 * 256
+    sds = functools.partial(_sds, mesh, spec)
+    args = (
+        sds((t, H), jnp.bfloat16),
+        sds((t, K), jnp.int32),
+        sds((t, K), jnp.float32),
+        sds((E, H, F), jnp.bfloat16),
+        sds((E, H, F), jnp.bfloat16),
+        sds((E, F, H), jnp.bfloat16),
+    )
+    compiled = _compile(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), mesh, *args)
+    calls = triton_calls.triton_calls(compiled.as_text())
+    assert {c.kernel for c in calls} == {"relaymoe_gmm", "relaymoe_tgmm"}, _kernel_report(calls)
+    wide = [c for c in calls if c.wide_floats]
+    assert not wide, _kernel_report(wide)

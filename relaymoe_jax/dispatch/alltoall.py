@@ -32,6 +32,7 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
+from relaymoe_jax.util.sorted_search import count_at_most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
         group_sizes = recv_counts.sum(0)
         blk_end = jnp.cumsum(recv_counts, axis=1)  # [src, E_l]
         j = jnp.arange(b)
-        e_of = jax.vmap(lambda ends: jnp.searchsorted(ends, j, side="right"))(blk_end)
+        e_of = count_at_most(blk_end, j[None, :])  # [src, b]
         row_ok = j[None, :] < blk_end[:, -1:]
         e_of = jnp.minimum(e_of, e_local - 1)
         rank = j[None, :] - jnp.take_along_axis(blk_end - recv_counts, e_of, axis=1)

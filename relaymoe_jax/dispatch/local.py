@@ -37,11 +37,19 @@ class LocalSpec:
     return_stats: bool
     check_vma: bool = True  # False: shard_map's transpose sums the weight gradients itself
     hierarchical: bool = False  # the ring: rounds of an inner ring over expert_axes[-1]
+    # other axes whose devices hold other tokens but whose weights vary there too (gathered
+    # in the caller's shard_map, whose transpose sums their gradients): counted in the stats only
+    stat_only_axes: tuple = ()
 
     @property
     def stat_axes(self) -> tuple:
         """The axes over which devices hold different tokens (stats are summed over them)."""
-        return (*self.expert_axes, *self.reduce_axes, *((self.etp,) if self.gather_etp else ()))
+        return (
+            *self.expert_axes,
+            *self.reduce_axes,
+            *self.stat_only_axes,
+            *((self.etp,) if self.gather_etp else ()),
+        )
 
 
 def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):

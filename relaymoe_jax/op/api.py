@@ -157,6 +157,7 @@ def moe_ffn_local(
     gmm_impl="auto",
     return_stats=False,
     options=None,
+    debug_checks=False,
 ):
     """`moe_ffn` for one device, inside the caller's `jax.shard_map`: the drop-in for a
     codebase that already shards its expert step by hand.
@@ -175,10 +176,20 @@ def moe_ffn_local(
         given under `shard_map(check_vma=False)`.
       dispatcher, routing, ring, capacity_factor, chunk_size, gmm_impl, return_stats: as
         `moe_ffn` ("reference" is not available per device; ring="auto" reads the devices of
-        the `jax.set_mesh` mesh, and is flat without one). The stats are summed over the axes the
-        tokens vary over (under check_vma=False: the expert axes, and the ETP axis when gathered).
+        the `jax.set_mesh` mesh, and is flat without one). The stats are summed over the devices
+        that hold other tokens: under check_vma the axes x varies over; under check_vma=False
+        every manual axis but an expert-tensor axis the tokens are replicated over.
 
     options: a `MoEOptions` record instead of those six keywords, as in `moe_ffn`.
+
+    Contradictions between the shard_map and the arguments are refused before tracing where the
+    types show them (check_vma=True): experts that do not vary over every expert axis
+    (replicated, or `expert_axis` naming another axis), weights varying over an axis that is
+    neither an expert axis nor `expert_tensor_axis` while x does not, an ffn that does not vary
+    over `expert_tensor_axis`, a `tokens_sharded_over_etp` that x's type contradicts.
+    debug_checks: also check at run time what the types cannot show (ids beyond the experts the
+    call sees, replicated experts, and the ETP tokens under check_vma=False); each finding is one
+    logged warning (`relaymoe_jax.op.debug_checks`), for tests and first runs.
 
     The weight gradients are summed over the axes whose devices hold other tokens for the same
     weights (data-parallel axes), with nothing to pass: under check_vma the types say which (x
@@ -203,6 +214,7 @@ def moe_ffn_local(
         expert_tensor_axis=expert_tensor_axis,
         tokens_sharded_over_etp=tokens_sharded_over_etp,
         return_stats=return_stats,
+        debug_checks=debug_checks,
     )
 
 

@@ -57,6 +57,27 @@ def check_axes(names, expert_axis, expert_tensor_axis, *, dispatcher, gmm_impl) 
     return ea
 
 
+def check_interpret_vma(gmm_impl: str, typed: bool, *, who: str) -> None:
+    """The Pallas interpreter under `shard_map(check_vma=True)`: refused (jax 0.12's interpreter
+    fails there with a dynamic_slice type error)."""
+    if gmm_impl == "pallas-interpret" and typed:
+        raise ValueError(
+            f"{who}(gmm_impl='pallas-interpret') under shard_map(check_vma=True): jax 0.12's "
+            "Pallas interpreter needs check_vma=False; pass it to your shard_map, or use "
+            "gmm_impl='xla' (the compiled gmm_impl='pallas' takes check_vma=True on GPUs)"
+        )
+
+
+def check_gmm_platform(gmm_impl: str, platform: str) -> None:
+    """gmm_impl='pallas' (the compiled Triton kernel) where the call does not compile for a GPU."""
+    if gmm_impl == "pallas" and platform != "gpu":
+        raise ValueError(
+            f"gmm_impl='pallas' compiles the Triton kernel for a GPU, but this call compiles "
+            f"for {platform!r}: use gmm_impl='pallas-interpret' (the same kernel in the Pallas "
+            "interpreter, slow: for tests), 'xla' or 'auto'"
+        )
+
+
 def check_token_axes(names, token_axes) -> tuple | None:
     """`token_axes` as a tuple of mesh axes (None stays None)."""
     if token_axes is None:

@@ -5,6 +5,7 @@ and the weights (under `check_vma`); then the same front door as `moe_ffn` (`op.
 same per-device step (`dispatch.local`).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -12,7 +13,8 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.local import local_moe
-from relaymoe_jax.op import checks, topology
+from relaymoe_jax.op import checks, local_axes, topology
+from relaymoe_jax.op import debug_checks as debug
 from relaymoe_jax.op.global_call import ignored_pairs
 from relaymoe_jax.op.options import MoEOptions
 from relaymoe_jax.op.resolve import Placement, choose_hierarchical, resolve
@@ -27,50 +29,26 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == MANUAL)
 
 
-def _check_manual(expert_axis, etp, manual):
+def _check_manual(expert_axis, etp, mesh, *, dispatcher, gmm_impl) -> tuple:
+    """The expert axes, each checked to be a manual axis of the shard_map traced in now."""
+    manual = manual_axes()
     wanted = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
-    outside = [a for a in (*wanted, *((etp,) if etp else ())) if a not in manual]
+    wanted = (*wanted, *((etp,) if etp else ()))
+    if not manual:
+        raise ValueError(
+            f"moe_ffn_local runs inside jax.shard_map over {list(wanted)}, but no axis is "
+            "manual here; with global arrays call relaymoe_jax.moe_ffn"
+        )
+    ea = checks.check_axes(
+        tuple(mesh.axis_names), expert_axis, etp, dispatcher=dispatcher, gmm_impl=gmm_impl
+    )
+    outside = [a for a in wanted if a not in manual]
     if outside:
         raise ValueError(
-            f"moe_ffn_local runs inside jax.shard_map over {outside}, but those axes "
-            f"are not manual here (manual: {manual}); with global arrays call "
-            "relaymoe_jax.moe_ffn"
+            f"moe_ffn_local: the axes {outside} are not manual in this jax.shard_map "
+            f"(manual: {manual}): add them to its axis_names"
         )
-
-
-def _etp_gather(x_varies, etp, typed, tokens_sharded_over_etp) -> bool:
-    if tokens_sharded_over_etp is not None:
-        return bool(tokens_sharded_over_etp) and etp is not None
-    if etp is None:
-        return False
-    if typed:
-        return etp in x_varies
-    raise ValueError(
-        f"moe_ffn_local(expert_tensor_axis={etp!r}) under "
-        "shard_map(check_vma=False): pass tokens_sharded_over_etp=True or False "
-        "(whether each expert-tensor rank holds other tokens)"
-    )
-
-
-def infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp):
-    """(gather over ETP, the other token axes, whether check_vma types them), from x's and
-    w_gate's varying axes when the shard_map checks them."""
-    vx = set(jax.typeof(x).manual_axis_type.varying)
-    vw = set(jax.typeof(w_gate).manual_axis_type.varying)
-    # under check_vma the experts vary over the expert axes; without it nothing varies
-    typed = bool(vx or vw)
-    missing = [a for a in ea if a not in vx]
-    if typed and missing:
-        raise ValueError(
-            f"moe_ffn_local: x does not vary over the expert axes {missing}: each "
-            "device must hold its own tokens there (tokens replicated over an expert "
-            "axis would have their weight gradients counted once per copy)"
-        )
-    gather = _etp_gather(vx, etp, typed, tokens_sharded_over_etp)
-    if not typed:
-        return gather, (), False
-    others = [a for a in manual if a not in (*ea, etp)]
-    return gather, tuple(a for a in others if a in vx and a not in vw), True
+    return ea
 
 
 def _ring_mesh(ea):
@@ -111,6 +89,7 @@ def run(
     expert_tensor_axis,
     tokens_sharded_over_etp,
     return_stats,
+    debug_checks=False,
 ):
     """`moe_ffn_local` on checked options; returns y, or (y, stats)."""
     if options.dispatcher == "reference":
@@ -119,15 +98,11 @@ def run(
             "relaymoe_jax.dispatch.reference.reference_moe on gathered arrays"
         )
     mesh = jax.sharding.get_abstract_mesh()
-    manual, etp = manual_axes(), expert_tensor_axis
-    _check_manual(expert_axis, etp, manual)
-    ea = checks.check_axes(
-        tuple(mesh.axis_names),
-        expert_axis,
-        etp,
-        dispatcher=options.dispatcher,
-        gmm_impl=options.gmm_impl,
+    etp = expert_tensor_axis
+    ea = _check_manual(
+        expert_axis, etp, mesh, dispatcher=options.dispatcher, gmm_impl=options.gmm_impl
     )
+    manual = manual_axes()
     topology.check_ring_axes(options.ring, ea)
     local = checks.check_arrays(*args)
     x, ids, wts, w_gate = args[:4]
@@ -136,8 +111,9 @@ def run(
     checks.check_sizes(
         local, ep=ep, expert_axis=expert_axis, etp=etp, etp_size=etp_size, local=True
     )
-    gather, reduce_axes, typed = infer_axes(x, w_gate, ea, etp, manual, tokens_sharded_over_etp)
-    where = _placement(options, ea, etp, mesh, local, gather, reduce_axes)
+    axes = local_axes.read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp)
+    checks.check_interpret_vma(options.gmm_impl, axes.typed, who="moe_ffn_local")
+    where = _placement(options, ea, etp, mesh, local, axes.gather_etp, axes.reduce_axes)
     spec, _ = resolve(
         options,
         local._replace(experts=local.experts * ep, ffn=local.ffn * etp_size),
@@ -146,14 +122,26 @@ def run(
         mesh=mesh,
         poison=pairs.poisoning(),
         return_stats=return_stats,
-        check_vma=typed,
+        check_vma=axes.typed,
         who="moe_ffn_local",
     )
+    spec = dataclasses.replace(spec, stat_only_axes=axes.stat_only_axes)
     t, h, k = local.tokens, local.hidden, local.top_k
     y_th, dropped = local_moe(
         spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *args[3:]
     )
     y = y_th.reshape(x.shape)
+    if debug_checks:
+        debug.run(
+            spec,
+            ep=ep,
+            manual=manual,
+            typed=axes.typed,
+            expert_axis=expert_axis,
+            x=x,
+            ids=ids,
+            w_gate=w_gate,
+        )
     if not return_stats:
         return y
     ignored = lax.psum(ignored_pairs(ids, spec.num_experts), spec.stat_axes)

@@ -14,8 +14,9 @@ from relaymoe_jax.dispatch.local import LocalSpec
 from relaymoe_jax.dispatch.mode import RoutingVolumes, routing_volumes
 from relaymoe_jax.kernels.gmm import resolve_impl
 from relaymoe_jax.op import topology
-from relaymoe_jax.op.checks import Dtypes, Sizes
+from relaymoe_jax.op.checks import Dtypes, Sizes, check_gmm_platform
 from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.util.platform import platform
 
 log = logging.getLogger("relaymoe_jax")
 
@@ -103,6 +104,7 @@ def resolve(
     if options.dispatcher == "ring" and options.routing == "auto":
         log.info("%s(routing='auto'): %s", who, choice.volumes.explain())
     impl = options.gmm_impl
+    check_gmm_platform(impl, platform(mesh))
     spec = LocalSpec(
         dispatcher=options.dispatcher,
         expert_axes=where.expert_axes,

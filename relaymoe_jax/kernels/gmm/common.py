@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from relaymoe_jax.util.sorted_search import count_at_most
+
 NARROW_BYTES = 2  # itemsize of bf16/f16 (and smaller: fp8)
 
 
@@ -96,7 +98,7 @@ def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
     tiles_g = jnp.where(end_g > start_g, last_tile_g - first_tile_g + 1, 0)
     items_end_g = jnp.cumsum(tiles_g)  # inclusive: items of g end here
     item_i = jnp.arange(max_items, dtype=jnp.int32)
-    group_i = jnp.searchsorted(items_end_g, item_i, side="right").astype(jnp.int32)
+    group_i = count_at_most(items_end_g, item_i)
     group_i = jnp.minimum(group_i, num_groups - 1)
     first_item_i = items_end_g[group_i] - tiles_g[group_i]
     tile_i = first_tile_g[group_i] + item_i - first_item_i
