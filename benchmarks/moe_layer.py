@@ -112,9 +112,8 @@ def parse_args(argv=None):
     ):
         if getattr(a, name) is None:
             setattr(a, name, default)
+    _check_presets(p, a, shape_flags)
     a.dtype = a.dtype or (["bfloat16"] if a.target else ["float32"])
-    if a.paper and a.modes:
-        p.error("--paper and --modes are two presets: choose one")
     if a.target:
         if a.time:
             p.error("--time needs a real device; --target compiles for abstract GPUs only")
@@ -133,6 +132,22 @@ def parse_args(argv=None):
                 f"multiple of {s.ep})"
             )
     return a
+
+
+SHAPE_FLAGS = ("--experts", "--top-k", "--hidden", "--ffn", "--tokens-per-device")
+
+
+def _check_presets(p, a, shape_flags):
+    """--paper and --modes set the shapes (--paper its dtypes too): refuse flags they would
+    override."""
+    if a.paper and a.modes:
+        p.error("--paper and --modes are two presets: choose one")
+    given = [f for f, v in zip(SHAPE_FLAGS, shape_flags) if v is not None]
+    if (a.paper or a.modes) and given:
+        preset = "--paper" if a.paper else "--modes"
+        p.error(f"{preset} sets the shapes, so {', '.join(given)} would be ignored: drop one")
+    if a.paper and a.dtype:
+        p.error("--paper measures float32 and bfloat16, so --dtype would be ignored: drop one")
 
 
 def shapes(args):

@@ -93,6 +93,22 @@ def test_target_defaults_to_the_full_size_gpu_shapes(table):
     assert [(s.experts, s.tokens_per_device) for s in table.shapes(args)] == [(16, 64)]
 
 
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--paper", "-E", "16"], "--paper sets the shapes, so --experts would be ignored"),
+        (["--modes", "-k", "2", "-T", "64"], "--modes sets the shapes, so --top-k, --tokens-per"),
+        (["--paper", "--dtype", "float32"], "--paper measures float32 and bfloat16, so --dtype"),
+    ],
+)
+def test_presets_refuse_the_flags_they_would_ignore(table, argv, match, capsys):
+    """--paper and --modes used to override shape flags (and --paper --dtype) silently."""
+    with pytest.raises(SystemExit):
+        table.parse_args(argv)
+    assert match in capsys.readouterr().err
+    table.parse_args(["--modes", "--dtype", "float32"])  # --modes runs each given dtype
+
+
 def test_target_refuses_timing(table):
     with pytest.raises(SystemExit):
         table.parse_args(["--target", "h100", "--time"])
