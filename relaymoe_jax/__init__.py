@@ -3,6 +3,7 @@
 import sys
 
 from relaymoe_jax.analysis import gpu_mesh
+from relaymoe_jax.dispatch.activation import ACTIVATIONS, Activation
 from relaymoe_jax.dispatch.mode import RoutingVolumes, routing_volumes
 from relaymoe_jax.dispatch.pairs import poison_unwritten
 from relaymoe_jax.op import moe_ffn, moe_ffn_local, routing_plan
@@ -13,9 +14,11 @@ from relaymoe_jax.xla_options import XLA_FLAGS, XLA_OPTIONS
 sys.modules["relaymoe_jax.gpu_mesh"] = gpu_mesh
 
 __all__ = [
+    "ACTIVATIONS",
     "DISPATCHERS",
     "XLA_FLAGS",
     "XLA_OPTIONS",
+    "Activation",
     "MoEOptions",
     "RoutingVolumes",
     "gpu_mesh",

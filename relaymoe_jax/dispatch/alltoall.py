@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
 from relaymoe_jax.util.sorted_search import count_at_most
 
@@ -43,6 +44,7 @@ class AllToAllConfig:
     stat_axes: tuple  # all token axes: the drop count is summed over them
     gmm_impl: str = "auto"
     poison: bool = False
+    activation: Activation = SWIGLU  # the experts' gated activation
 
 
 def block_rows(tokens, top_k, num_experts, n, capacity_factor):
@@ -136,7 +138,7 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
             preferred_element_type=jnp.float32,
             zero_padding=False,
         )
-        act = (jax.nn.silu(mm(xs_rh, w_gate)) * mm(xs_rh, w_up)).astype(x_th.dtype)
+        act = cfg.activation(mm(xs_rh, w_gate), mm(xs_rh, w_up)).astype(x_th.dtype)
         ys_rh = mm(act, w_down).astype(x_th.dtype)
 
     with jax.named_scope("a2a_combine"):

@@ -132,7 +132,7 @@ class Hop:
         )
 
     def forward(self, tk, p, w, out_th):
-        """out_th + the routed SwiGLU outputs of `tk`'s pairs with expert partition p (= w)."""
+        """out_th + the routed expert outputs of `tk`'s pairs with expert partition p (= w)."""
         w_gate, w_up, w_down = w
         dt = tk.x_th.dtype
 
@@ -140,7 +140,7 @@ class Hop:
             x_ch, x_rows = self.rows(tk.x_th, ch)
             gate = self._mm(x_ch, w_gate, ch.gs, a_rows=x_rows)
             up = self._mm(x_ch, w_up, ch.gs, a_rows=x_rows)
-            act = (jax.nn.silu(gate) * up).astype(dt)
+            act = self.cfg.activation(gate, up).astype(dt)
             y_ch = self._mm(act, w_down, ch.gs)
             return out_th.at[ch.tok].add(y_ch * ch.wts_c[:, None])  # invalid rows: 0
 
@@ -159,9 +159,8 @@ class Hop:
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
             gate = self._mm(x_ch, w_gate, gs, a_rows=x_rows)
             up = self._mm(x_ch, w_up, gs, a_rows=x_rows)
-            sig = jax.nn.sigmoid(gate)
-            silu = gate * sig
-            act = (silu * up).astype(dt)
+            act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
+            act = act_f32.astype(dt)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
@@ -170,8 +169,7 @@ class Hop:
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
             dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
-            dgate = (dact * up * sig * (1.0 + gate * (1.0 - sig))).astype(dt)
-            dup = (dact * silu).astype(dt)
+            dgate, dup = (d.astype(dt) for d in act_vjp(dact))
             dwg = self._tmm(dwg, x_ch, dgate, gs, a_rows=x_rows)
             dwu = self._tmm(dwu, x_ch, dup, gs, a_rows=x_rows)
             dx_ch = self._mm(dgate, w_gate, gs, transpose=True) + self._mm(

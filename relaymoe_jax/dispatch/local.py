@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
 from relaymoe_jax.dispatch.ring import RingConfig, ring_moe
 
@@ -40,6 +41,7 @@ class LocalSpec:
     # other axes whose devices hold other tokens but whose weights vary there too (gathered
     # in the caller's shard_map, whose transpose sums their gradients): counted in the stats only
     stat_only_axes: tuple = ()
+    activation: Activation = SWIGLU  # the experts' gated activation
 
     @property
     def stat_axes(self) -> tuple:
@@ -94,6 +96,7 @@ def _ring(spec: LocalSpec, *args):
         gmm_impl=spec.gmm_impl,
         poison=spec.poison,
         hierarchical=spec.hierarchical,
+        activation=spec.activation,
     )
     return ring_moe(cfg, *args)
 
@@ -112,5 +115,6 @@ def _alltoall(spec: LocalSpec, *args):
         stat_axes=spec.stat_axes,
         gmm_impl=spec.gmm_impl,
         poison=spec.poison,
+        activation=spec.activation,
     )
     return alltoall_moe(cfg, *args)

@@ -1,7 +1,9 @@
 """The dense single-device definition of the MoE FFN: the ground truth for every test.
 
-    y[t] = sum_j expert_weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])
-    SwiGLU_e(x) = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]
+    y[t] = sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x[t])
+    expert_e(x) = act(x @ w_gate[e], x @ w_up[e]) @ w_down[e]
+
+with `act` the experts' gated activation (`dispatch.activation`; SwiGLU by default: silu(g) * u).
 
 Computed pair by pair: for each slot j, every token's own expert weights are gathered ([T, H, F]
 per slot), so a token meets only the experts it is routed to. A NaN in one expert's weights (or
@@ -13,8 +15,10 @@ as in the ring and the all-to-all. Ids outside [0, E) gather zero weights and co
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.dispatch.activation import SWIGLU
 
-def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
+
+def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh, activation=SWIGLU):
     num_experts = w_gate_ehf.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
@@ -31,7 +35,7 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh):
         gate_tf = jnp.einsum("th,thf->tf", x, expert(w_gate_ehf, rows_t), precision=hi)
         up_tf = jnp.einsum("th,thf->tf", x, expert(w_up_ehf, rows_t), precision=hi)
         out_th = jnp.einsum(
-            "tf,tfh->th", jax.nn.silu(gate_tf) * up_tf, expert(w_down_efh, rows_t), precision=hi
+            "tf,tfh->th", activation(gate_tf, up_tf), expert(w_down_efh, rows_t), precision=hi
         )
         y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
     return y_th.astype(x_th.dtype)

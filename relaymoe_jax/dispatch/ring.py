@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.hop import Hop, make_tokens, shift, zeros_f32
 from relaymoe_jax.util.first_order import first_order
 
@@ -89,6 +90,7 @@ class RingConfig:
     gmm_impl: str = "auto"
     poison: bool = False  # fill padding rows with NaN (tests)
     hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
+    activation: Activation = SWIGLU  # the experts' gated activation
 
 
 class RingLevel(NamedTuple):

@@ -8,6 +8,7 @@ wants them, and runs each device's step in a `shard_map` of its own), `moe_ffn_l
 description of the call through one front door, `op.resolve`.
 """
 
+from relaymoe_jax.dispatch.activation import as_activation
 from relaymoe_jax.op import checks, global_call, local_call
 from relaymoe_jax.op import layout as lay
 from relaymoe_jax.op.options import MoEOptions
@@ -53,8 +54,10 @@ def moe_ffn(
     out_sharding=None,
     return_stats=False,
     options=None,
+    activation="swiglu",
 ):
-    """Routed SwiGLU experts: y[t] = sum_j expert_weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t]).
+    """Routed gated experts: y[t] = sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x[t]),
+    expert_e(x) = act(x @ w_gate[e], x @ w_up[e]) @ w_down[e] (SwiGLU by default).
 
     Takes global arrays (call it under `jax.jit`, or eagerly); inside a `jax.shard_map` use
     `moe_ffn_local`.
@@ -103,6 +106,12 @@ def moe_ffn(
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).
       options: a `relaymoe_jax.MoEOptions` record instead of the keywords dispatcher, routing,
         ring, capacity_factor, chunk_size and gmm_impl (which must then stay at their defaults).
+      activation: the experts' gated activation act(g, u) (`relaymoe_jax.ACTIVATIONS`):
+        "swiglu" silu(g) * u (default), "geglu" gelu(g) * u with GELU's tanh approximation,
+        "geglu_exact" with the exact (erf) GELU, "gpt_oss" GPT-OSS's clamped SwiGLU
+        (clip(u, -L, L) + 1) * min(g, L) * sigmoid(1.702 * min(g, L)), L = 7; or a
+        `relaymoe_jax.Activation` record (e.g. `Activation("gpt_oss", limit=...)`). It is what
+        the op computes, not how: not part of `options`.
 
     Returns y with x's shape and dtype, or (y, stats) with return_stats=True.
     Differentiable in x, expert_weights, w_gate, w_up and w_down; works under jax.jit.
@@ -123,6 +132,7 @@ def moe_ffn(
         chunk_size=chunk_size,
         gmm_impl=gmm_impl,
     )
+    act = as_activation(activation)
     args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
     call = global_call.check(
         args,
@@ -133,7 +143,7 @@ def moe_ffn(
         token_axes=token_axes,
     )
     y, stats = global_call.run(
-        call, args, opts, out_sharding=out_sharding, return_stats=return_stats
+        call, args, opts, out_sharding=out_sharding, return_stats=return_stats, activation=act
     )
     return (y, stats) if return_stats else y
 
@@ -158,6 +168,7 @@ def moe_ffn_local(
     return_stats=False,
     options=None,
     debug_checks=False,
+    activation="swiglu",
 ):
     """`moe_ffn` for one device, inside the caller's `jax.shard_map`: the drop-in for a
     codebase that already shards its expert step by hand.
@@ -181,6 +192,7 @@ def moe_ffn_local(
         every manual axis but an expert-tensor axis the tokens are replicated over.
 
     options: a `MoEOptions` record instead of those six keywords, as in `moe_ffn`.
+    activation: the experts' gated activation, as in `moe_ffn`.
 
     Contradictions between the shard_map and the arguments are refused before tracing where the
     types show them (check_vma=True): experts that do not vary over every expert axis
@@ -215,6 +227,7 @@ def moe_ffn_local(
         tokens_sharded_over_etp=tokens_sharded_over_etp,
         return_stats=return_stats,
         debug_checks=debug_checks,
+        activation=as_activation(activation),
     )
 
 

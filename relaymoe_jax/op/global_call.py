@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.activation import SWIGLU
 from relaymoe_jax.dispatch.local import local_moe
 from relaymoe_jax.dispatch.reference import reference_moe
 from relaymoe_jax.op import checks, topology
@@ -78,7 +79,9 @@ def placement(call: GlobalCall, layout: lay.TokenLayout, options: MoEOptions, wh
     )
 
 
-def run(call: GlobalCall, args, options: MoEOptions, *, out_sharding, return_stats):
+def run(
+    call: GlobalCall, args, options: MoEOptions, *, out_sharding, return_stats, activation=SWIGLU
+):
     """Run a checked call; returns (y, stats)."""
     mesh = call.mesh
     x = args[0]
@@ -94,6 +97,7 @@ def run(call: GlobalCall, args, options: MoEOptions, *, out_sharding, return_sta
         x_spec=None if known is None else known.spec,
         poison=pairs.poisoning(),
         return_stats=bool(return_stats),
+        activation=activation,
     )
     if jax.sharding.get_abstract_mesh().axis_names or not lay.is_explicit(mesh):
         return jitted(*args)
@@ -116,7 +120,7 @@ def program(call, options, **static):
     return jax.jit(functools.partial(_moe_ffn, call, options, **static))
 
 
-def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats):
+def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, activation):
     """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
     mesh, ea, etp = call.mesh, call.expert_axes, call.etp
     x, ids, wts, w_gate = args[:4]
@@ -126,7 +130,7 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats):
     layout = lay.resolve(x, mesh, ea, etp, call.token_axes, known=known)
     tok = layout.spec(None)
     if options.dispatcher == "reference":  # every device computes everything, keeps its tokens
-        y = _reference(mesh, *args)
+        y = _reference(mesh, activation, *args)
         return place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     spec, _ = resolve(
@@ -139,6 +143,7 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats):
         return_stats=return_stats,
         check_vma=options.gmm_impl != "pallas-interpret",
         who="moe_ffn",
+        activation=activation,
     )
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
     specs = (tok, tok, tok, w_in, w_in, w_out)
@@ -184,7 +189,7 @@ def ignored_pairs(ids, num_experts):
     return jnp.sum((ids < 0) | (ids >= num_experts)).astype(jnp.int32)
 
 
-def _reference(mesh, x, ids, wts, w_gate, w_up, w_down):
+def _reference(mesh, activation, x, ids, wts, w_gate, w_up, w_down):
     """The dense reference on every device (replicated in and out, in a shard_map, so that a
     jit over inputs not yet on the mesh has the mesh's devices)."""
     args = tuple(place(a, NamedSharding(mesh, P())) for a in (x, ids, wts, w_gate, w_up, w_down))
@@ -192,7 +197,13 @@ def _reference(mesh, x, ids, wts, w_gate, w_up, w_down):
 
     def body(x, ids, wts, w_gate, w_up, w_down):
         y = reference_moe(
-            x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), w_gate, w_up, w_down
+            x.reshape(t, h),
+            ids.reshape(t, k),
+            wts.reshape(t, k),
+            w_gate,
+            w_up,
+            w_down,
+            activation,
         )
         return y.reshape(x.shape)
 

@@ -12,6 +12,7 @@ import jax
 from jax import lax
 
 from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.activation import SWIGLU
 from relaymoe_jax.dispatch.local import local_moe
 from relaymoe_jax.op import checks, local_axes, topology
 from relaymoe_jax.op import debug_checks as debug
@@ -90,6 +91,7 @@ def run(
     tokens_sharded_over_etp,
     return_stats,
     debug_checks=False,
+    activation=SWIGLU,
 ):
     """`moe_ffn_local` on checked options; returns y, or (y, stats)."""
     if options.dispatcher == "reference":
@@ -124,6 +126,7 @@ def run(
         return_stats=return_stats,
         check_vma=axes.typed,
         who="moe_ffn_local",
+        activation=activation,
     )
     spec = dataclasses.replace(spec, stat_only_axes=axes.stat_only_axes)
     t, h, k = local.tokens, local.hidden, local.top_k

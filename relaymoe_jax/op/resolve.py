@@ -9,6 +9,7 @@ matmul, and builds the record one device's step runs on.
 import logging
 from typing import NamedTuple
 
+from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.chunking import default_chunk
 from relaymoe_jax.dispatch.local import LocalSpec
 from relaymoe_jax.dispatch.mode import RoutingVolumes, routing_volumes
@@ -98,6 +99,7 @@ def resolve(
     return_stats: bool,
     check_vma: bool,
     who: str,
+    activation: Activation = SWIGLU,
 ) -> tuple[LocalSpec, RoutingVolumes]:
     """The `LocalSpec` of one call (`sizes` global), and both routing modes' volumes."""
     choice = ring_choice(options, sizes, dtypes, where)
@@ -121,5 +123,6 @@ def resolve(
         return_stats=return_stats,
         check_vma=check_vma,
         hierarchical=where.hierarchical,
+        activation=activation,
     )
     return spec, choice.volumes

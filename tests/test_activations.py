@@ -1,0 +1,205 @@
+"""The experts' gated activations (`relaymoe_jax.Activation`): the dense reference against float64
+numpy (values, and every gradient by central differences), then every dispatcher and grouped
+matmul against the reference on the adversarial routings, values and every gradient, padding
+NaN-poisoned; bad input."""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_cases import mesh
+from relaymoe_jax import ACTIVATIONS, Activation, moe_ffn, moe_ffn_local, testing
+from relaymoe_jax.dispatch.reference import reference_moe
+
+# gpt_oss at a small limit, so that both clamps (min on g, clip on u at both ends) are hit
+CASES = {
+    "swiglu": Activation("swiglu"),
+    "geglu": Activation("geglu"),
+    "geglu_exact": Activation("geglu_exact"),
+    "gpt_oss": Activation("gpt_oss"),
+    "gpt_oss_clamped": Activation("gpt_oss", alpha=1.702, limit=0.5),
+}
+
+
+def _gelu_tanh(g):
+    return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def _gelu_erf(g):
+    erf = np.vectorize(math.erf)
+    return 0.5 * g * (1 + erf(g / math.sqrt(2)))
+
+
+def act_f64(a: Activation, g, u):
+    """The activations written again in float64 numpy, from their published formulas."""
+    if a.name == "swiglu":
+        return g / (1 + np.exp(-g)) * u
+    if a.name == "geglu":
+        return _gelu_tanh(g) * u
+    if a.name == "geglu_exact":
+        return _gelu_erf(g) * u
+    g = np.minimum(g, a.limit)
+    u = np.clip(u, -a.limit, a.limit)
+    return (u + 1) * g / (1 + np.exp(-a.alpha * g))
+
+
+def moe_f64(a, x, ids, wts, wg, wu, wd):
+    """y = sum_j wts[t, j] * act(x W_g[e], x W_u[e]) W_d[e], pair by pair in float64."""
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            h = act_f64(a, x[t] @ wg[e], x[t] @ wu[e])
+            y[t] += wts[t, j] * (h @ wd[e])
+    return y
+
+
+def test_activation_cases_cover_every_name():
+    assert {a.name for a in CASES.values()} == set(ACTIVATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_matches_float64_numpy(name):
+    """Values, and the gradient of sum(y * r) w.r.t. x, the router weights and the three weights
+    by central differences in float64 (every entry)."""
+    a = CASES[name]
+    e, k, t, h, f = 4, 2, 6, 4, 5
+    ids = testing.routing_case("uniform", t, k, e, 1, seed=1)
+    inp = testing.moe_inputs(ids, e, hidden=h, ffn=f, seed=1)
+    args64 = [np.asarray(v, np.float64) for v in inp.args]
+    ids64, r = np.asarray(inp.expert_ids), np.asarray(inp.r, np.float64)
+    if name == "gpt_oss_clamped":  # the clamps are hit on both sides
+        gates = np.einsum("th,thf->tf", args64[0], args64[3][ids64[:, 0]])
+        ups = np.einsum("th,thf->tf", args64[0], args64[4][ids64[:, 0]])
+        assert (gates > a.limit).any() and (ups > a.limit).any() and (ups < -a.limit).any()
+
+    def loss64(vals):
+        x, wts, wg, wu, wd = vals
+        return float(np.sum(moe_f64(a, x, ids64, wts, wg, wu, wd) * r))
+
+    def ref(x, wts, wg, wu, wd):
+        return reference_moe(x, inp.expert_ids, wts, wg, wu, wd, a)
+
+    diff = [args64[0], args64[2], args64[3], args64[4], args64[5]]
+    y = jax.jit(ref)(*(inp.args[i] for i in (0, 2, 3, 4, 5)))
+    want_y = moe_f64(a, args64[0], ids64, *args64[2:])
+    np.testing.assert_allclose(np.asarray(y, np.float64), want_y, rtol=0, atol=2e-6)
+    grads = jax.jit(jax.grad(lambda *v: (ref(*v) * inp.r).sum(), argnums=tuple(range(5))))(
+        *(inp.args[i] for i in (0, 2, 3, 4, 5))
+    )
+    eps = 1e-6
+    for n, (g_got, base) in enumerate(zip(grads, diff)):
+        want = np.zeros_like(base)
+        for idx in np.ndindex(base.shape):
+            plus, minus = [v.copy() for v in diff], [v.copy() for v in diff]
+            plus[n][idx] += eps
+            minus[n][idx] -= eps
+            want[idx] = (loss64(plus) - loss64(minus)) / (2 * eps)
+        scale = np.max(np.abs(want))
+        np.testing.assert_allclose(np.asarray(g_got), want, rtol=0, atol=1e-4 * scale)
+
+
+MODES = [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
+
+
+@pytest.mark.parametrize("dispatcher,routing", MODES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dispatchers_match_the_reference_on_every_routing(name, dispatcher, routing):
+    """(data=2, expert=4), tokens over both: values and every gradient on each adversarial
+    routing of relaymoe_jax.testing (one program per function: the routings are data)."""
+    a = CASES[name]
+    m = mesh("dp2_ep4")
+    e, k, t = 16, 4, 64
+    ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, activation=a)
+    ref = functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a)
+    tok = NamedSharding(m, P(("data", "expert")))
+    for case, ids in testing.routing_cases(t, k, e, 4, seed=2).items():
+        inp = testing.moe_inputs(ids, e, seed=2)
+        args = [jax.device_put(v, tok) for v in inp.args[:3]] + list(inp.args[3:])
+        try:
+            testing.assert_moe_parity(ours, ref, *args)
+        except AssertionError as err:
+            raise AssertionError(f"routing case {case!r}: {err}") from None
+
+
+@pytest.mark.parametrize("gmm_impl", ["ragged_dot", "pallas-interpret"])
+@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("alltoall", "auto")])
+def test_other_grouped_matmuls_with_gpt_oss(gmm_impl, dispatcher, routing):
+    """The blocked XLA matmul runs in the test above; the others here, on the clamped GPT-OSS
+    activation (the one whose backward differs most from SwiGLU's)."""
+    a = CASES["gpt_oss_clamped"]
+    m = mesh("ep8")
+    ids = testing.routing_case("ragged", 64, 4, 16, 8, seed=4)
+    inp = testing.moe_inputs(ids, 16, seed=4)
+    ours = functools.partial(
+        moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, gmm_impl=gmm_impl, activation=a
+    )
+    ref = functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a)
+    testing.assert_moe_parity(ours, ref, *inp.args)
+
+
+def test_hierarchical_ring_and_moe_ffn_local_take_the_activation():
+    """moe_ffn_local in the caller's shard_map, on a (node, local) ring of rounds."""
+    a = CASES["geglu"]
+    m = jax.make_mesh((2, 4), ("node", "local"))
+    ea = ("node", "local")
+    ids = testing.routing_case("uniform", 64, 4, 16, 8, seed=5)
+    inp = testing.moe_inputs(ids, 16, seed=5)
+    tok, exp = NamedSharding(m, P(ea)), NamedSharding(m, P(ea))
+    args = [jax.device_put(v, tok) for v in inp.args[:3]]
+    args += [jax.device_put(v, exp) for v in inp.args[3:]]
+    body = functools.partial(moe_ffn_local, expert_axis=ea, ring="hierarchical", activation=a)
+    ours = jax.shard_map(body, mesh=m, in_specs=(P(ea),) * 6, out_specs=P(ea))
+    ref = functools.partial(moe_ffn, mesh=m, expert_axis=ea, dispatcher="reference", activation=a)
+    testing.assert_moe_parity(ours, ref, *args)
+
+
+def test_the_activation_changes_the_result():
+    """A control: each activation gives a different y from the others on the same inputs (a
+    dispatcher that ignored `activation` would fail the parity tests above)."""
+    m = mesh("ep8")
+    ids = testing.routing_case("uniform", 64, 4, 16, 8, seed=6)
+    inp = testing.moe_inputs(ids, 16, seed=6)
+    ys = {
+        n: np.asarray(jax.jit(functools.partial(moe_ffn, mesh=m, activation=a))(*inp.args))
+        for n, a in CASES.items()
+    }
+    names = sorted(ys)
+    for i, n1 in enumerate(names):
+        for n2 in names[i + 1 :]:
+            assert np.max(np.abs(ys[n1] - ys[n2])) > 1e-4, (n1, n2)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("relu", r"activation='relu': expected one of \('swiglu', 'geglu', 'geglu_exact', "),
+        (Activation, r"activation=<class .*>: expected one of"),
+        (3, "activation=3: expected one of"),
+    ],
+)
+def test_bad_activation_names_are_refused(value, match):
+    m = mesh("ep8")
+    ids = testing.routing_case("uniform", 16, 2, 16, 8)
+    inp = testing.moe_inputs(ids, 16)
+    with pytest.raises(ValueError, match=match):
+        moe_ffn(*inp.args, mesh=m, activation=value)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(name="swiglu", limit=3.0), "activation 'swiglu' takes no alpha or limit"),
+        (dict(name="gpt_oss", limit=0.0), r"activation limit=0.0: expected a finite number > 0"),
+        (dict(name="gpt_oss", alpha=float("inf")), "activation alpha=inf: expected a finite"),
+        (dict(name="gpt_oss", limit="7"), "activation limit='7': expected a finite number"),
+        (dict(name="gpt_oss", alpha=True), "activation alpha=True: expected a finite number"),
+    ],
+)
+def test_bad_activation_records_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Activation(**kw)
