@@ -22,6 +22,7 @@ import shlex
 import sys
 
 from relaymoe_jax.cli.argtypes import positive_int
+from relaymoe_jax.dispatch.activation import ACTIVATIONS
 
 VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")  # = memory.VARIANTS
 # Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
@@ -70,6 +71,17 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--chunk", type=positive_int, default=None, help="ring chunk (default: balanced share)"
+    )
+    p.add_argument(
+        "--activation",
+        choices=ACTIVATIONS,
+        default="swiglu",
+        help="the experts' gated activation (default swiglu; gpt_oss: GPT-OSS's clamped SwiGLU)",
+    )
+    p.add_argument(
+        "--biases",
+        action="store_true",
+        help="the experts have b_gate, b_up and b_down (GPT-OSS); their gradients are taken too",
     )
     p.add_argument(
         "--paper",
@@ -156,15 +168,17 @@ def shapes(args):
     for dtype in args.dtype:
         if args.modes or args.gpu_preset:
             for e, k, h, f, t in MODES_PRESET if args.modes else GPU_PRESET:
-                yield LayerShape(e, k, h, f, t, args.ep, dtype, args.chunk)
+                yield LayerShape(e, k, h, f, t, args.ep, dtype, args.chunk, args.biases)
             continue
         for e in args.experts:
             for k in args.top_k:
                 for t in args.tokens_per_device:
-                    yield LayerShape(e, k, args.hidden, args.ffn, t, args.ep, dtype, args.chunk)
+                    yield LayerShape(
+                        e, k, args.hidden, args.ffn, t, args.ep, dtype, args.chunk, args.biases
+                    )
 
 
-def time_fwdbwd(shape, mesh, variant, runs):
+def time_fwdbwd(shape, mesh, variant, runs, extra=None):
     """Median seconds of one jitted fwd+bwd call (after one warm-up), uniform random routing."""
     import time
 
@@ -173,7 +187,7 @@ def time_fwdbwd(shape, mesh, variant, runs):
 
     from relaymoe_jax.analysis import memory
 
-    _, fwdbwd = memory.layer_fns(shape, mesh, variant)
+    _, fwdbwd = memory.layer_fns(shape, mesh, variant, extra=extra)
     rng = np.random.default_rng(0)
     t = shape.tokens_per_device * shape.ep
     ids = np.argsort(rng.random((t, shape.experts)), axis=1)[:, : shape.top_k].astype(np.int32)
@@ -252,6 +266,9 @@ def main(argv=None):
         "'x auto': this row / the ring mode routing='auto' picks (listed under the table)",
         flush=True,
     )
+    if args.activation != "swiglu" or args.biases:
+        with_b = " with expert biases b_gate, b_up, b_down (their gradients too)"
+        print(f"# experts: activation={args.activation!r}{with_b if args.biases else ''}")
     head = (
         "E",
         "k",
@@ -284,9 +301,10 @@ def main(argv=None):
             f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
             f"{s.dtype}: auto picks {vol.explain()}"
         )
-        got = {v: memory.measure_layer(s, mesh, v) for v in args.variants}
+        extra = {"activation": args.activation}
+        got = {v: memory.measure_layer(s, mesh, v, extra=extra) for v in args.variants}
         secs = {
-            v: time_fwdbwd(s, mesh, v, args.runs)
+            v: time_fwdbwd(s, mesh, v, args.runs, extra)
             for v in args.variants
             if args.time and fits_host(s, got[v], args.ep)
         }

@@ -48,13 +48,18 @@ def act_f64(a: Activation, g, u):
     return (u + 1) * g / (1 + np.exp(-a.alpha * g))
 
 
-def moe_f64(a, x, ids, wts, wg, wu, wd):
-    """y = sum_j wts[t, j] * act(x W_g[e], x W_u[e]) W_d[e], pair by pair in float64."""
+def moe_f64(a, x, ids, wts, wg, wu, wd, bg=None, bu=None, bd=None):
+    """y = sum_j wts[t, j] * (act(x W_g[e] + b_g[e], x W_u[e] + b_u[e]) W_d[e] + b_d[e]), pair
+    by pair in float64 (missing biases: 0)."""
+    e_, f, h_ = wg.shape[0], wg.shape[2], x.shape[1]
+    bg = np.zeros((e_, f)) if bg is None else bg
+    bu = np.zeros((e_, f)) if bu is None else bu
+    bd = np.zeros((e_, h_)) if bd is None else bd
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j, e in enumerate(ids[t]):
-            h = act_f64(a, x[t] @ wg[e], x[t] @ wu[e])
-            y[t] += wts[t, j] * (h @ wd[e])
+            h = act_f64(a, x[t] @ wg[e] + bg[e], x[t] @ wu[e] + bu[e])
+            y[t] += wts[t, j] * (h @ wd[e] + bd[e])
     return y
 
 
@@ -62,35 +67,25 @@ def test_activation_cases_cover_every_name():
     assert {a.name for a in CASES.values()} == set(ACTIVATIONS)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_reference_matches_float64_numpy(name):
-    """Values, and the gradient of sum(y * r) w.r.t. x, the router weights and the three weights
-    by central differences in float64 (every entry)."""
-    a = CASES[name]
-    e, k, t, h, f = 4, 2, 6, 4, 5
-    ids = testing.routing_case("uniform", t, k, e, 1, seed=1)
-    inp = testing.moe_inputs(ids, e, hidden=h, ffn=f, seed=1)
-    args64 = [np.asarray(v, np.float64) for v in inp.args]
+def assert_reference_matches_f64(a: Activation, inp, biases=()):
+    """The dense reference's y, and its gradient of sum(y * r) w.r.t. x, the router weights, the
+    three weights and the given biases, against float64 numpy (central differences, every
+    entry)."""
     ids64, r = np.asarray(inp.expert_ids), np.asarray(inp.r, np.float64)
-    if name == "gpt_oss_clamped":  # the clamps are hit on both sides
-        gates = np.einsum("th,thf->tf", args64[0], args64[3][ids64[:, 0]])
-        ups = np.einsum("th,thf->tf", args64[0], args64[4][ids64[:, 0]])
-        assert (gates > a.limit).any() and (ups > a.limit).any() and (ups < -a.limit).any()
+    jax_args = [inp.args[i] for i in (0, 2, 3, 4, 5)] + list(biases)
+    diff = [np.asarray(v, np.float64) for v in jax_args]
 
     def loss64(vals):
-        x, wts, wg, wu, wd = vals
-        return float(np.sum(moe_f64(a, x, ids64, wts, wg, wu, wd) * r))
+        return float(np.sum(moe_f64(a, vals[0], ids64, *vals[1:]) * r))
 
-    def ref(x, wts, wg, wu, wd):
-        return reference_moe(x, inp.expert_ids, wts, wg, wu, wd, a)
+    def ref(x, wts, wg, wu, wd, *bb):
+        return reference_moe(x, inp.expert_ids, wts, wg, wu, wd, a, bb or None)
 
-    diff = [args64[0], args64[2], args64[3], args64[4], args64[5]]
-    y = jax.jit(ref)(*(inp.args[i] for i in (0, 2, 3, 4, 5)))
-    want_y = moe_f64(a, args64[0], ids64, *args64[2:])
+    y = jax.jit(ref)(*jax_args)
+    want_y = moe_f64(a, diff[0], ids64, *diff[1:])
     np.testing.assert_allclose(np.asarray(y, np.float64), want_y, rtol=0, atol=2e-6)
-    grads = jax.jit(jax.grad(lambda *v: (ref(*v) * inp.r).sum(), argnums=tuple(range(5))))(
-        *(inp.args[i] for i in (0, 2, 3, 4, 5))
-    )
+    argnums = tuple(range(len(jax_args)))
+    grads = jax.jit(jax.grad(lambda *v: (ref(*v) * inp.r).sum(), argnums=argnums))(*jax_args)
     eps = 1e-6
     for n, (g_got, base) in enumerate(zip(grads, diff)):
         want = np.zeros_like(base)
@@ -100,7 +95,26 @@ def test_reference_matches_float64_numpy(name):
             minus[n][idx] -= eps
             want[idx] = (loss64(plus) - loss64(minus)) / (2 * eps)
         scale = np.max(np.abs(want))
+        assert scale > 0, n
         np.testing.assert_allclose(np.asarray(g_got), want, rtol=0, atol=1e-4 * scale)
+
+
+def small_inputs(seed=1, e=4, k=2, t=6, h=4, f=5):
+    ids = testing.routing_case("uniform", t, k, e, 1, seed=seed)
+    return testing.moe_inputs(ids, e, hidden=h, ffn=f, seed=seed)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_matches_float64_numpy(name):
+    a = CASES[name]
+    inp = small_inputs()
+    if name == "gpt_oss_clamped":  # the clamps are hit on both sides
+        x, wg, wu = (np.asarray(inp.args[i], np.float64) for i in (0, 3, 4))
+        first = np.asarray(inp.expert_ids)[:, 0]
+        gates = np.einsum("th,thf->tf", x, wg[first])
+        ups = np.einsum("th,thf->tf", x, wu[first])
+        assert (gates > a.limit).any() and (ups > a.limit).any() and (ups < -a.limit).any()
+    assert_reference_matches_f64(a, inp)
 
 
 MODES = [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]

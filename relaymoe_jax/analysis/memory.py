@@ -36,6 +36,7 @@ class LayerShape:
     ep: int
     dtype: str = "float32"
     chunk: int | None = None
+    biases: bool = False  # the experts have b_gate, b_up, b_down (GPT-OSS)
 
     @property
     def chunk_rows(self):
@@ -100,10 +101,11 @@ def table2(s: LayerShape):
 
 
 def abstract_args_unsharded(s: LayerShape):
-    """Global (x, ids, wts, w_gate, w_up, w_down) shapes and dtypes."""
+    """Global (x, ids, wts, w_gate, w_up, w_down) shapes and dtypes, then (b_gate, b_up, b_down)
+    when `s.biases`."""
     dt, t = jnp.dtype(s.dtype), s.tokens_per_device * s.ep
     sds = jax.ShapeDtypeStruct
-    return (
+    args = (
         sds((t, s.hidden), dt),
         sds((t, s.top_k), jnp.int32),
         sds((t, s.top_k), dt),
@@ -111,6 +113,10 @@ def abstract_args_unsharded(s: LayerShape):
         sds((s.experts, s.hidden, s.ffn), dt),
         sds((s.experts, s.ffn, s.hidden), dt),
     )
+    if s.biases:
+        e = s.experts
+        args += (sds((e, s.ffn), dt), sds((e, s.ffn), dt), sds((e, s.hidden), dt))
+    return args
 
 
 def abstract_args(s: LayerShape, mesh, axis="expert"):
@@ -123,22 +129,25 @@ def abstract_args(s: LayerShape, mesh, axis="expert"):
 
 
 def layer_fns(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
-    """(forward, forward+backward) callables over (x, ids, wts, w_gate, w_up, w_down).
+    """(forward, forward+backward) callables over (x, ids, wts, w_gate, w_up, w_down), then the
+    three biases when `s.biases` (their gradients taken too).
 
-    `extra`: more `moe_ffn` keyword arguments on top of the variant's (e.g. gmm_impl)."""
+    `extra`: more `moe_ffn` keyword arguments on top of the variant's (e.g. gmm_impl,
+    activation)."""
     kw = dict(VARIANTS[variant], mesh=mesh, expert_axis=axis, **(extra or {}))
     if variant.startswith("ring"):
         kw.setdefault("chunk_size", s.chunk)
 
-    def fwd(x, ids, wts, wg, wu, wd):
-        return moe_ffn(x, ids, wts, wg, wu, wd, **kw)
+    def fwd(x, ids, wts, wg, wu, wd, *b):
+        return moe_ffn(x, ids, wts, wg, wu, wd, **kw, **dict(zip(("b_gate", "b_up", "b_down"), b)))
 
-    def loss(x, wts, wg, wu, wd, ids):
-        y = fwd(x, ids, wts, wg, wu, wd).astype(jnp.float32)
+    def loss(x, wts, wg, wu, wd, *b_ids):
+        *b, ids = b_ids
+        y = fwd(x, ids, wts, wg, wu, wd, *b).astype(jnp.float32)
         return 0.5 * jnp.sum(y * y)  # dy = y: a real [T, H] cotangent buffer
 
-    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
-    return fwd, lambda x, ids, wts, wg, wu, wd: grad(x, wts, wg, wu, wd, ids)
+    grad = jax.value_and_grad(loss, argnums=tuple(range(5 + 3 * s.biases)))
+    return fwd, lambda x, ids, wts, wg, wu, wd, *b: grad(x, wts, wg, wu, wd, *b, ids)
 
 
 def compiled_memory(fn, args):

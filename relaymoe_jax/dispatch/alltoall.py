@@ -59,7 +59,7 @@ def expert_capacity(tokens, top_k, num_experts, capacity_factor):
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
+def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
     """Returns (y [T, H], dropped_pairs int32 summed over the token axes)."""
     n = lax.axis_size(cfg.axis)
     t, k = ids_tk.shape
@@ -138,8 +138,15 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down
             preferred_element_type=jnp.float32,
             zero_padding=False,
         )
-        act = cfg.activation(mm(xs_rh, w_gate), mm(xs_rh, w_up)).astype(x_th.dtype)
-        ys_rh = mm(act, w_down).astype(x_th.dtype)
+        gate, up = mm(xs_rh, w_gate), mm(xs_rh, w_up)
+        if biases:  # the rows are sorted by local expert: padding rows (past them) add 0
+            group = pairs.group_of_rows(group_sizes, rows)
+            gate, up = (pairs.add_group_bias(a, b, group) for a, b in zip((gate, up), biases))
+        act = cfg.activation(gate, up).astype(x_th.dtype)
+        ys_rh = mm(act, w_down)
+        if biases:
+            ys_rh = pairs.add_group_bias(ys_rh, biases[2], group)
+        ys_rh = ys_rh.astype(x_th.dtype)
 
     with jax.named_scope("a2a_combine"):
         yr_rh = pairs.take_rows(ys_rh, jnp.minimum(dst, rows - 1), row_ok.reshape(-1), cfg.poison)

@@ -131,17 +131,28 @@ class Hop:
             acc=acc,
         )
 
+    def _projections(self, x_ch, x_rows, ch, w):
+        """The chunk's gate and up projections (float32), with their biases when `w` has them;
+        and the chunk rows' local expert (None without biases)."""
+        gate = self._mm(x_ch, w[0], ch.gs, a_rows=x_rows)
+        up = self._mm(x_ch, w[1], ch.gs, a_rows=x_rows)
+        if len(w) == 3:
+            return gate, up, None
+        group = pairs.group_of_rows(ch.gs, self.cfg.chunk)  # invalid rows: past the groups
+        return pairs.add_group_bias(gate, w[3], group), pairs.add_group_bias(up, w[4], group), group
+
     def forward(self, tk, p, w, out_th):
-        """out_th + the routed expert outputs of `tk`'s pairs with expert partition p (= w)."""
-        w_gate, w_up, w_down = w
+        """out_th + the routed expert outputs of `tk`'s pairs with expert partition p (= w:
+        w_gate, w_up, w_down, then b_gate, b_up, b_down when the experts have biases)."""
         dt = tk.x_th.dtype
 
         def body(ch, out_th):
             x_ch, x_rows = self.rows(tk.x_th, ch)
-            gate = self._mm(x_ch, w_gate, ch.gs, a_rows=x_rows)
-            up = self._mm(x_ch, w_up, ch.gs, a_rows=x_rows)
+            gate, up, group = self._projections(x_ch, x_rows, ch, w)
             act = self.cfg.activation(gate, up).astype(dt)
-            y_ch = self._mm(act, w_down, ch.gs)
+            y_ch = self._mm(act, w[2], ch.gs)
+            if group is not None:
+                y_ch = pairs.add_group_bias(y_ch, w[5], group)
             return out_th.at[ch.tok].add(y_ch * ch.wts_c[:, None])  # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
@@ -149,38 +160,55 @@ class Hop:
 
     def backward(self, tk, p, w, dy_th, dx_th, dwts_p, dw):
         """Recompute the hop and add its gradients: returns (dw, dx_th, dwts_p) accumulated."""
-        w_gate, w_up, w_down = w
+        w_gate, w_up, w_down = w[:3]
         dt = tk.x_th.dtype
 
         def body(ch, carry):
-            dx_th, dwts_p, (dwg, dwu, dwd) = carry
+            dx_th, dwts_p, (dwg, dwu, dwd, *db) = carry
             gs = ch.gs
             x_ch, x_rows = self.rows(tk.x_th, ch)
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
-            gate = self._mm(x_ch, w_gate, gs, a_rows=x_rows)
-            up = self._mm(x_ch, w_up, gs, a_rows=x_rows)
+            gate, up, group = self._projections(x_ch, x_rows, ch, w)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
             act = act_f32.astype(dt)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
+            if group is not None:  # y = act @ w_down + b_down: b_down's share of d weight
+                db, dwts_b = self._bias_down_grads(db, dy_th, ch, group, w[5])
+                dwts_c = dwts_c + dwts_b
             dwts_p = dwts_p.at[ch.pidx].add(dwts_c)  # invalid rows: act = dact0 = 0
             wts = ch.wts_c[:, None]
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
             dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
-            dgate, dup = (d.astype(dt) for d in act_vjp(dact))
+            dgate_f32, dup_f32 = act_vjp(dact)
+            if group is not None:
+                el = self.e_local
+                db[0] = db[0] + pairs.group_bias_grad(dgate_f32, group, el)
+                db[1] = db[1] + pairs.group_bias_grad(dup_f32, group, el)
+            dgate, dup = dgate_f32.astype(dt), dup_f32.astype(dt)
             dwg = self._tmm(dwg, x_ch, dgate, gs, a_rows=x_rows)
             dwu = self._tmm(dwu, x_ch, dup, gs, a_rows=x_rows)
             dx_ch = self._mm(dgate, w_gate, gs, transpose=True) + self._mm(
                 dup, w_up, gs, transpose=True
             )
             dx_th = dx_th.at[ch.tok].add(dx_ch)  # gmm: invalid rows are exact 0
-            return dx_th, dwts_p, (dwg, dwu, dwd)
+            return dx_th, dwts_p, (dwg, dwu, dwd, *db)
 
         with jax.named_scope("ring_bwd_hop"):
             dx_th, dwts_p, dw = self._chunks(tk, p, body, (dx_th, dwts_p, tuple(dw)))
         return dw, dx_th, dwts_p
+
+    def _bias_down_grads(self, db, dy_th, ch, group, b_down):
+        """b_down's gradient (router-weighted dy rows summed per expert) and its term of the
+        router weights' (dy . b_down[e]); the chunk's dy rows are gathered here, in float32
+        (invalid rows masked: poisoned, they are NaN)."""
+        dy_ch = jnp.where(ch.valid[:, None], dy_th[ch.tok].astype(jnp.float32), 0.0)
+        db = list(db)
+        db[2] = db[2] + pairs.group_bias_grad(dy_ch * ch.wts_c[:, None], group, self.e_local)
+        bias = pairs.add_group_bias(jnp.zeros_like(dy_ch), b_down, group)
+        return db, jnp.sum(dy_ch * bias, axis=-1)
 
 
 def zeros_f32(shape, *refs):

@@ -54,7 +54,7 @@ class LocalSpec:
         )
 
 
-def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
+def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
     """Per device: ETP plumbing around the dispatcher, whose experts hold an ffn slice.
 
     Each ETP rank computes every pair of its token group with its slice of ffn, so the outputs are
@@ -62,9 +62,14 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
     reduce-scattered back: each rank keeps only its [T/ETP, H] share of the result (a psum would
     leave the full [T, H] sum on every rank), and the transposes are the same pair (all-gather of
     dy, reduce-scatter of dx). Tokens replicated over the ETP axis get a psum.
+    `biases`: none, or (b_gate, b_up [E/EP, F/ETP], b_down [E/EP, H]); b_down is added by ETP
+    rank 0 only, so that the partial sums hold it once.
     Returns (y [T, H], dropped pairs summed over the token axes).
     """
     etp, gather = spec.etp, spec.gather_etp
+    if biases and etp is not None:
+        b_gate, b_up, b_down = biases
+        biases = (b_gate, b_up, jnp.where(lax.axis_index(etp) == 0, b_down, 0))
     if etp is not None:
         if gather:
             x_th, ids_tk, wts_tk = (
@@ -73,9 +78,10 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
         else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
             x_th, wts_tk = (pairs.vary_like(a, w_gate) for a in (x_th, wts_tk))
     if spec.dispatcher == "ring":
-        y_th, dropped = _ring(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down), jnp.int32(0)
+        y_th = _ring(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
+        dropped = jnp.int32(0)
     else:
-        y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
+        y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
         dropped = dropped // (spec.etp_size if gather else 1)  # each ETP rank counted the same
     if etp is not None:
         y_th = (

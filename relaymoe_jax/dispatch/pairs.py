@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from relaymoe_jax.util.sorted_search import count_at_most
+
 _state = threading.local()
 
 
@@ -91,6 +93,24 @@ def chunk_group_sizes(seg_counts_g, pos0, chunk):
     end_g = jnp.cumsum(seg_counts_g)
     start_g = end_g - seg_counts_g
     return jnp.clip(end_g - pos0, 0, chunk) - jnp.clip(start_g - pos0, 0, chunk)
+
+
+def group_of_rows(group_sizes_g, rows: int):
+    """[rows] int32: the group of each row of a buffer sorted by group (G past the last group)."""
+    return count_at_most(jnp.cumsum(group_sizes_g), jnp.arange(rows, dtype=jnp.int32))
+
+
+def add_group_bias(a_rf, b_gf, group_r):
+    """a + b[group] in float32, row by row (rows past the groups add 0)."""
+    return a_rf.astype(jnp.float32) + b_gf.astype(jnp.float32).at[group_r].get(
+        mode="fill", fill_value=0
+    )
+
+
+def group_bias_grad(d_rf, group_r, num_groups: int):
+    """[G, f] float32: the rows of d summed per group (rows past the groups dropped)."""
+    zeros = vary_like(jnp.zeros((num_groups, d_rf.shape[-1]), jnp.float32), d_rf, group_r)
+    return zeros.at[group_r].add(d_rf.astype(jnp.float32), mode="drop")
 
 
 def vary_like(z, *refs):

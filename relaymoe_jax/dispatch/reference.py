@@ -1,9 +1,10 @@
 """The dense single-device definition of the MoE FFN: the ground truth for every test.
 
     y[t] = sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x[t])
-    expert_e(x) = act(x @ w_gate[e], x @ w_up[e]) @ w_down[e]
+    expert_e(x) = act(x @ w_gate[e] + b_gate[e], x @ w_up[e] + b_up[e]) @ w_down[e] + b_down[e]
 
-with `act` the experts' gated activation (`dispatch.activation`; SwiGLU by default: silu(g) * u).
+with `act` the experts' gated activation (`dispatch.activation`; SwiGLU by default: silu(g) * u)
+and the biases optional (GPT-OSS has them).
 
 Computed pair by pair: for each slot j, every token's own expert weights are gathered ([T, H, F]
 per slot), so a token meets only the experts it is routed to. A NaN in one expert's weights (or
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 from relaymoe_jax.dispatch.activation import SWIGLU
 
 
-def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh, activation=SWIGLU):
+def reference_moe(
+    x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh, activation=SWIGLU, biases=None
+):
+    """y [T, H] (x's dtype); `biases` None or (b_gate [E, F], b_up [E, F], b_down [E, H])."""
     num_experts = w_gate_ehf.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
@@ -34,8 +38,13 @@ def reference_moe(x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh, activa
         rows_t = rows_tk[:, j]
         gate_tf = jnp.einsum("th,thf->tf", x, expert(w_gate_ehf, rows_t), precision=hi)
         up_tf = jnp.einsum("th,thf->tf", x, expert(w_up_ehf, rows_t), precision=hi)
+        if biases is not None:
+            gate_tf = gate_tf + expert(biases[0], rows_t)
+            up_tf = up_tf + expert(biases[1], rows_t)
         out_th = jnp.einsum(
             "tf,tfh->th", activation(gate_tf, up_tf), expert(w_down_efh, rows_t), precision=hi
         )
+        if biases is not None:
+            out_th = out_th + expert(biases[2], rows_t)
         y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
     return y_th.astype(x_th.dtype)

@@ -228,9 +228,8 @@ _MODES = {"expert": (_expert_forward, _expert_backward), "token": (_token_forwar
 def _ring_op(cfg: RingConfig):
     forward, backward = _MODES[cfg.routing]
 
-    def fwd(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
+    def fwd(x_th, ids_tk, wts_tk, *w):
         tk = make_tokens(cfg, x_th, ids_tk, wts_tk)
-        w = (w_gate, w_up, w_down)
         return forward(cfg, tk, w).astype(x_th.dtype), (tk, w)
 
     def bwd(res, dy_th):
@@ -247,13 +246,14 @@ def _ring_op(cfg: RingConfig):
         )
 
     @jax.custom_vjp
-    def ring(x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
-        return fwd(x_th, ids_tk, wts_tk, w_gate, w_up, w_down)[0]
+    def ring(x_th, ids_tk, wts_tk, *w):
+        return fwd(x_th, ids_tk, wts_tk, *w)[0]
 
     ring.defvjp(fwd, bwd)
     return ring
 
 
-def ring_moe(cfg: RingConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down):
-    """Per-device body (call inside shard_map): y[T, H] for the local tokens."""
-    return _ring_op(cfg)(x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
+def ring_moe(cfg: RingConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
+    """Per-device body (call inside shard_map): y[T, H] for the local tokens. `biases`: none, or
+    (b_gate, b_up, b_down), which travel and come home with their weights like them."""
+    return _ring_op(cfg)(x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)

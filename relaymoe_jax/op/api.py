@@ -55,9 +55,13 @@ def moe_ffn(
     return_stats=False,
     options=None,
     activation="swiglu",
+    b_gate=None,
+    b_up=None,
+    b_down=None,
 ):
     """Routed gated experts: y[t] = sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x[t]),
-    expert_e(x) = act(x @ w_gate[e], x @ w_up[e]) @ w_down[e] (SwiGLU by default).
+    expert_e(x) = act(x @ w_gate[e] + b_gate[e], x @ w_up[e] + b_up[e]) @ w_down[e] + b_down[e]
+    (SwiGLU, no biases by default).
 
     Takes global arrays (call it under `jax.jit`, or eagerly); inside a `jax.shard_map` use
     `moe_ffn_local`.
@@ -112,6 +116,11 @@ def moe_ffn(
         (clip(u, -L, L) + 1) * min(g, L) * sigmoid(1.702 * min(g, L)), L = 7; or a
         `relaymoe_jax.Activation` record (e.g. `Activation("gpt_oss", limit=...)`). It is what
         the op computes, not how: not part of `options`.
+      b_gate, b_up: optional [num_experts, ffn] biases of the gate and up projections; b_down:
+        optional [num_experts, hidden], added to each expert's output before its router weight
+        scales it (GPT-OSS). Used sharded like their weights (b_down replicated over
+        `expert_tensor_axis` and added once); a missing one is zero. Differentiable; in expert
+        routing they travel with their weights and their gradients come home like dW.
 
     Returns y with x's shape and dtype, or (y, stats) with return_stats=True.
     Differentiable in x, expert_weights, w_gate, w_up and w_down; works under jax.jit.
@@ -142,8 +151,16 @@ def moe_ffn(
         expert_tensor_axis=expert_tensor_axis,
         token_axes=token_axes,
     )
+    biases = (b_gate, b_up, b_down)
+    checks.check_biases(call.sizes, w_gate, biases)
     y, stats = global_call.run(
-        call, args, opts, out_sharding=out_sharding, return_stats=return_stats, activation=act
+        call,
+        args,
+        opts,
+        out_sharding=out_sharding,
+        return_stats=return_stats,
+        activation=act,
+        biases=biases,
     )
     return (y, stats) if return_stats else y
 
@@ -169,6 +186,9 @@ def moe_ffn_local(
     options=None,
     debug_checks=False,
     activation="swiglu",
+    b_gate=None,
+    b_up=None,
+    b_down=None,
 ):
     """`moe_ffn` for one device, inside the caller's `jax.shard_map`: the drop-in for a
     codebase that already shards its expert step by hand.
@@ -193,6 +213,9 @@ def moe_ffn_local(
 
     options: a `MoEOptions` record instead of those six keywords, as in `moe_ffn`.
     activation: the experts' gated activation, as in `moe_ffn`.
+    b_gate, b_up: [E / EP, ffn / ETP]; b_down: [E / EP, hidden], the same on every expert-tensor
+      rank: this device's experts' biases, as in `moe_ffn`, sharded like w_gate (b_down not over
+      the expert-tensor axis).
 
     Contradictions between the shard_map and the arguments are refused before tracing where the
     types show them (check_vma=True): experts that do not vary over every expert axis
@@ -220,7 +243,7 @@ def moe_ffn_local(
         gmm_impl=gmm_impl,
     )
     return local_call.run(
-        (x, expert_ids, expert_weights, w_gate, w_up, w_down),
+        (x, expert_ids, expert_weights, w_gate, w_up, w_down, b_gate, b_up, b_down),
         opts,
         expert_axis=expert_axis,
         expert_tensor_axis=expert_tensor_axis,

@@ -11,6 +11,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.dispatch.pairs import vary_like
+
 
 class Sizes(NamedTuple):
     """The sizes of one call's arrays (experts and ffn as passed: global, or one device's)."""
@@ -162,6 +164,42 @@ def check_arrays(x, ids, wts, w_gate, w_up, w_down) -> Sizes:
     if t == 0:
         raise ValueError(f"x: shape {xs} has no tokens")
     return Sizes(xs[:-1], t, xs[-1], k, e, f)
+
+
+BIAS_NAMES = ("b_gate", "b_up", "b_down")
+
+
+def check_biases(sizes: Sizes, w_gate, biases: tuple) -> bool:
+    """(b_gate, b_up [E, F], b_down [E, H]; E and F as the weights are passed: global, or one
+    device's; None where not given) checked; returns whether any is given."""
+    e, f, h = sizes.experts, sizes.ffn, sizes.hidden
+    want = {"b_gate": (e, f), "b_up": (e, f), "b_down": (e, h)}
+    for name, b in zip(BIAS_NAMES, biases):
+        if b is None:
+            continue
+        if tuple(getattr(b, "shape", None) or ()) != want[name]:
+            what = "[num_experts, hidden]" if name == "b_down" else "[num_experts, ffn]"
+            raise ValueError(
+                f"{name}: shape {getattr(b, 'shape', None)}, expected {want[name]} = {what} "
+                f"(w_gate {tuple(w_gate.shape)})"
+            )
+        _floating(**{name: b})
+    return any(b is not None for b in biases)
+
+
+def fill_biases(biases: tuple, sizes: Sizes, dtype, like=(None, None, None)) -> tuple:
+    """The biases with zeros (of `dtype`) where not given; each zero made to vary like the
+    array in `like` at its place (inside a shard_map: the weight it goes with)."""
+    e, f, h = sizes.experts, sizes.ffn, sizes.hidden
+    shapes = ((e, f), (e, f), (e, h))
+    out = []
+    for b, shape, ref in zip(biases, shapes, like):
+        if b is None:
+            b = jnp.zeros(shape, dtype)
+            if ref is not None:
+                b = vary_like(b, ref)
+        out.append(b)
+    return tuple(out)
 
 
 def dtypes(x, wts, w_gate) -> Dtypes:

@@ -80,14 +80,22 @@ def placement(call: GlobalCall, layout: lay.TokenLayout, options: MoEOptions, wh
 
 
 def run(
-    call: GlobalCall, args, options: MoEOptions, *, out_sharding, return_stats, activation=SWIGLU
+    call: GlobalCall,
+    args,
+    options: MoEOptions,
+    *,
+    out_sharding,
+    return_stats,
+    activation=SWIGLU,
+    biases=(None, None, None),
 ):
-    """Run a checked call; returns (y, stats)."""
+    """Run a checked call (`biases` checked too: None where not given); returns (y, stats)."""
     mesh = call.mesh
     x = args[0]
     out_sharding = out_sharding_of(out_sharding, mesh, x)
     warn_gathered(mesh, call.expert_axes, call.etp, *args[3:])
     known = lay.known_sharding(x, mesh)
+    args = (*args, *biases)
     # One jitted program per static configuration: eager calls reuse their compile, and under
     # an outer jit (or jax.grad outside one) it is an ordinary nested call.
     jitted = program(
@@ -124,13 +132,16 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, a
     """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
     mesh, ea, etp = call.mesh, call.expert_axes, call.etp
     x, ids, wts, w_gate = args[:4]
+    args, biases = args[:6], args[6:]
     sizes = checks.check_arrays(*args)
+    has_biases = any(b is not None for b in biases)
+    biases = checks.fill_biases(biases, sizes, w_gate.dtype) if has_biases else ()
     stats = {"dropped_pairs": jnp.int32(0), "ignored_pairs": ignored_pairs(ids, sizes.experts)}
     known = None if x_spec is None else NamedSharding(mesh, x_spec)
     layout = lay.resolve(x, mesh, ea, etp, call.token_axes, known=known)
     tok = layout.spec(None)
     if options.dispatcher == "reference":  # every device computes everything, keeps its tokens
-        y = _reference(mesh, activation, *args)
+        y = _reference(mesh, activation, *args, *biases)
         return place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     spec, _ = resolve(
@@ -147,7 +158,9 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, a
     )
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
     specs = (tok, tok, tok, w_in, w_in, w_out)
-    args = tuple(place(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
+    if biases:  # b_down is added once: replicated over the ETP axis
+        specs += (P(ea, etp), P(ea, etp), P(ea, None))
+    args = tuple(place(a, NamedSharding(mesh, s)) for a, s in zip((*args, *biases), specs))
     body = functools.partial(_split_body, spec, layout)
     # jax 0.12's Pallas interpreter fails under check_vma (a JAX limitation, see kernels/gmm).
     y, dropped = jax.shard_map(
@@ -160,7 +173,7 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, a
     return y, stats
 
 
-def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, w_down):
+def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, w_down, *biases):
     """`moe_ffn`'s per-device body: flatten the block, split it over the split axes (padded
     with ignored pairs), run `local_moe`, gather the shares back, unflatten."""
     t, h, k = layout.local_tokens, x.shape[-1], ids.shape[-1]
@@ -178,7 +191,7 @@ def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, w_down
         x_th, ids_tk, wts_tk = (
             jax.lax.dynamic_slice_in_dim(a, start, share, 0) for a in (x_th, ids_tk, wts_tk)
         )
-    y_th, dropped = local_moe(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down)
+    y_th, dropped = local_moe(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
     if split:
         y_th = jax.lax.all_gather(y_th, split, axis=0, tiled=True, to="invarying")[:t]
     return y_th.reshape(x.shape), dropped
@@ -189,13 +202,14 @@ def ignored_pairs(ids, num_experts):
     return jnp.sum((ids < 0) | (ids >= num_experts)).astype(jnp.int32)
 
 
-def _reference(mesh, activation, x, ids, wts, w_gate, w_up, w_down):
+def _reference(mesh, activation, x, ids, wts, w_gate, w_up, w_down, *biases):
     """The dense reference on every device (replicated in and out, in a shard_map, so that a
     jit over inputs not yet on the mesh has the mesh's devices)."""
-    args = tuple(place(a, NamedSharding(mesh, P())) for a in (x, ids, wts, w_gate, w_up, w_down))
+    arrays = (x, ids, wts, w_gate, w_up, w_down, *biases)
+    args = tuple(place(a, NamedSharding(mesh, P())) for a in arrays)
     t, h, k = math.prod(x.shape[:-1]), x.shape[-1], ids.shape[-1]
 
-    def body(x, ids, wts, w_gate, w_up, w_down):
+    def body(x, ids, wts, w_gate, w_up, w_down, *biases):
         y = reference_moe(
             x.reshape(t, h),
             ids.reshape(t, k),
@@ -204,10 +218,11 @@ def _reference(mesh, activation, x, ids, wts, w_gate, w_up, w_down):
             w_up,
             w_down,
             activation,
+            biases or None,
         )
         return y.reshape(x.shape)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 6, out_specs=P())(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P())(*args)
 
 
 def _spec_axes(spec, ndim):

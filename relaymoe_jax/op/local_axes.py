@@ -125,7 +125,25 @@ def _untyped_gather(etp, tokens_sharded_over_etp) -> bool:
     return bool(tokens_sharded_over_etp)
 
 
-def read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp) -> LocalAxes:
+def _check_biases(biases, vw, etp) -> None:
+    """Each given bias varies like w_gate (b_down: but over the expert-tensor axis)."""
+    for name, b in zip(("b_gate", "b_up", "b_down"), biases):
+        if b is None:
+            continue
+        want = vw - {etp} if name == "b_down" else vw
+        if vma(b) != want:
+            also = (
+                f" ({name} is added once: the same on every rank of expert_tensor_axis={etp!r})"
+                if name == "b_down" and etp is not None
+                else ""
+            )
+            raise ValueError(
+                f"moe_ffn_local: {name} varies over {_names(vma(b))}, expected {_names(want)} "
+                f"like its weights{also}: shard it over the expert axes as w_gate is"
+            )
+
+
+def read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp, biases=()) -> LocalAxes:
     """The call's `LocalAxes`, from the types of x and the weights under check_vma (refusing
     contradictions), else from the arguments: under check_vma=False every manual axis other
     than the expert and expert-tensor ones is taken to hold other tokens (for the stats)."""
@@ -142,6 +160,7 @@ def read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp) -> Lo
     _check_tokens(vx, ea)
     vw = _check_alike(dict(zip(("w_gate", "w_up", "w_down"), args[3:])))
     _check_experts(vw, vx, expert_axis, ea, etp)
+    _check_biases(biases, vw, etp)
     gather = etp is not None and _check_etp(vw, vx, etp, tokens_sharded_over_etp)
     reduce_axes = tuple(a for a in others if a in vx and a not in vw)
     stat_only = tuple(a for a in others if a in vx and a in vw)

@@ -106,14 +106,21 @@ def run(
     )
     manual = manual_axes()
     topology.check_ring_axes(options.ring, ea)
+    args, given = args[:6], args[6:]
     local = checks.check_arrays(*args)
     x, ids, wts, w_gate = args[:4]
+    biases = ()
+    if checks.check_biases(local, w_gate, given):
+        like = (w_gate, args[4], args[5][:, 0, :])
+        biases = checks.fill_biases(given, local, w_gate.dtype, like)
     ep = math.prod(mesh.shape[a] for a in ea)
     etp_size = mesh.shape[etp] if etp is not None else 1
     checks.check_sizes(
         local, ep=ep, expert_axis=expert_axis, etp=etp, etp_size=etp_size, local=True
     )
-    axes = local_axes.read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp)
+    axes = local_axes.read_axes(
+        args, expert_axis, ea, etp, manual, tokens_sharded_over_etp, biases=given
+    )
     checks.check_interpret_vma(options.gmm_impl, axes.typed, who="moe_ffn_local")
     where = _placement(options, ea, etp, mesh, local, axes.gather_etp, axes.reduce_axes)
     spec, _ = resolve(
@@ -131,7 +138,7 @@ def run(
     spec = dataclasses.replace(spec, stat_only_axes=axes.stat_only_axes)
     t, h, k = local.tokens, local.hidden, local.top_k
     y_th, dropped = local_moe(
-        spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *args[3:]
+        spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *args[3:], *biases
     )
     y = y_th.reshape(x.shape)
     if debug_checks:
