@@ -3,11 +3,17 @@ expert), the one the Qwen model uses.
 
     layer = MoELayer(MoEConfig(hidden_size=1024, num_experts=64, num_experts_per_tok=8,
                                moe_intermediate_size=512), mesh=mesh, rngs=nnx.Rngs(0))
+
+The router (`MoEConfig.router`: Qwen's softmax then top-k, GPT-OSS's top-k then softmax,
+DeepSeek-V3's grouped sigmoid; `routers.py`) and the experts' activation and biases are the
+config's (`moe_config.py`).
     y, aux = layer(x)          # x [..., hidden] (e.g. [batch, seq, hidden]); y like x
 
 Parameters (Hugging Face Qwen3-MoE names; logical axes in brackets, mapped to the mesh by an
 `AxisRules`, `rules_for(mesh)` by default, any name overridable):
     gate         [H, E]      ("embed", "router")                    the router
+    gate_bias    [E]         ("router",)      its logits' bias (router_bias=True: GPT-OSS)
+    b_gate, b_up [E, F], b_down [E, H]        the experts' biases (expert_biases=True: GPT-OSS)
     expert_bias  [E] f32     ("router",)      an `ExpertBias`, not a Param (expert_bias=True)
     w_gate, w_up [E, H, F]   ("experts", "embed", "expert_ffn")
     w_down       [E, F, H]   ("experts", "expert_ffn", "embed")
@@ -27,98 +33,30 @@ caller's next layer sees what it would without the MoE. Arguments that contradic
     mean_prob       [E]        mean router probability per expert
     aux_loss                   E * sum(expert_fraction * mean_prob): the load-balancing loss
     z_loss                     mean logsumexp(logits)^2
+    seq_aux_loss               router="sigmoid_group" only: DeepSeek-V3's sequence-wise balance
+                               loss without its alpha (per sequence along x's last token
+                               dimension, averaged over the sequences; 1 when balanced)
     expert_load     [E] int32  pairs routed to each expert (feed it to `update_expert_bias`)
     dropped_pairs   int32      pairs dropped by alltoall with a capacity factor (0 otherwise)
 """
 
-import dataclasses
-import math
-from collections.abc import Mapping
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import router as rt
+from relaymoe_jax.models import routers
 from relaymoe_jax.models.layers import MLP, ExpertBias, param
+from relaymoe_jax.models.moe_config import MoEConfig, check_rate
 from relaymoe_jax.models.sharding import AxisRules, is_explicit, rules_for
 from relaymoe_jax.op import moe_ffn
 from relaymoe_jax.op.layout import known_sharding
-from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
-from relaymoe_jax.op.options import MoEOptions
 
-# the expert weights' logical axes: w_gate and w_up [E, H, F], w_down [E, F, H]
+# the expert weights' logical axes: w_gate and w_up [E, H, F], w_down [E, F, H]; their biases
 W_IN, W_OUT = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """The MoE block's sizes and router options, and how `moe_ffn` runs (`options`, one
-    `MoEOptions`; `MoEConfig.from_dict` takes its fields as flat keys, like the YAML files)."""
-
-    hidden_size: int  # H
-    num_experts: int  # E
-    num_experts_per_tok: int  # k
-    moe_intermediate_size: int  # F, one expert's ffn
-    norm_topk_prob: bool = True  # renormalise the top-k weights
-    expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
-    expert_bias_rate: float = 0.001
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
-    options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
-    initializer_range: float = 0.02
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"MoEConfig.{name}={v!r}: expected an int >= 1")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                f"num_experts={self.num_experts}"
-            )
-        for name in ("norm_topk_prob", "expert_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: expected a bool")
-        v = self.shared_expert_intermediate_size
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(
-                f"MoEConfig.shared_expert_intermediate_size={v!r}: expected an int >= 0 "
-                "(0: no shared expert)"
-            )
-        for name in ("expert_bias_rate", "initializer_range"):
-            _check_rate(f"MoEConfig.{name}", getattr(self, name))
-        if not isinstance(self.options, MoEOptions):
-            raise ValueError(f"MoEConfig.options={self.options!r}: expected a MoEOptions")
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "MoEConfig":
-        """From flat keys: the fields, with `MoEOptions`' fields (dispatcher, routing, ...) in
-        place of `options`; an option's error names the key (`MoEConfig.dispatcher=...`)."""
-        options = MoEOptions.from_mapping(d, where="MoEConfig.")
-        return cls(**{k: v for k, v in d.items() if k not in OPTION_KEYS}, options=options)
-
-    @classmethod
-    def from_model(cls, cfg) -> "MoEConfig":
-        """The MoE block of a `ModelConfig`."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
-        return cls(**{n: getattr(cfg, n) for n in names}, options=cfg.moe_options)
-
-
-def _check_rate(what, v) -> None:
-    """A finite number >= 0: a Python or numpy scalar, or a 0-d array (a traced one passes)."""
-    if isinstance(v, jax.core.Tracer):
-        return
-    number = isinstance(v, (int, float, np.number, jax.Array)) and not isinstance(
-        v, (bool, np.bool_)
-    )
-    if not (number and np.ndim(v) == 0 and not jnp.issubdtype(jnp.result_type(v), jnp.bool_)):
-        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
-    if not 0 <= float(v) < math.inf:
-        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
+B_IN, B_OUT = ("experts", "expert_ffn"), ("experts", "embed")
 
 
 def _layer_rules(mesh, rules) -> AxisRules:
@@ -204,9 +142,15 @@ class MoELayer(nnx.Module):
             self.expert_bias = param(
                 rules, None, (e,), ("router",), jnp.float32, init="zeros", kind=ExpertBias
             )
+        if cfg.router_bias:
+            self.gate_bias = param(rules, None, (e,), ("router",), dtype, init="zeros")
         self.w_gate = param(rules, rngs, (e, h, f), W_IN, dtype, std=std)
         self.w_up = param(rules, rngs, (e, h, f), W_IN, dtype, std=std)
         self.w_down = param(rules, rngs, (e, f, h), W_OUT, dtype, std=std)
+        if cfg.expert_biases:  # zero at init, as GPT-OSS's
+            self.b_gate = param(rules, None, (e, f), B_IN, dtype, init="zeros")
+            self.b_up = param(rules, None, (e, f), B_IN, dtype, init="zeros")
+            self.b_down = param(rules, None, (e, h), B_OUT, dtype, init="zeros")
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = MLP(
@@ -226,15 +170,10 @@ class MoELayer(nnx.Module):
             )
         out = y_sharding(x, rules.mesh)
         with jax.named_scope("router"):
-            bias_e = self.expert_bias[...] if cfg.expert_bias else None
-            logits, probs, ids, weights = rt.route(
-                x,
-                self.gate[...],
-                top_k=cfg.num_experts_per_tok,
-                norm_topk_prob=cfg.norm_topk_prob,
-                bias_e=bias_e,
-                out_dtype=x.dtype,
-            )
+            logits, probs, ids, weights = self._route(x)
+        biases = {}
+        if cfg.expert_biases:
+            biases = {n: getattr(self, n)[...] for n in ("b_gate", "b_up", "b_down")}
         with jax.named_scope("experts"):
             y, st = moe_ffn(
                 x,
@@ -243,6 +182,8 @@ class MoELayer(nnx.Module):
                 self.w_gate[...],
                 self.w_up[...],
                 self.w_down[...],
+                activation=cfg.expert_activation(),
+                **biases,
                 mesh=rules.mesh,
                 expert_axis=rules.expert_axis,
                 expert_tensor_axis=rules.expert_tensor_axis,
@@ -267,7 +208,33 @@ class MoELayer(nnx.Module):
             "expert_load": rt.expert_load(ids, cfg.num_experts),
             "dropped_pairs": st["dropped_pairs"],
         }
+        if cfg.router == "sigmoid_group":
+            aux["seq_aux_loss"] = rt.sequence_balance_loss(probs, ids)
         return y, aux
+
+    def _route(self, x):
+        """(logits f32, probs f32, ids int32, weights in x's dtype) of `cfg.router`."""
+        cfg, f32 = self.cfg, jnp.float32
+        logits = jnp.dot(x.astype(f32), self.gate[...].astype(f32), preferred_element_type=f32)
+        if cfg.router_bias:
+            logits = logits + self.gate_bias[...].astype(f32)
+        bias = self.expert_bias[...].astype(f32) if cfg.expert_bias else None
+        k = cfg.num_experts_per_tok
+        if cfg.router == "softmax_topk":
+            r = routers.softmax_topk(logits, k, norm_topk_prob=cfg.norm_topk_prob, bias_e=bias)
+        elif cfg.router == "topk_softmax":
+            r = routers.topk_softmax(logits, k, bias_e=bias)
+        else:
+            r = routers.sigmoid_group(
+                logits,
+                k,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                norm_topk_prob=cfg.norm_topk_prob,
+                bias_e=bias,
+            )
+        return logits, r.probs_te, r.ids_tk, r.weights_tk.astype(x.dtype)
 
     def update_expert_bias(self, expert_load_e, rate: float | None = None):
         """bias += rate * sign(mean(load) - load) (`router.expert_bias_update`), outside the
@@ -276,7 +243,7 @@ class MoELayer(nnx.Module):
         if not self.cfg.expert_bias:
             raise ValueError("update_expert_bias: the layer has expert_bias=False")
         rate = self.cfg.expert_bias_rate if rate is None else rate
-        _check_rate("update_expert_bias: rate", rate)
+        check_rate("update_expert_bias: rate", rate)
         old = self.expert_bias.get_value()
         load = jnp.asarray(expert_load_e)
         numeric = jnp.issubdtype(load.dtype, jnp.integer) or jnp.issubdtype(

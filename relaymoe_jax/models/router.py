@@ -35,48 +35,18 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+
+from relaymoe_jax.models import routers
 
 
 def route(x_th, w_he, *, top_k: int, norm_topk_prob: bool, bias_e=None, out_dtype=None):
-    """Returns (logits_te f32, probs_te f32, ids_tk int32, weights_tk in out_dtype)."""
+    """Returns (logits_te f32, probs_te f32, ids_tk int32, weights_tk in out_dtype): the
+    "softmax_topk" router (`routers.softmax_topk`) on x @ w."""
     f32 = jnp.float32
     logits_te = jnp.dot(x_th.astype(f32), w_he.astype(f32), preferred_element_type=f32)
-    probs_te = jax.nn.softmax(logits_te, axis=-1)
-    scores_te = probs_te if bias_e is None else probs_te + bias_e.astype(f32)
-    ids_tk = _top_k_ids(scores_te, top_k)
-    weights_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
-    if norm_topk_prob:
-        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
-    return logits_te, probs_te, ids_tk.astype(jnp.int32), weights_tk.astype(out_dtype or x_th.dtype)
-
-
-def _top_k_ids(scores_te, top_k: int):
-    """`lax.top_k` indices [..., k], computed where the tokens live.
-
-    XLA's SPMD partitioner does not partition the TopK custom call along its batch dimensions: on
-    an Explicit mesh with the tokens sharded it all-gathers the whole [T_global, E] scores onto
-    every device and selects for all tokens there (measured: 8 MiB of temporaries per MoE layer
-    for 16K tokens and 128 experts on 8 devices, growing with the global batch). Selection is
-    per token, so a `shard_map` over the token dimensions' sharding gives the same ids with no
-    gather.
-    """
-    sharding = getattr(jax.typeof(scores_te), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    nd = scores_te.ndim
-    spec = tuple(sharding.spec) + (None,) * nd if mesh is not None else ()
-    if (
-        mesh is None
-        or not mesh.axis_names
-        or not mesh.explicit_axes
-        or spec[nd - 1] is not None
-        or all(e is None for e in spec[: nd - 1])
-    ):
-        return jax.lax.top_k(scores_te, top_k)[1]
-    tokens = P(*spec[: nd - 1], None)
-    return jax.shard_map(
-        lambda s_te: jax.lax.top_k(s_te, top_k)[1], mesh=mesh, in_specs=tokens, out_specs=tokens
-    )(scores_te)
+    bias = None if bias_e is None else bias_e.astype(f32)
+    r = routers.softmax_topk(logits_te, top_k, norm_topk_prob=norm_topk_prob, bias_e=bias)
+    return logits_te, r.probs_te, r.ids_tk, r.weights_tk.astype(out_dtype or x_th.dtype)
 
 
 def expert_load(ids_tk, num_experts: int):
@@ -121,3 +91,19 @@ def expert_bias_update(bias_e, load_e, rate: float):
     return (bias_e + rate * jnp.sign(jnp.mean(load_e, axis=-1, keepdims=True) - load_e)).astype(
         bias_e.dtype
     )
+
+
+def sequence_balance_loss(probs_bse, ids_bsk):
+    """DeepSeek-V3's sequence-wise balance loss without its alpha (eq. 17-20), averaged over the
+    sequences: per sequence of S tokens, f_e = E / (k S) * #pairs routed to e, P_e = mean_s of
+    the normalised affinity (`routers.Routed.probs_te`), loss = sum_e f_e P_e (1 when balanced).
+    probs [B, S, E], ids [B, S, k]; [S, E] and [S, k] are one sequence."""
+    if probs_bse.ndim == 2:
+        probs_bse, ids_bsk = probs_bse[None], ids_bsk[None]
+    e, (s, k) = probs_bse.shape[-1], ids_bsk.shape[-2:]
+    probs_bse = probs_bse.reshape(-1, s, e)
+    ids_bsk = ids_bsk.reshape(-1, s, k)
+    counts_be = jax.vmap(lambda ids: expert_load(ids, e))(ids_bsk).astype(jnp.float32)
+    f_be = counts_be * e / (k * s)
+    p_be = jnp.mean(probs_bse.astype(jnp.float32), axis=1)
+    return jnp.mean(jnp.sum(f_be * p_be, axis=-1))
