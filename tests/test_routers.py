@@ -15,10 +15,12 @@ from jax.sharding import PartitionSpec as P
 from test_activations import act_f64
 
 from moe_cases import mesh
+from relaymoe_jax import Activation
 from relaymoe_jax.models import MoEConfig, MoELayer, router, routers
 from relaymoe_jax.op.options import MoEOptions
 
 T, E, K = 24, 8, 2
+a_swiglu = Activation("swiglu")
 
 
 def _sigmoid(z):
@@ -160,8 +162,9 @@ LAYERS = {
     ),
     "deepseek_v3": dict(
         router="sigmoid_group", n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        expert_bias=True,
+        expert_bias=True, shared_expert_intermediate_size=12, shared_expert_gated=False,
     ),
+    "qwen2_gated_shared": dict(shared_expert_intermediate_size=8),
     "grok_geglu": dict(router="softmax_topk", norm_topk_prob=False, activation="geglu"),
 }  # fmt: skip
 
@@ -205,6 +208,12 @@ def layer_f64(cfg, params, x):
         for j, e in enumerate(ids[t]):
             hid = act_f64(a, x[t] @ g("w_gate")[e] + bg[e], x[t] @ g("w_up")[e] + bu[e])
             y[t] += w[t, j] * (hid @ g("w_down")[e] + bd[e])
+    if cfg.shared_expert_intermediate_size:
+        gp, up, dp = (g(f"shared_expert.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
+        shared = act_f64(a_swiglu, x @ gp, x @ up) @ dp
+        if cfg.shared_expert_gated:
+            shared = shared / (1 + np.exp(-(x @ g("shared_expert_gate"))))
+        y = y + shared
     return y, ids
 
 
@@ -256,6 +265,10 @@ def test_moe_layer_families_match_float64_numpy(name, dispatcher):
         ),
         (dict(router_bias=1), "MoEConfig.router_bias=1: expected a bool"),
         (dict(expert_biases="yes"), "MoEConfig.expert_biases='yes': expected a bool"),
+        (
+            dict(shared_expert_gated=False),
+            "shared_expert_gated=False applies to a shared expert only",
+        ),
     ],
 )
 def test_bad_router_and_expert_settings_are_refused(kw, match):

@@ -19,7 +19,8 @@ Parameters (Hugging Face Qwen3-MoE names; logical axes in brackets, mapped to th
     w_down       [E, F, H]   ("experts", "expert_ffn", "embed")
     shared_expert (gate_proj, up_proj, down_proj), shared_expert_gate [H, 1]
                              Qwen2-MoE's sigmoid-gated shared expert
-                             (shared_expert_intermediate_size > 0)
+                             (shared_expert_intermediate_size > 0; shared_expert_gated=False:
+                             DeepSeek's, added without a gate)
 The experts run on `moe_ffn` over x as the caller has it: expert_axis and expert_tensor_axis come
 from the rules' "experts" and "expert_ffn"; on an Auto mesh the tokens go over the rules'
 "tokens" axes, on an Explicit one they stay where x is, and y comes back with x's sharding
@@ -156,7 +157,10 @@ class MoELayer(nnx.Module):
             self.shared_expert = MLP(
                 h, cfg.shared_expert_intermediate_size, rules=rules, rngs=rngs, dtype=dtype, std=std
             )
-            self.shared_expert_gate = param(rules, rngs, (h, 1), ("embed", None), dtype, std=std)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = param(
+                    rules, rngs, (h, 1), ("embed", None), dtype, std=std
+                )
 
     def __call__(self, x):
         """x [..., H] -> (y like x, aux dict; see the module docstring)."""
@@ -194,8 +198,10 @@ class MoELayer(nnx.Module):
             )
         if self.has_shared:
             with jax.named_scope("shared_expert"):
-                gate = jax.nn.sigmoid(jnp.dot(x, self.shared_expert_gate[...]))
-                y = y + gate * self.shared_expert(x)
+                shared = self.shared_expert(x)
+                if cfg.shared_expert_gated:
+                    shared = jax.nn.sigmoid(jnp.dot(x, self.shared_expert_gate[...])) * shared
+                y = y + shared
             if out is not None:
                 y = jax.sharding.reshard(y, out)
         f_e, p_e = rt.balance_stats(probs, ids)

@@ -16,6 +16,10 @@ The experts (`relaymoe_jax.dispatch.activation`):
     activation             "swiglu" (default), "geglu", "geglu_exact", "gpt_oss"
     swiglu_limit           gpt_oss: the clamp L (GPT-OSS's config key; alpha is 1.702)
     expert_biases          b_gate, b_up [E, F] and b_down [E, H] parameters (GPT-OSS)
+The shared expert:
+    shared_expert_intermediate_size   its ffn (0: none)
+    shared_expert_gated    Qwen2-MoE's sigmoid gate on it (default); False: added as it is
+                           (DeepSeek-V3's shared experts, one MLP of n_shared * F)
 """
 
 import dataclasses
@@ -86,6 +90,7 @@ class MoEConfig:
     activation: str = "swiglu"
     swiglu_limit: float = GPT_OSS_LIMIT
     expert_biases: bool = False
+    shared_expert_gated: bool = True
 
     def __post_init__(self):
         for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -95,7 +100,8 @@ class MoEConfig:
                 f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"num_experts={self.num_experts}"
             )
-        for name in ("norm_topk_prob", "expert_bias", "router_bias", "expert_biases"):
+        bools = ("norm_topk_prob", "expert_bias", "router_bias", "expert_biases")
+        for name in (*bools, "shared_expert_gated"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: expected a bool")
         _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, True)
@@ -106,6 +112,11 @@ class MoEConfig:
         _one_of("router", self.router, ROUTERS)
         _one_of("activation", self.activation, ACTIVATIONS)
         self._check_unused()
+        if not self.shared_expert_gated and not self.shared_expert_intermediate_size:
+            raise ValueError(
+                "MoEConfig.shared_expert_gated=False applies to a shared expert only "
+                "(shared_expert_intermediate_size=0): it would be ignored"
+            )
         self._check_groups()
         self.expert_activation()  # alpha and limit: the activation's own checks
 
