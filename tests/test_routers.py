@@ -55,7 +55,7 @@ def route_f64(kind, logits, k, *, norm=True, bias=None, n_group=1, topk_group=1,
         size = len(c) // n_group
         groups = [sorted(c[g * size : (g + 1) * size])[-2:] for g in range(n_group)]
         kept = _top(np.array([[sum(g) for g in groups]]), topk_group)[0]
-        masked = np.array([c[e] if e // size in kept else 0.0 for e in range(len(c))])
+        masked = np.array([c[e] if e // size in kept else -np.inf for e in range(len(c))])
         top = _top(masked[None], k)[0]
         w = row_s[top]
         if norm:

@@ -10,7 +10,8 @@ losses. `top_k_ids` keeps the top-k where the tokens live.
 - `"sigmoid_group"` (DeepSeek-V3, Kimi K2, GLM-4.5): s = sigmoid(logits); c = s + bias (the
   aux-loss-free bias, for the selection only); the E experts form `n_group` groups, each scored by
   the sum of its two best c; the `topk_group` best groups are kept and every other expert's c is
-  set to 0 (as Hugging Face's `masked_fill(..., 0.0)`); ids = top_k(c); weights = s[ids],
+  set to -inf (Hugging Face 5.x's `masked_fill(..., float("-inf"))`: a kept expert with a
+  negative biased score still beats a masked one); ids = top_k(c); weights = s[ids],
   renormalised over the k (+ 1e-20) if `norm_topk_prob`, times `routed_scaling_factor`.
 
 `probs` is what the load-balancing statistics read: softmax(logits) for the two softmax routers
@@ -102,7 +103,7 @@ def sigmoid_group(
         kept_g = top_k_ids(group_score, topk_group)
         keep = jnp.any(kept_g[..., :, None] == jnp.arange(n_group), axis=-2)  # [..., G]
         keep_te = jnp.repeat(keep, e // n_group, axis=-1)
-        choice_te = jnp.where(keep_te, choice_te, 0.0)
+        choice_te = jnp.where(keep_te, choice_te, -jnp.inf)
     ids_tk = top_k_ids(choice_te, top_k)
     weights_tk = jnp.take_along_axis(scores_te, ids_tk, axis=-1)
     if norm_topk_prob:
