@@ -75,6 +75,7 @@ CASES = {
     "softmax_topk_unnormalised": dict(norm=False),
     "topk_softmax": {},
     "sigmoid_group": dict(n_group=4, topk_group=2, scale=2.5),
+    "sigmoid_group_4_per_group": dict(n_group=2, topk_group=1, scale=1.0),  # top-2 of 4 matters
     "sigmoid_no_groups": dict(n_group=1, topk_group=1, scale=1.0, norm=False),
 }
 
@@ -100,7 +101,8 @@ def _run(kind, logits, bias, kw):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_routers_match_float64_numpy(case, with_bias):
-    kind = case.removesuffix("_unnormalised").replace("sigmoid_no_groups", "sigmoid_group")
+    kind = case.removesuffix("_unnormalised").removesuffix("_4_per_group")
+    kind = kind.replace("sigmoid_no_groups", "sigmoid_group")
     kw = CASES[case]
     logits = _logits(seed=len(case))
     bias = np.random.default_rng(7).uniform(-0.3, 0.3, E) if with_bias else None
