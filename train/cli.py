@@ -37,7 +37,7 @@ from .settings import (
     field_type,
 )
 
-TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib")  # pyproject's `train` extra
+TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib", "grain")  # pyproject's `train` extra
 try:  # without the extra, main() and entry() say what is missing (MissingExtraError)
     from . import identity
     from . import run as training_run
@@ -339,6 +339,10 @@ def entry() -> None:
     still used if jax has one), then `main`; clear one-line errors for bad input, a missing
     `train` extra, a diverged loss, a failed write (disk full, read-only) and the like, exit
     status 1; stopped by SIGINT / SIGTERM (after checkpointing): one line, exit status 130 / 143."""
+    if sys.argv[1:2] == ["prepare"]:  # `relaymoe-train prepare ...`: train/prepare.py
+        from . import prepare
+
+        sys.exit(prepare.main(sys.argv[2:]))
     try:
         require_train_extra()
         use_cpu_devices(CPU_DEVICES)
