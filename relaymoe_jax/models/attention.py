@@ -27,6 +27,11 @@ gradients), so the temporaries are O(S * block_k) per head, plus the float32 car
 All queries are processed against every key block (masked), so it does the full S^2 FLOPs,
 twice the causal minimum; it trades FLOPs for simplicity, not for memory.
 
+Packed sequences. With `segment_ids` [B, S] (int; documents packed into one row, e.g. 1, 1, 2, 2,
+2, 0 for padding), query i also sees key j only if segment_ids[i] == segment_ids[j]: attention
+stays inside a document. The ids travel with the keys in blocks, like k and v, and get no
+gradient. Without them the program is the plain causal one.
+
 Sequence length. S need not be a multiple of `block_k`: the keys and values are padded with zeros
 to one internally, and the padded keys sit at positions >= S, which the causal mask already hides
 from every query (their probability is exactly zero). Queries are never padded. `block_k` >= S
@@ -53,10 +58,13 @@ F32 = jnp.float32
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 
 
-def chunked_causal_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None):
+def chunked_causal_attention(
+    q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None, segment_ids=None
+):
     """Causal GQA attention o [B, S, N, D] in the inputs' dtype, blockwise over `block_k` keys.
 
-    q [B, S, N, D], k and v [B, S, K, D] with K dividing N; `scale` defaults to D**-0.5.
+    q [B, S, N, D], k and v [B, S, K, D] with K dividing N; `scale` defaults to D**-0.5;
+    `segment_ids` [B, S] int, optional: attention within equal ids only (packed documents).
     Softmax statistics and accumulators are float32. Differentiable (custom VJP; the backward
     recomputes the probabilities block by block).
     """
@@ -70,21 +78,34 @@ def chunked_causal_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scal
         raise ValueError(f"kv heads {k_bskd.shape[2]} must divide query heads {n}")
     if block_k < 1:
         raise ValueError(f"block_k must be positive, got {block_k}")
+    if segment_ids is not None:
+        segment_ids = check_segment_ids(segment_ids, (b, s))
     scale = d**-0.5 if scale is None else float(scale)
-    return _attention(q_bsnd, k_bskd, v_bskd, min(block_k, s), scale)
+    return _attention(q_bsnd, k_bskd, v_bskd, segment_ids, min(block_k, s), scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q_bsnd, k_bskd, v_bskd, block_k, scale):
-    """The custom-VJP core; `block_k` (<= S) and `scale` are static Python numbers."""
-    return _forward(q_bsnd, k_bskd, v_bskd, block_k, scale)[0]
+def check_segment_ids(segment_ids, shape):
+    """`segment_ids` as int32 [B, S] (a ValueError names another shape or a float dtype)."""
+    got = getattr(segment_ids, "shape", None)
+    if got is None or tuple(got) != tuple(shape):
+        raise ValueError(f"segment_ids: shape {got}, expected [batch, seq] = {tuple(shape)}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids: expected an integer dtype, got {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)
 
 
-def _attention_fwd(q_bsnd, k_bskd, v_bskd, block_k, scale):
-    """Forward pass saving q, k, v, o and lse only."""
-    o_bsnd, lse_bskg = _forward(q_bsnd, k_bskd, v_bskd, block_k, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
+    """The custom-VJP core; `block_k` (<= S) and `scale` are static Python numbers; `seg_bs`
+    the segment ids or None."""
+    return _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale)[0]
+
+
+def _attention_fwd(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
+    """Forward pass saving q, k, v, the segment ids, o and lse only."""
+    o_bsnd, lse_bskg = _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale)
     o_bsnd, lse_bskg = checkpoint_name(o_bsnd, "attn_out"), checkpoint_name(lse_bskg, "attn_lse")
-    return o_bsnd, (q_bsnd, k_bskd, v_bskd, o_bsnd, lse_bskg)
+    return o_bsnd, (q_bsnd, k_bskd, v_bskd, seg_bs, o_bsnd, lse_bskg)
 
 
 def _group(x_bsnd, kv_heads):
@@ -100,6 +121,27 @@ def _to_blocks(x_bskd, block_k):
     if pad:
         x_bskd = jnp.pad(x_bskd, ((0, 0), (0, pad), (0, 0), (0, 0)))
     return x_bskd.reshape(b, (s + pad) // block_k, block_k, kv, d).transpose(1, 0, 2, 3, 4)
+
+
+def _seg_blocks(seg_bs, block_k):
+    """Segment ids [B, S] -> [S_pad / block_k, B, block_k] (padded with -1), or None."""
+    if seg_bs is None:
+        return None
+    b, s = seg_bs.shape
+    pad = -s % block_k
+    if pad:
+        seg_bs = jnp.pad(seg_bs, ((0, 0), (0, pad)), constant_values=-1)
+    return seg_bs.reshape(b, (s + pad) // block_k, block_k).transpose(1, 0, 2)
+
+
+def _block_mask(j, k_btkd, s, block_k, seg_bs, seg_bt):
+    """The mask of key block j broadcastable to [B, S, K, G, block_k]: causal, and within the
+    query's segment when there are segment ids."""
+    causal_st = _mask_st(j, k_btkd, s, block_k)
+    if seg_bs is None:
+        return causal_st[None, :, None, None, :]
+    same_bst = seg_bs[:, :, None] == seg_bt[:, None, :]
+    return (causal_st[None] & same_bst)[:, :, None, None, :]
 
 
 def _from_blocks(x_jbtkd, s):
@@ -134,13 +176,13 @@ def _mask_st(j, k_btkd, s, block_k):
     return k_pos_t[None, :] <= jnp.arange(s)[:, None]
 
 
-def _scores(q_bskgd, k_btkd, mask_st, scale):
+def _scores(q_bskgd, k_btkd, mask, scale):
     """Masked scaled scores [B, S, K, G, block_k] in float32 (masked ones are NEG)."""
     s_bskgt = jnp.einsum("bskgd,btkd->bskgt", q_bskgd, k_btkd, preferred_element_type=F32)
-    return jnp.where(mask_st[None, :, None, None, :], s_bskgt * scale, NEG)
+    return jnp.where(mask, s_bskgt * scale, NEG)
 
 
-def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
+def _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
     """Online-softmax scan over key blocks: o [B, S, N, D] and lse [B, S, K, G] (float32)."""
     b, s, n, d = q_bsnd.shape
     q_bskgd = _group(q_bsnd, k_bskd.shape[2])
@@ -148,13 +190,11 @@ def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
 
     def step(carry, xs):
         m_bskg, l_bskg, acc_bskgd = carry
-        j, k_btkd, v_btkd = xs
-        mask_st = _mask_st(j, k_btkd, s, block_k)
-        s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
+        j, k_btkd, v_btkd, seg_bt = xs
+        mask = _block_mask(j, k_btkd, s, block_k, seg_bs, seg_bt)
+        s_bskgt = _scores(q_bskgd, k_btkd, mask, scale)
         m_new = jnp.maximum(m_bskg, s_bskgt.max(-1))
-        p_bskgt = jnp.where(
-            mask_st[None, :, None, None, :], jnp.exp(s_bskgt - m_new[..., None]), 0.0
-        )
+        p_bskgt = jnp.where(mask, jnp.exp(s_bskgt - m_new[..., None]), 0.0)
         corr_bskg = jnp.exp(m_bskg - m_new)
         l_new = l_bskg * corr_bskg + p_bskgt.sum(-1)
         pv_bskgd = jnp.einsum(
@@ -164,7 +204,7 @@ def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
 
     stat_bskg = q_bskgd[..., 0]
     init = (_full_like(stat_bskg, NEG), _full_like(stat_bskg, 0.0), _full_like(q_bskgd, 0.0))
-    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd)
+    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_bs, block_k))
     (m_bskg, l_bskg, acc_bskgd), _ = lax.scan(step, init, xs)
     o_bsnd = (acc_bskgd / l_bskg[..., None]).astype(q_bsnd.dtype).reshape(b, s, n, d)
     return o_bsnd, m_bskg + jnp.log(l_bskg)
@@ -172,7 +212,7 @@ def _forward(q_bsnd, k_bskd, v_bskd, block_k, scale):
 
 def _attention_bwd(block_k, scale, res, do_bsnd):
     """Second scan over key blocks: dq carried in float32, dk and dv emitted per block."""
-    q_bsnd, k_bskd, v_bskd, o_bsnd, lse_bskg = res
+    q_bsnd, k_bskd, v_bskd, seg_bs, o_bsnd, lse_bskg = res
     b, s, n, d = q_bsnd.shape
     kv = k_bskd.shape[2]
     q_bskgd, do_bskgd = _group(q_bsnd, kv), _group(do_bsnd.astype(q_bsnd.dtype), kv)
@@ -180,13 +220,11 @@ def _attention_bwd(block_k, scale, res, do_bsnd):
     k_jbtkd, v_jbtkd = _to_blocks(k_bskd, block_k), _to_blocks(v_bskd, block_k)
 
     def step(dq_bskgd, xs):
-        j, k_btkd, v_btkd = xs
+        j, k_btkd, v_btkd, seg_bt = xs
         kv_sharding = _out_sharding(k_btkd)
-        mask_st = _mask_st(j, k_btkd, s, block_k)
-        s_bskgt = _scores(q_bskgd, k_btkd, mask_st, scale)
-        p_bskgt = jnp.where(
-            mask_st[None, :, None, None, :], jnp.exp(s_bskgt - lse_bskg[..., None]), 0.0
-        )
+        mask = _block_mask(j, k_btkd, s, block_k, seg_bs, seg_bt)
+        s_bskgt = _scores(q_bskgd, k_btkd, mask, scale)
+        p_bskgt = jnp.where(mask, jnp.exp(s_bskgt - lse_bskg[..., None]), 0.0)
         dv_btkd = jnp.einsum(
             "bskgt,bskgd->btkd",
             p_bskgt.astype(do_bskgd.dtype),
@@ -208,10 +246,10 @@ def _attention_bwd(block_k, scale, res, do_bsnd):
         )
         return dq_bskgd, (dk_btkd.astype(k_btkd.dtype), dv_btkd.astype(v_btkd.dtype))
 
-    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd)
+    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_bs, block_k))
     dq_bskgd, (dk_jbtkd, dv_jbtkd) = lax.scan(step, _full_like(q_bskgd, 0.0), xs)
     dq_bsnd = dq_bskgd.astype(q_bsnd.dtype).reshape(b, s, n, d)
-    return dq_bsnd, _from_blocks(dk_jbtkd, s), _from_blocks(dv_jbtkd, s)
+    return dq_bsnd, _from_blocks(dk_jbtkd, s), _from_blocks(dv_jbtkd, s), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

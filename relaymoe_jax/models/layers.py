@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.models.attention import chunked_causal_attention
+from relaymoe_jax.models.attention import check_segment_ids, chunked_causal_attention
 from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
 
 F32 = jnp.float32
@@ -161,7 +161,9 @@ def apply_rope(x_bsnd, cos_bsd, sin_bsd):
 ATTENTION_IMPLS = ("xla", "chunked")  # `causal_attention`'s impl (ModelConfig.attention_impl)
 
 
-def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512):
+def causal_attention(
+    q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512, segment_ids=None
+):
     """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
 
     impl="xla": `jax.nn.dot_product_attention` with its default implementation, which in jax 0.12
@@ -171,10 +173,18 @@ def causal_attention(q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 5
     impl="chunked": `attention.chunked_causal_attention` (key blocks of `block_k`, online softmax,
     a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
     sequences.
+    segment_ids [B, S] (optional, packed documents): query i sees key j only if their ids are
+    equal, in both implementations (the XLA one through a [B, 1, S, S] boolean mask).
     """
     if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
-        return chunked_causal_attention(q_bsnd, k_bskd, v_bskd, block_k=block_k)
+        return chunked_causal_attention(
+            q_bsnd, k_bskd, v_bskd, block_k=block_k, segment_ids=segment_ids
+        )
+    mask = None
+    if segment_ids is not None:
+        seg_bs = check_segment_ids(segment_ids, q_bsnd.shape[:2])
+        mask = (seg_bs[:, :, None] == seg_bs[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(
-        q_bsnd, k_bskd, v_bskd, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True
+        q_bsnd, k_bskd, v_bskd, mask=mask, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True
     )
     return checkpoint_name(out, "attn_out")

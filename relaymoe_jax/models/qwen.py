@@ -77,6 +77,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import router as rt
+from relaymoe_jax.models.attention import check_segment_ids
 from relaymoe_jax.models.config import ModelConfig, check_mesh
 from relaymoe_jax.models.layers import (
     MLP,
@@ -137,7 +138,7 @@ class Attention(nnx.Module):
             y_bsnd = y_bsnd + getattr(self, bias)[...]
         return checkpoint_name(y_bsnd, name)
 
-    def __call__(self, x_bsh, cos_bsd, sin_bsd):
+    def __call__(self, x_bsh, cos_bsd, sin_bsd, seg_bs=None):
         with jax.named_scope("qkv_proj"):
             q_bsnd = self._proj(x_bsh, self.q_proj, "q_bias", "q_proj")
             k_bskd = self._proj(x_bsh, self.k_proj, "k_bias", "k_proj")
@@ -155,7 +156,12 @@ class Attention(nnx.Module):
             v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
         with jax.named_scope("attention"):
             o_bsnd = causal_attention(
-                q_bsnd, k_bskd, v_bskd, self.attention_impl, self.attention_block_k
+                q_bsnd,
+                k_bskd,
+                v_bskd,
+                self.attention_impl,
+                self.attention_block_k,
+                segment_ids=seg_bs,
             )
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
@@ -169,9 +175,9 @@ class DenseMLP(MLP):
         return super().__call__(x_bsh), None
 
 
-def attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd):
+def attention_block(norm, attn, x_bsh, cos_bsd, sin_bsd, seg_bs=None):
     """One layer's pre-norm self-attention: the unit the attention remat options checkpoint."""
-    return attn(checkpoint_name(norm(x_bsh), "attn_norm"), cos_bsd, sin_bsd)
+    return attn(checkpoint_name(norm(x_bsh), "attn_norm"), cos_bsd, sin_bsd, seg_bs)
 
 
 def _mlp_block(norm, mlp, x_bsh):
@@ -198,26 +204,28 @@ class DecoderLayer(nnx.Module):
                 std=cfg.initializer_range,
             )
 
-    def __call__(self, x_bsh, cos_bsd, sin_bsd):
+    def __call__(self, x_bsh, cos_bsd, sin_bsd, seg_bs=None):
         """Each block under its own `jax.checkpoint` (attention: `remat_option`; MLP/MoE:
         `moe_remat`), except when both recompute everything (`full` and `moe_remat`): then the
         whole layer is one checkpoint that keeps only its input, not also the MLP block's input
         (the same recomputation, one [B, S, H] activation less per layer)."""
         if self.remat_option == "full" and self.moe_remat:
             layer = nnx.remat(
-                _decoder_layer, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(4,)
+                _decoder_layer, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(5,)
             )
             with jax.named_scope("layer_remat"):
-                return layer(self, x_bsh, cos_bsd, sin_bsd, False)
-        return _decoder_layer(self, x_bsh, cos_bsd, sin_bsd, True)
+                return layer(self, x_bsh, cos_bsd, sin_bsd, seg_bs, False)
+        return _decoder_layer(self, x_bsh, cos_bsd, sin_bsd, seg_bs, True)
 
 
-def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, block_remat: bool):
+def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, seg_bs, block_remat: bool):
     with jax.named_scope("attention_block"):
         block = attention_block
         if block_remat and layer.remat_option != "save_all":
             block = nnx.remat(attention_block, policy=remat_policy(layer.remat_option))
-        x_bsh = x_bsh + block(layer.input_layernorm, layer.self_attn, x_bsh, cos_bsd, sin_bsd)
+        x_bsh = x_bsh + block(
+            layer.input_layernorm, layer.self_attn, x_bsh, cos_bsd, sin_bsd, seg_bs
+        )
     with jax.named_scope("mlp_block"):
         block = _mlp_block
         if block_remat and layer.moe_remat:
@@ -270,10 +278,17 @@ class QwenMoe(nnx.Module):
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i))
 
-    def __call__(self, input_ids, *, positions=None, return_router_logits=False):
-        """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict)."""
+    def __call__(self, input_ids, *, positions=None, segment_ids=None, return_router_logits=False):
+        """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict).
+
+        Packed documents: `segment_ids` [B, S] (attention stays within equal ids) with
+        `positions` restarting at each document's start give each document the logits it has
+        on its own."""
         x_bsh, aux = self.hidden(
-            input_ids, positions=positions, return_router_logits=return_router_logits
+            input_ids,
+            positions=positions,
+            segment_ids=segment_ids,
+            return_router_logits=return_router_logits,
         )
         with jax.named_scope("lm_head"):
             if self.config.tie_word_embeddings:
@@ -288,7 +303,7 @@ class QwenMoe(nnx.Module):
             return self.embed_tokens[...].T
         return self.lm_head[...]
 
-    def hidden(self, input_ids, *, positions=None, return_router_logits=False):
+    def hidden(self, input_ids, *, positions=None, segment_ids=None, return_router_logits=False):
         """input_ids [B, S] int -> (the final-norm hidden states [B, S, H], aux dict): the model
         without its LM head (the trainer's chunked loss, `loss.lm_loss`, applies the head)."""
         cfg, rules, mesh = self.config, self.rules, self.rules.mesh
@@ -298,6 +313,9 @@ class QwenMoe(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         positions = constrain(jnp.asarray(positions, jnp.int32), mesh, act)
+        seg_bs = None
+        if segment_ids is not None:
+            seg_bs = constrain(check_segment_ids(jnp.asarray(segment_ids), (b, s)), mesh, act)
         with jax.named_scope("embed"):
             x_bsh = embed_lookup(self.embed_tokens[...], ids_bs, mesh, P(*act, None))
         cos_bsd, sin_bsd = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, self.dtype)
@@ -306,7 +324,7 @@ class QwenMoe(nnx.Module):
             graphdef, state = nnx.split(self.layers)
 
             def body(x_bsh, layer_state):  # one layer: its slice of every stacked variable
-                x_bsh, st = nnx.merge(graphdef, layer_state)(x_bsh, cos_bsd, sin_bsd)
+                x_bsh, st = nnx.merge(graphdef, layer_state)(x_bsh, cos_bsd, sin_bsd, seg_bs)
                 return x_bsh, keep(st)
 
             with jax.named_scope("layers"):
@@ -315,7 +333,7 @@ class QwenMoe(nnx.Module):
             per_layer = []
             for i, layer in enumerate(self.layers):
                 with jax.named_scope(f"layer_{i}"):
-                    x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd)
+                    x_bsh, st = layer(x_bsh, cos_bsd, sin_bsd, seg_bs)
                 if st is not None:
                     per_layer.append(keep(st))
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
