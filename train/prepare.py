@@ -190,6 +190,18 @@ def write_shard(task) -> dict:
     return entry
 
 
+def _write_shards(todo, tokenizer, workers):
+    """The finished shards' entries as they finish: in worker processes (spawned: no state of
+    this process is forked into them), or in this process for one worker."""
+    if workers == 1:
+        _init_worker(tokenizer)
+        yield from map(write_shard, todo)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        yield from pool.imap_unordered(write_shard, todo)
+
+
 def _plan(paths, tokenizer: Tokenizer, field, per_shard) -> dict:
     inputs = [{"path": p, "bytes": Path(p).stat().st_size, "sha256": sha256_file(p)} for p in paths]
     return {
@@ -268,13 +280,9 @@ def prepare(inputs, out, *, tokenizer=None, field="text", workers=None, docs_per
         print(f"prepare: resuming: {len(done)} of {len(tasks)} shards done", file=sys.stderr)
     progress = Progress(len(tasks), len(done))
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-    if todo:
-        with multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer,)
-        ) as pool:
-            for i, entry in enumerate(pool.imap_unordered(write_shard, todo)):
-                done[int(entry["file"][6:11])] = entry
-                progress.add(entry, final=i == len(todo) - 1)
+    for i, entry in enumerate(_write_shards(todo, tokenizer, workers)):
+        done[int(entry["file"][6:11])] = entry
+        progress.add(entry, final=i == len(todo) - 1)
     shards = [done[i] for i in range(len(tasks))]
     docs_n = sum(e["documents"] for e in shards)
     if not docs_n:
