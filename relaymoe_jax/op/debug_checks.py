@@ -17,6 +17,7 @@ first runs, not for training.
 """
 
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,17 @@ from jax import lax
 from relaymoe_jax.dispatch.local import LocalSpec
 
 log = logging.getLogger("relaymoe_jax")
+
+
+class Where(NamedTuple):
+    """What the call was told, for the messages."""
+
+    experts: int  # E, the experts the call sees
+    per_device: int  # E / EP
+    ep: int
+    expert_axis: object
+    etp: str | None
+    gather: bool  # tokens_sharded_over_etp, as passed or read
 
 
 def _same_as_next(a, axes: tuple, size: int):
@@ -49,14 +61,7 @@ def run(spec: LocalSpec, *, ep: int, manual: tuple, typed: bool, expert_axis, x,
     etp_same = jnp.int32(-1)  # -1: not checked
     if spec.etp is not None and not typed and spec.etp_size > 1:
         etp_same = _same_as_next(x, spec.etp, spec.etp_size)
-    where = dict(
-        experts=e,
-        per_device=e // ep,
-        ep=ep,
-        expert_axis=expert_axis,
-        etp=spec.etp,
-        gather=spec.gather_etp,
-    )
+    where = Where(e, e // ep, ep, expert_axis, spec.etp, spec.gather_etp)
 
     def report(first, beyond, top, replicated, etp_same):
         if bool(first):
@@ -66,31 +71,31 @@ def run(spec: LocalSpec, *, ep: int, manual: tuple, typed: bool, expert_axis, x,
     jax.debug.callback(report, _first_device(manual), beyond, top, replicated, etp_same)
 
 
-def findings(beyond: int, top: int, replicated: int, etp_same: int, where: dict) -> list[str]:
+def findings(beyond: int, top: int, replicated: int, etp_same: int, where: Where) -> list[str]:
     """The warnings for one call's measured values (plain Python: tested on its own too)."""
     out = []
     if beyond:
         out.append(
-            f"{beyond} (token, expert) pairs have ids >= {where['experts']} (up to {top}), the "
-            f"experts this call sees ({where['per_device']} per device in w_gate x "
-            f"{where['ep']} over expert_axis={where['expert_axis']!r}); they are ignored. If "
+            f"{beyond} (token, expert) pairs have ids >= {where.experts} (up to {top}), the "
+            f"experts this call sees ({where.per_device} per device in w_gate x "
+            f"{where.ep} over expert_axis={where.expert_axis!r}); they are ignored. If "
             "the experts are sharded over more mesh axes than expert_axis, pass them all"
         )
     if replicated == 1:
         out.append(
-            f"w_gate is the same on every device along expert_axis={where['expert_axis']!r}: "
+            f"w_gate is the same on every device along expert_axis={where.expert_axis!r}: "
             "the experts are replicated there, or sharded over another axis; each device "
             "along expert_axis must hold its own E / EP experts"
         )
-    if etp_same != -1 and bool(etp_same) == where["gather"]:
+    if etp_same != -1 and bool(etp_same) == where.gather:
         said, seen, wrong = (
             ("True", "the same tokens on every", "the weight gradients are counted once per rank")
-            if where["gather"]
+            if where.gather
             else ("False", "other tokens on some", "y and the gradients are wrong")
         )
         out.append(
             f"tokens_sharded_over_etp={said}, but x holds {seen} expert-tensor rank "
-            f"(expert_tensor_axis={where['etp']!r}): {wrong}; pass {not where['gather']}"
+            f"(expert_tensor_axis={where.etp!r}): {wrong}; pass {not where.gather}"
         )
     return out
 

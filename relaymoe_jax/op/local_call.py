@@ -30,8 +30,9 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == MANUAL)
 
 
-def _check_manual(expert_axis, etp, mesh, *, dispatcher, gmm_impl) -> tuple:
-    """The expert axes, each checked to be a manual axis of the shard_map traced in now."""
+def _check_manual(expert_axis, etp, mesh, *, dispatcher, gmm_impl) -> tuple[tuple, tuple]:
+    """(the expert axes, the manual axes): each expert axis checked to be a manual axis of the
+    shard_map traced in now."""
     manual = manual_axes()
     wanted = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
     wanted = (*wanted, *((etp,) if etp else ()))
@@ -49,7 +50,7 @@ def _check_manual(expert_axis, etp, mesh, *, dispatcher, gmm_impl) -> tuple:
             f"moe_ffn_local: the axes {outside} are not manual in this jax.shard_map "
             f"(manual: {manual}): add them to its axis_names"
         )
-    return ea
+    return ea, manual
 
 
 def _ring_mesh(ea):
@@ -101,10 +102,9 @@ def run(
         )
     mesh = jax.sharding.get_abstract_mesh()
     etp = expert_tensor_axis
-    ea = _check_manual(
+    ea, manual = _check_manual(
         expert_axis, etp, mesh, dispatcher=options.dispatcher, gmm_impl=options.gmm_impl
     )
-    manual = manual_axes()
     topology.check_ring_axes(options.ring, ea)
     args, given = args[:6], args[6:]
     local = checks.check_arrays(*args)
