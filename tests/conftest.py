@@ -15,6 +15,9 @@ Compile time is most of the suite's time, so these settings cut it without chang
   fixture (one benchmark run, one trained model) runs once, and a program the file's tests share
   is traced and compiled once, in one process. (xdist's `loadgroup` cannot group under pytest 9.2:
   it rewrites `item._nodeid`, which pytest no longer reads.)
+
+The trainer's cache of prepared text (`train.data.cache_dir`) is a directory of the run's
+cache, not the user's ~/.cache.
 """
 
 import os
@@ -30,6 +33,7 @@ if _CACHE_ENV not in os.environ:  # the first process (pytest, or xdist's contro
 else:
     _OWNS_CACHE = False
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_ENV])
+os.environ.setdefault("RELAYMOE_DATA_CACHE", os.path.join(os.environ[_CACHE_ENV], "datasets"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

@@ -1,7 +1,9 @@
 """`python -m train` on JAX's own multi-process runtime: two processes with 4 CPU devices each,
 joined by `jax.distributed` over localhost (gloo collectives), train the same 5 steps as one
 process with 8 devices, with the same losses (up to float32 reduction order: relative 1e-6).
-Only process 0 writes metrics.jsonl and prints; both take part in the orbax checkpoint. The mesh is
+Each process reads only the rows of the global batch its devices hold (half each, its INFO
+line says which). Only process 0 writes metrics.jsonl and prints; both take part in the orbax
+checkpoint. The mesh is
 `node=2,expert=4`: over the two processes `ring="auto"` picks the hierarchical ring (one process
 per `node` index; said in its INFO log line), in one process the flat ring, so the losses also
 compare the two rings across real processes.
@@ -14,6 +16,7 @@ SIGTERM to one process stops both after the same step, checkpointed.
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,6 +96,15 @@ def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
 
 
+def _rows(ranges: str) -> set[int]:
+    """ "0-3, 6" -> {0, 1, 2, 3, 6} (`train.loader.row_ranges`)."""
+    out = set()
+    for part in ranges.split(", "):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def test_two_processes_match_one(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
@@ -112,6 +124,17 @@ def test_two_processes_match_one(tmp_path):
     for name in ("p0", "p1"):
         assert HIERARCHICAL in (tmp_path / f"{name}.err").read_text(), name
     assert "hierarchical ring" not in (tmp_path / "single.err").read_text()
+    # each process reads only the rows of the batch its devices hold: half each, disjoint
+    read = {}
+    for name in ("p0", "p1", "single"):
+        found = re.findall(
+            r"data: process (\d) of (\d) reads (\d+) of the 8 rows of each batch: ([\d, -]+)",
+            (tmp_path / f"{name}.err").read_text(),
+        )
+        assert len(found) == 1, name
+        read[name] = _rows(found[0][3])
+    assert len(read["p0"]) == len(read["p1"]) == 4 and read["p0"] | read["p1"] == read["single"]
+    assert read["single"] == set(range(8))
 
     assert sorted(p.name for p in multi.rglob("metrics*")) == ["metrics.jsonl"]
     got, want = _losses(multi), _losses(single)

@@ -57,6 +57,9 @@ def test_byte_level_prepare_reads_back_document_by_document(corpus):
     for s in m["shards"]:
         assert s["sha256"] == prepare.sha256_file(out / s["file"])
         assert s["bytes"] == (out / s["file"]).stat().st_size
+        assert s["lengths_sha256"] == prepare.sha256_file(out / s["lengths_file"])
+    lengths = np.concatenate([np.load(out / s["lengths_file"]) for s in m["shards"]])
+    np.testing.assert_array_equal(lengths, [len(w) for w in want])  # the loader's index
     assert [i["path"] for i in m["inputs"]] == inputs
 
 

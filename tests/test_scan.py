@@ -353,8 +353,8 @@ def test_train_step_fsdp_matches_unscanned():
     state, metrics = run_fast(
         train_step.make_step(graphdef, tx, cfg),
         state,
-        jax.device_put(ids, ids_sharding),
-        in_shardings=(shardings, ids_sharding),
+        {"tokens": jax.device_put(ids, ids_sharding)},
+        in_shardings=(shardings, {"tokens": ids_sharding}),
         out_shardings=(shardings, jax.NamedSharding(m, jax.P())),
         donate_argnums=0,
     )

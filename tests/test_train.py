@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from train import cli, guards
-from train.data import DEFAULT_TEXT, SyntheticData, TextData
+from train.data import DEFAULT_TEXT, SyntheticData, byte_tokenize, make_data
 
 SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
 
@@ -95,16 +95,24 @@ def test_nonfinite_loss_stops_and_keeps_checkpoint(tmp_path):
 
 
 def test_text_data_is_deterministic_and_cycles():
-    d = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=3, vocab_size=256)
-    again = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=3, vocab_size=256)
-    steps_per_epoch = d.num_seqs // 8
-    for s in (0, 5, steps_per_epoch + 2):
-        np.testing.assert_array_equal(d.batch(s), again.batch(s))
-        assert d.batch(s).shape == (8, 32) and d.batch(s).dtype == np.int32
-    epoch0 = np.concatenate([d.batch(s) for s in range(steps_per_epoch)])
+    """The shipped text through the trainer's path (prepared into the cache, then the packed
+    loader): fixed by the seed, each epoch's rows are the text cut into rows of seq_len, every
+    row once, and the next epoch is another permutation."""
+    kw = dict(synthetic=False, seq_len=32, batch_size=8, vocab_size=256)
+    d, again = make_data(None, seed=3, **kw), make_data(None, seed=3, **kw)
+    stream = np.append(byte_tokenize(DEFAULT_TEXT.read_text()), np.int32(10))  # 1 doc, EOD
+    n = len(stream) // 32
+    steps_per_epoch = n // 8
+    batches = [next(d) for _ in range(steps_per_epoch + 3)]
+    for b in batches:
+        assert b.tokens.shape == (8, 32) and b.tokens.dtype == np.int32
+        np.testing.assert_array_equal(b.tokens, next(again).tokens)
+    epoch0 = np.concatenate([b.tokens for b in batches[:steps_per_epoch]])
+    grid = stream[: n * 32].reshape(n, 32)
+    assert {r.tobytes() for r in epoch0} <= {r.tobytes() for r in grid}
     assert len({r.tobytes() for r in epoch0}) == len(epoch0)  # no repeats within an epoch
-    other = TextData([DEFAULT_TEXT], seq_len=32, batch_size=8, seed=4, vocab_size=256)
-    assert not np.array_equal(d.batch(0), other.batch(0))
+    other = make_data(None, seed=4, **kw)
+    assert not np.array_equal(batches[0].tokens, next(other).tokens)
     syn = SyntheticData(16, 4, 0, 256)
     np.testing.assert_array_equal(syn.batch(7), SyntheticData(16, 4, 0, 256).batch(7))
 
@@ -114,7 +122,7 @@ def test_text_data_is_deterministic_and_cycles():
     [
         (["--data", "/nonexistent/x.txt"], FileNotFoundError, "data file not found"),
         (["seq_len=100000"], ValueError, "max_position_embeddings"),
-        (["seq_len=9000", "max_position_embeddings=16384"], ValueError, "cannot fill"),
+        (["seq_len=9000", "max_position_embeddings=16384"], ValueError, "no row can be filled"),
         (["num_experts=6"], ValueError, "num_experts"),
         (["lr=fast"], ValueError, "lr"),
     ],

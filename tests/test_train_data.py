@@ -1,5 +1,6 @@
-"""Trainer data (`train.data`) with a local HF tokenizer.json and the byte-level default, and the
-loss-curve plot (`train.plot`). The byte-level determinism/cycling test is in test_train.py."""
+"""Trainer data (`train.data`): --data files prepared into the cache with a local HF
+tokenizer.json and the byte-level default, prepared directories checked against the model, and
+the loss-curve plot (`train.plot`). The byte-level determinism/cycling test is in test_train.py."""
 
 import json
 import subprocess
@@ -8,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from train import plot
-from train.data import TextData, byte_tokenize, make_data
+from train import plot, prepare
+from train.data import byte_tokenize, make_data
+from train.loader import DatasetError
 
 TEXTS = [
     "the cat sat on the mat\nthe dog sat on the log\n",
@@ -42,9 +44,10 @@ def files(tmp_path):
     return out
 
 
-def _sorted_rows(rows):
-    """The rows of a 2-D array as sorted bytes, to compare as multisets."""
-    return sorted(r.tobytes() for r in rows)
+def _stream(d):
+    """The whole token stream of a packed data source, with its segment ids."""
+    whole = d.corpus.read(0, d.corpus.tokens)
+    return whole["tokens"], whole["segment_ids"]
 
 
 @pytest.mark.parametrize(
@@ -56,81 +59,89 @@ def _sorted_rows(rows):
     ],
 )
 def test_hf_tokenizer_packs_independent_tokenization(tmp_path, files, specials, eos):
+    """--data files with --tokenizer: each file one document, tokenized without the
+    post-processor's tokens and followed by the EOS the vocabulary has (none without one)."""
     tok = _tokenizer_json(tmp_path / "tokenizer.json", specials, bos_template=True)
     sep = [] if eos is None else [tok.token_to_id(eos)]
-    ids = [i for t in TEXTS for i in tok.encode(t, add_special_tokens=False).ids + sep]
-    seq_len = 4
-    n = len(ids) // seq_len
-    want = np.asarray(ids[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
-    d = make_data(
-        [str(f) for f in files],
-        synthetic=False,
-        seq_len=seq_len,
-        batch_size=1,
-        seed=1,
-        vocab_size=tok.get_vocab_size() + 3,
-        tokenizer=tmp_path / "tokenizer.json",
-    )
-    np.testing.assert_array_equal(d.seqs, want)
-    assert d.seqs.dtype == np.int32 and d.num_seqs == n
+    per_file = [tok.encode(t, add_special_tokens=False).ids + sep for t in TEXTS]
+    ids = [i for f in per_file for i in f]
     assert tok.token_to_id("<s>") not in ids  # no post-processor tokens
-    epoch = np.concatenate([d.batch(s) for s in range(n)])
-    assert _sorted_rows(epoch) == _sorted_rows(want)  # an epoch is a permutation
-    b = d.batch(n + 3)
-    assert b.shape == (1, seq_len) and b.dtype == np.int32
-    again = make_data(
-        files,
-        synthetic=False,
-        seq_len=seq_len,
-        batch_size=1,
-        seed=1,
-        vocab_size=64,
-        tokenizer=str(tmp_path / "tokenizer.json"),
+    kw = dict(synthetic=False, seq_len=4, batch_size=1, seed=1)
+    d = make_data(
+        [str(f) for f in files], vocab_size=64, tokenizer=tmp_path / "tokenizer.json", **kw
     )
-    np.testing.assert_array_equal(again.batch(n + 3), b)  # order fixed by (seed, step)
+    tokens, seg = _stream(d)
+    np.testing.assert_array_equal(tokens, ids)
+    np.testing.assert_array_equal(seg, np.repeat([1, 2], [len(f) for f in per_file]))
+    logged = []
+    again = make_data(
+        files, vocab_size=64, tokenizer=str(tmp_path / "tokenizer.json"), log=logged.append, **kw
+    )
+    assert logged == []  # read from the cache, not prepared again
+    for _ in range(d.num_rows + 3):  # into the second epoch
+        a, b = next(d), next(again)
+        np.testing.assert_array_equal(a.tokens, b.tokens)  # order fixed by the seed
+        assert a.tokens.tobytes() in np.asarray(ids, np.int32).tobytes()
 
 
-def test_hf_tokenizer_errors(tmp_path, files):
+def test_data_errors(tmp_path, files):
     tok = _tokenizer_json(tmp_path / "tok.json", ["[UNK]", "</s>"])
     n = tok.get_vocab_size(with_added_tokens=True)
-    kw = dict(seq_len=4, batch_size=2, seed=0)
+    kw = dict(synthetic=False, seq_len=4, batch_size=2, seed=0)
     with pytest.raises(FileNotFoundError, match=r"tokenizer file not found: .*missing\.json"):
-        TextData(files, vocab_size=64, tokenizer=tmp_path / "missing.json", **kw)
+        make_data(files, vocab_size=64, tokenizer=tmp_path / "missing.json", **kw)
     for i, junk in enumerate(["not json", "{}", '{"model": 3}']):
         bad = tmp_path / f"bad{i}.json"
         bad.write_text(junk)
         with pytest.raises(ValueError, match=rf"not a valid tokenizer\.json: .*bad{i}\.json"):
-            TextData(files, vocab_size=64, tokenizer=bad, **kw)
+            make_data(files, vocab_size=64, tokenizer=bad, **kw)
     with pytest.raises(ValueError, match=rf"has {n} tokens, .*vocab_size={n - 1}"):
-        TextData(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
-    TextData(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
-    with pytest.raises(ValueError, match="cannot fill one sequence"):
-        TextData(
-            files,
-            vocab_size=n,
-            tokenizer=tmp_path / "tok.json",
-            seq_len=10_000,
-            batch_size=1,
-            seed=0,
-        )
+        make_data(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
+    make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
+    with pytest.raises(ValueError, match=r"seq_len=10000 is longer than the whole corpus"):
+        make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **{**kw, "seq_len": 10_000})
+    with pytest.raises(FileNotFoundError, match=r"data file not found: .*nope\.txt"):
+        make_data([tmp_path / "nope.txt"], vocab_size=256, **kw)
+    # a prepared directory: its manifest against the model and --tokenizer
+    prepare.prepare(
+        [str(f) for f in files], tmp_path / "ds", tokenizer=tmp_path / "tok.json", workers=1
+    )
+    make_data([tmp_path / "ds"], vocab_size=n, **kw)
+    with pytest.raises(
+        DatasetError,
+        match=rf"manifest\.json: prepared with .*tok\.json of {n} tokens, .* vocab_size={n - 1}",
+    ):
+        make_data([tmp_path / "ds"], vocab_size=n - 1, **kw)
+    other = _tokenizer_json(tmp_path / "other.json", ["[UNK]", "<|endoftext|>", "x"])
+    assert other.get_vocab_size() <= 64
+    with pytest.raises(
+        DatasetError,
+        match=r"manifest\.json: prepared with tokenizer .*tok\.json, not --tokenizer .*other",
+    ):
+        make_data([tmp_path / "ds"], vocab_size=64, tokenizer=tmp_path / "other.json", **kw)
+    with pytest.raises(DatasetError, match=r"is a prepared dataset: give it alone"):
+        make_data([tmp_path / "ds", files[0]], vocab_size=64, **kw)
 
 
 def test_byte_tokenizer_packs_files_joined_by_newline(files):
-    d = TextData(files, seq_len=8, batch_size=2, seed=0, vocab_size=256)
+    d = make_data(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=256)
     raw = "".join(t + "\n" for t in TEXTS).encode()
-    n = len(raw) // 8
-    want = np.frombuffer(raw[: n * 8], dtype=np.uint8).astype(np.int32).reshape(n, 8)
-    np.testing.assert_array_equal(d.seqs, want)
+    tokens, seg = _stream(d)
+    np.testing.assert_array_equal(tokens, np.frombuffer(raw, np.uint8))
+    np.testing.assert_array_equal(seg, np.repeat([1, 2], [len(t.encode()) + 1 for t in TEXTS]))
     np.testing.assert_array_equal(byte_tokenize("é"), [0xC3, 0xA9])
-    with pytest.raises(ValueError, match="vocab_size >= 256, got 255"):
-        TextData(files, seq_len=8, batch_size=2, seed=0, vocab_size=255)
+    with pytest.raises(
+        ValueError,
+        match=r"byte-level tokenizer of 256 tokens, more than .* vocab_size=255",
+    ):
+        make_data(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=255)
 
 
 def test_default_data_does_not_import_tokenizers():
     code = (
         "import sys; from train.data import make_data; "
         "d = make_data(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
-        "vocab_size=256); d.batch(0); assert 'tokenizers' not in sys.modules"
+        "vocab_size=256); next(d); assert 'tokenizers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -299,7 +299,10 @@ def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
     with pytest.raises(_Built):
         cli.main([*TINY, "--out", str(tmp_path), "warmup_steps=0"])  # no lr-0 warning first
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(
+    assert (
+        out[0] == "data: 1 document(s), 8,152 tokens in 254 rows of 32 (the last 24 tokens in none)"
+    )
+    assert out[1].startswith(
         "building configs/tiny.yaml: 255,360 parameters, train state and gradients "
     ), out
     assert out[-1].startswith("compiling the train step (dispatcher=ring"), out

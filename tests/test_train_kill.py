@@ -49,7 +49,7 @@ ARGS = [
     "--steps",
     str(STEPS),
 ]
-TIMING = {"tokens_per_s", "step_time"}
+TIMING = {"tokens_per_s", "step_time", "data_time"}
 TIMEOUT_S = 300  # one trainer process (compiles in ~10-20 s)
 
 
@@ -297,10 +297,11 @@ def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, refer
     assert "Traceback" not in stdout + err
     head = stdout.splitlines()
     assert (
-        head[0].startswith("building configs/tiny.yaml: ")
-        and head[1].startswith("compiling the train step (")
-        and head[2].startswith("train step ready in ")
-    ), head[:3]
+        head[0].startswith("data: 1 document(s), 8,152 tokens in ")
+        and head[1].startswith("building configs/tiny.yaml: ")
+        and head[2].startswith("compiling the train step (")
+        and head[3].startswith("train step ready in ")
+    ), head[:4]
     step = _check_stopped(out, err, "SIGINT")
     assert _resumed_step(_run_ok(out)) == step
     assert _values(out) == reference[1]

@@ -15,7 +15,7 @@ from flax import nnx
 from relaymoe_jax.models.config_files import load_config
 from train import cli, train_step
 from train import mesh as tm
-from train.data import DEFAULT_TEXT, TextData
+from train.data import make_data
 from train.settings import TrainConfig
 
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", "--steps", "3"]
@@ -33,7 +33,9 @@ def _numpy_first_loss(mesh_spec):
     cfg = load_config("configs/tiny.yaml")
     mesh = tm.make_mesh(tc.mesh)
     graphdef, state, _, _ = train_step.init_state(cfg, tc, mesh)
-    ids = TextData([DEFAULT_TEXT], 32, 8, 0, cfg.vocab_size).batch(0)
+    first = next(make_data(None, synthetic=False, seq_len=32, batch_size=8, seed=0, vocab_size=256))
+    assert first.segment_ids is None  # the shipped text is one document: no boundary in a row
+    ids = first.tokens
     model = nnx.merge(graphdef, jax.tree.map(train_step.gather_fsdp, state.params), state.rest)
     logits = np.asarray(model(jax.numpy.asarray(ids))[0], np.float64)
     logits = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)

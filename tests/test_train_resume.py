@@ -9,6 +9,7 @@ trainers saved (the train state as a dict), so their runs resume.
 """
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -255,7 +256,7 @@ def test_checkpoints_keep_the_dict_state_of_earlier_trainers(run, tmp_path):
 
     for out in (run, earlier):
         assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(out)]) == 0
-    drop = ("tokens_per_s", "step_time")
+    drop = ("tokens_per_s", "step_time", "data_time")
     last = [{k: v for k, v in _metrics(out)[-1].items() if k not in drop} for out in (run, earlier)]
     assert last[0]["step"] == 3 and last[0] == last[1]
 
@@ -331,3 +332,65 @@ def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():
     assert (c.key, c.old, c.new, c.same_math) == ("ring", "auto", "hierarchical", True)
     before = {k: v for k, v in old.items() if k != "ring"}
     assert identity.compare({"model_config": before}, old, {}, {}) == []
+
+
+def _corpus(path, n_docs: int, seed: int):
+    """A JSONL corpus of `n_docs` documents of 5..60 words."""
+    rng = np.random.default_rng(seed)
+    words = "the a cat dog sat on mat log and ran far away home".split()
+    lines = [
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 60)))})
+        for _ in range(n_docs)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_prepared_dataset_resumes_exactly_and_refuses_another(tmp_path, capsys):
+    """--data DIR (documents packed with segment ids): stopped at step 3 and resumed to 6, the
+    losses are bitwise those of an uninterrupted run, the checkpoint holds grain's loader state
+    at the step, and a resume on a re-prepared, different corpus is refused naming both."""
+    from train import prepare
+
+    ds = tmp_path / "ds"
+    prepare.prepare([str(_corpus(tmp_path / "a.jsonl", 300, 0))], ds, workers=1)
+    args = [*BASE, "--quiet", "--data", str(ds), "--save-every", "3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0
+    meta = json.loads((a / "checkpoints" / "3" / "meta" / "metadata").read_text())
+    assert meta["data_state"] == {"next_index": 3}
+    assert meta["data"]["dataset"]["manifest_sha256"] == identity.sha256_file(ds / "manifest.json")
+    assert cli.main([*args, "--steps", "6", "--out", str(a)]) == 0
+    assert cli.main([*args, "--steps", "6", "--out", str(b)]) == 0
+    resumed, straight = _metrics(a), _metrics(b)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # bitwise on CPU
+    assert all(math.isfinite(r["data_time"]) for r in resumed)
+
+    other = tmp_path / "other"
+    prepare.prepare([str(_corpus(tmp_path / "b.jsonl", 300, 1))], other, workers=1)
+    with pytest.raises(
+        identity.ResumeRefusedError,
+        match=r"data .*/ds \(manifest sha256 \w+\) -> .*/other \(manifest sha256 \w+\) would",
+    ):
+        cli.main([*BASE, "--quiet", "--data", str(other), "--steps", "9", "--out", str(a)])
+
+
+def test_a_checkpoint_of_the_earlier_text_packing_is_a_data_change(run, capsys):
+    """A checkpoint written before the packed loader (no "loader" in its data, no loader
+    state) read other rows: resuming is a data change, allowed by --allow-changes data, then
+    continues by position."""
+    meta_file = run / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["data"].pop("loader")
+    meta.pop("data_state")
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(
+        identity.ResumeRefusedError,
+        match=r"data declaration\.txt \(sha256 \w+\) \(the earlier text packing\) -> declaration",
+    ):
+        cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run)])
+    assert (
+        cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(run), "--allow-changes", "data"])
+        == 0
+    )
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]

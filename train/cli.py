@@ -171,13 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         action="append",
         default=None,
-        help="text file to train on, repeatable (default: the shipped train/data/*.txt)",
+        help="a prepared dataset directory (relaymoe-train prepare), or text/JSONL files to "
+        "train on, repeatable, prepared once into a cache ($RELAYMOE_DATA_CACHE, default "
+        "~/.cache/relaymoe-jax/datasets) (default: the shipped train/data/declaration.txt)",
     )
     p.add_argument(
         "--tokenizer",
         type=Path,
         default=None,
-        help="a local Hugging Face tokenizer.json (default: byte-level)",
+        help="a local Hugging Face tokenizer.json (default: byte-level); with a prepared "
+        "--data DIR it must be the one the dataset was prepared with",
     )
     p.add_argument("--quiet", action="store_true", help="no per-step line")
     p.add_argument(

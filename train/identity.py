@@ -6,9 +6,11 @@ Every checkpoint's JSON metadata records
   keys) as resolved (the YAML file plus the key=value overrides);
 * `train_config`: the trainer settings (`TrainConfig`), `schedule_steps` resolved to the cosine
   horizon the run uses (see "Schedule");
-* `data`: each text file's path and sha256 (in order: the order changes the packing) and the
-  tokenizer (the tokenizer.json's path and sha256, or null for the byte-level one), or
-  `{"synthetic": true}`.
+* `data`: a prepared dataset's directory and the sha256 of its manifest.json (which holds every
+  shard's sha256 and the tokenizer's), or each text file's path and sha256 (in order: the order
+  changes the packing) and the tokenizer (the tokenizer.json's path and sha256, or null for the
+  byte-level one), either with `"loader": LOADER` (how rows are packed: checkpoints of the
+  trainer's earlier text packing, without it, read other rows), or `{"synthetic": true}`.
 
 A rerun on the same --out compares them, key by key, with its own (the checkpoint it restores;
 nothing is checked when it has nothing left to train):
@@ -63,6 +65,7 @@ from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer")
+LOADER = "packed-documents-v1"  # train.loader: documents back to back, segment ids
 # same math up to float rounding (see the module docstring)
 SAME_MATH = frozenset(
     {
@@ -131,11 +134,20 @@ def data_identity(paths, tokenizer, synthetic: bool) -> dict:
     if synthetic:
         return {"synthetic": True}
     files = [Path(p) for p in (paths or [data_mod.DEFAULT_TEXT])]
+    if len(files) == 1 and files[0].is_dir():
+        manifest = files[0] / "manifest.json"
+        tok = json.loads(manifest.read_text())["tokenizer"]
+        return {
+            "dataset": {"path": str(files[0].resolve()), "manifest_sha256": sha256_file(manifest)},
+            "tokenizer": None if tok["sha256"] is None else tok,
+            "loader": LOADER,
+        }
     return {
         "files": [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in files],
         "tokenizer": None
         if tokenizer is None
         else {"path": str(Path(tokenizer).resolve()), "sha256": sha256_file(tokenizer)},
+        "loader": LOADER,
     }
 
 
@@ -157,7 +169,19 @@ def _drops(model: dict) -> float | None:
 
 
 def _files(d: dict) -> str:
-    return " + ".join(f"{Path(f['path']).name} (sha256 {f['sha256'][:12]})" for f in d["files"])
+    """The data of a `data_identity`, in a few words."""
+    if "dataset" in d:
+        text = f"{d['dataset']['path']} (manifest sha256 {d['dataset']['manifest_sha256'][:12]})"
+    else:
+        text = " + ".join(f"{Path(f['path']).name} (sha256 {f['sha256'][:12]})" for f in d["files"])
+    return text if d.get("loader") else f"{text} (the earlier text packing)"
+
+
+def _content(d: dict):
+    """What decides the rows a `data_identity` reads."""
+    if "dataset" in d:
+        return ("dataset", d["dataset"]["manifest_sha256"], d.get("loader"))
+    return ("files", [f["sha256"] for f in d["files"]], d.get("loader"))
 
 
 def _tokenizer(d: dict) -> str:
@@ -200,8 +224,8 @@ def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
             same = k in SAME_MATH or (k in DROP_KEYS and dropless)
             changes.append(Change(k, old_t[k], train[k], same))
     old_d = meta.get("data")
-    if old_d is not None and "files" in old_d and "files" in data:
-        if [f["sha256"] for f in old_d["files"]] != [f["sha256"] for f in data["files"]]:
+    if old_d is not None and "synthetic" not in old_d and "synthetic" not in data:
+        if _content(old_d) != _content(data):
             changes.append(Change("data", _files(old_d), _files(data), False))
         if (old_d.get("tokenizer") or {}).get("sha256") != (data.get("tokenizer") or {}).get(
             "sha256"

@@ -71,8 +71,11 @@ def changes(src) -> list[tuple[int, list[dict]]]:
     return sorted(out, key=lambda t: t[0])
 
 
-def _short(v) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
+def _short(v, limit: int = 32) -> str:
+    """A value for a label, cut to `limit` characters (a rotated label longer than the axes
+    collapses matplotlib's constrained layout): the data's file names and hashes are long."""
+    text = v if isinstance(v, str) else json.dumps(v)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def change_text(step: int, chs: list[dict]) -> str:

@@ -5,7 +5,9 @@
 
 INPUT: text files (each file one document), JSONL files (`*.jsonl`: each line one document, its
 `--field`), or globs of either. Out: DIR/shard-NNNNN.array_record, one record per document (its
-token ids, int32 little-endian, followed by the end-of-document token), and DIR/manifest.json.
+token ids, int32 little-endian, followed by the end-of-document token), beside it
+DIR/shard-NNNNN.lengths.npy (each document's token count, int32: the loader's index, so it finds
+token t of the corpus without reading the documents before it), and DIR/manifest.json.
 
 Why ArrayRecord: grain (the trainer's loader, MaxText's) reads it lazily with random access by
 record, so each host reads only its rows and a shuffle needs no pass over the data; a shard is
@@ -19,14 +21,14 @@ rerun of an interrupted prepare with the same inputs and tokenizer skips the sha
 `--out` holding a prepare of other inputs is refused.
 
 The end-of-document token: "\\n" (10) for the byte-level tokenizer (as the trainer's text
-path), the first of `train.data.EOS_TOKENS` in a HF tokenizer's vocabulary (none if it has none:
+path), the first of `train.tokens.EOS_TOKENS` in a HF tokenizer's vocabulary (none if it has none:
 the manifest says so). Empty documents (an empty file, a JSONL field "") and blank JSONL lines are
 skipped and counted in the manifest; a JSONL line that is not JSON, or has no `--field` string, is
 an error naming the file and line.
 
 manifest.json: the format version, the tokenizer (kind, path, sha256), its vocab size, the
 end-of-document id, the totals (documents, tokens, skipped), the inputs (path, bytes, sha256),
-and each shard (file, documents, tokens, bytes, sha256).
+and each shard (file, documents, tokens, bytes, sha256; its lengths file, bytes, sha256).
 """
 
 import argparse
@@ -42,10 +44,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import data as data_mod
+from . import tokens
 
-FORMAT = "relaymoe-tokens-v1"
-BYTE_EOD = 10  # "\n", the byte-level tokenizer's document separator (train.data)
+FORMAT = "relaymoe-tokens-v2"
+BYTE_EOD = 10  # "\n", the byte-level tokenizer's document separator (train.tokens)
 
 
 class Doc(NamedTuple):
@@ -131,13 +133,13 @@ class Tokenizer:
         if path is None:
             self.hf, self.vocab_size, self.eod = None, 256, BYTE_EOD
             return
-        self.hf = data_mod.load_hf_tokenizer(path, vocab_size=2**31 - 1)
+        self.hf = tokens.load_hf_tokenizer(path, vocab_size=2**31 - 1)
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        self.eod = data_mod.eos_id(self.hf)
+        self.eod = tokens.eos_id(self.hf)
 
     def ids(self, text: str) -> np.ndarray:
         if self.hf is None:
-            body = data_mod.byte_tokenize(text)
+            body = tokens.byte_tokenize(text)
         else:
             body = np.asarray(self.hf.encode(text, add_special_tokens=False).ids, np.int32)
         return body if self.eod is None else np.append(body, np.int32(self.eod))
@@ -164,7 +166,8 @@ def write_shard(task) -> dict:
 
     name = f"shard-{index:05d}.array_record"
     tmp = Path(out) / f".{name}.tmp"
-    n_docs = n_tokens = empty = 0
+    lengths_name = f"shard-{index:05d}.lengths.npy"
+    lengths, empty = [], 0
     writer = ArrayRecordWriter(str(tmp), "group_size:1")
     try:
         for doc in docs:
@@ -174,17 +177,22 @@ def write_shard(task) -> dict:
                 continue
             ids = _TOKENIZER.ids(text).astype("<i4")
             writer.write(ids.tobytes())
-            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+            lengths.append(len(ids))
     finally:
         writer.close()
+    with open(Path(out) / lengths_name, "wb") as f:
+        np.save(f, np.asarray(lengths, "<i4"))
     os.replace(tmp, Path(out) / name)
     entry = {
         "file": name,
-        "documents": n_docs,
-        "tokens": n_tokens,
+        "documents": len(lengths),
+        "tokens": int(sum(lengths)),
         "empty_skipped": empty,
         "bytes": (Path(out) / name).stat().st_size,
         "sha256": sha256_file(Path(out) / name),
+        "lengths_file": lengths_name,
+        "lengths_bytes": (Path(out) / lengths_name).stat().st_size,
+        "lengths_sha256": sha256_file(Path(out) / lengths_name),
     }
     (Path(out) / "done" / f"{name}.json").write_text(json.dumps(entry))
     return entry
@@ -232,8 +240,8 @@ def _check_out(out: Path, plan: dict) -> None:
 class Progress:
     """One line on stderr per finished shard, at most every `every` seconds, and at the end."""
 
-    def __init__(self, shards: int, done_before: int, every=1.0):
-        self.shards, self.done_before, self.every = shards, done_before, every
+    def __init__(self, shards: int, done_before: int, every=1.0, quiet=False):
+        self.shards, self.done_before, self.every, self.quiet = shards, done_before, every, quiet
         self.start = self.last = time.monotonic()
         self.finished = self.docs = self.tokens = 0
 
@@ -242,7 +250,7 @@ class Progress:
         self.docs += entry["documents"]
         self.tokens += entry["tokens"]
         now = time.monotonic()
-        if not final and now - self.last < self.every:
+        if self.quiet or (not final and now - self.last < self.every):
             return
         self.last, elapsed = now, now - self.start
         done = self.done_before + self.finished
@@ -256,8 +264,12 @@ class Progress:
         )
 
 
-def prepare(inputs, out, *, tokenizer=None, field="text", workers=None, docs_per_shard=10_000):
-    """Prepare `inputs` into `out`; returns the manifest (also written to out/manifest.json)."""
+def prepare(
+    inputs, out, *, tokenizer=None, field="text", workers=None, docs_per_shard=10_000,
+    progress=True,
+):  # fmt: skip
+    """Prepare `inputs` into `out`; returns the manifest (also written to out/manifest.json).
+    `progress=False`: no progress lines (the trainer's own small preparations)."""
     out = Path(out)
     paths = expand_inputs(inputs)
     tok = Tokenizer(tokenizer)
@@ -276,9 +288,9 @@ def prepare(inputs, out, *, tokenizer=None, field="text", workers=None, docs_per
         if marker.exists():
             done[t[1]] = json.loads(marker.read_text())
     todo = [t for t in tasks if t[1] not in done]
-    if done:
+    if done and progress:
         print(f"prepare: resuming: {len(done)} of {len(tasks)} shards done", file=sys.stderr)
-    progress = Progress(len(tasks), len(done))
+    progress = Progress(len(tasks), len(done), quiet=not progress)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     for i, entry in enumerate(_write_shards(todo, tokenizer, workers)):
         done[int(entry["file"][6:11])] = entry

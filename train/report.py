@@ -17,10 +17,10 @@ MEMORY_TABLE_ROWS = (
 )
 
 
-def memory_rows(cfg, tc, mesh, trained=None, log=print):
+def memory_rows(cfg, tc, mesh, trained=None, log=print, packed: bool = False):
     """[(label, memory_analysis, how)] for every entry of MEMORY_TABLE_ROWS; `trained` is the
     compiled step that ran (reused for the config's own dispatcher), the others are compiled
-    against the abstract state (`train_step.compile_abstract`)."""
+    against the abstract state (`train_step.compile_abstract`, with segment ids if `packed`)."""
     rows = []
     for label, over in MEMORY_TABLE_ROWS:
         c = cfg.replace(**over)
@@ -30,7 +30,11 @@ def memory_rows(cfg, tc, mesh, trained=None, log=print):
             continue
         log(f"compiling the train step with {label} (compile only) ...")
         rows.append(
-            (label, train_step.compile_abstract(c, tc, mesh).memory_analysis(), "compile-only")
+            (
+                label,
+                train_step.compile_abstract(c, tc, mesh, packed=packed).memory_analysis(),
+                "compile-only",
+            )
         )
     return rows
 

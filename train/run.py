@@ -14,6 +14,7 @@ failed checkpoint save or metrics write is a `guards.WriteError` naming the path
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import distributed, guards, identity, interrupt, plot, progress, report, train_step
+from . import distributed, guards, identity, interrupt, loader, plot, progress, report, train_step
 from . import mesh as train_mesh
 from .settings import RunSettings
 
@@ -39,7 +40,8 @@ class StepContext:
     settings: RunSettings
     graphdef: object  # nnx.GraphDef of the model
     compiled: object  # the compiled step (`train_step.compile_step`)
-    data: object  # `train.data` source: .batch(step)
+    data: object  # `train.data` source: an iterator of loader.Batch with state()
+    rows: list[int] | None  # the global batch's rows this process reads (None: all)
     ids_sharding: NamedSharding
     mngr: object  # orbax CheckpointManager
     metrics_path: Path
@@ -60,7 +62,14 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         seed=tc.seed,
         vocab_size=run.model.vocab_size,
         tokenizer=run.tokenizer,
+        log=log,
     )
+    if not tc.synthetic:
+        log(
+            f"data: {data.manifest['documents']:,} document(s), {data.corpus.tokens:,} tokens in "
+            f"{data.num_rows:,} rows of {tc.seq_len} (the last {data.unused_tokens} tokens in "
+            "none)"
+        )
     run, ident = identity.prepare(run, log=log)  # schedule horizon, run identity
     tc, cfg = run.train, run.model
     mesh = train_mesh.make_mesh(tc.mesh)
@@ -76,6 +85,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     metrics_path = out / "metrics.jsonl"
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
+    rows = _select_rows(data, ids_sharding, shape)
     try:
         start = 0
         restored = ckpt.restore(mngr, state.as_saved(), check_meta=ident.check)
@@ -84,6 +94,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
             state = train_step.TrainState.from_saved(saved)
             ident.report(log)  # changed settings that keep the math, or an old checkpoint
             log(f"resumed from {mngr.directory} step {start}")
+            _resume_data(data, meta, start)
         if distributed.is_main():
             ckpt.truncate_metrics(metrics_path, start)
         compiled = None
@@ -91,11 +102,11 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
             log(f"already at step {start} >= --steps {run.steps}; nothing to do")
         else:
             _stop_before_training(stop, mngr)
-            compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding, stop)
+            compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding, stop, data.packed)
             _stop_before_training(stop, mngr)  # a signal during the compile
             stop.training = True  # from now on a signal lets the step and its save finish
             ctx = StepContext(
-                run, graphdef, compiled, data, ids_sharding, mngr, metrics_path, ident, stop
+                run, graphdef, compiled, data, rows, ids_sharding, mngr, metrics_path, ident, stop
             )
             meta = {"config": run.config, "seed": tc.seed, **ident.meta}
             state = train(ctx, state, start, meta)
@@ -104,13 +115,43 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
                 f"{mngr.directory} (latest {mngr.latest_step()})"
             )
         stop.release()  # trained and saved: Ctrl-C now just stops (the plot, the table)
-        _finish(run, mesh, compiled, metrics_path)
+        _finish(run, mesh, compiled, metrics_path, data.packed)
         return 0
     finally:
         _close(mngr, failing=sys.exc_info()[1] is not None)
 
 
-def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop):
+def _select_rows(data, ids_sharding, shape) -> list[int] | None:
+    """The rows of the global batch this process's devices hold, which a dataset source then
+    reads alone (logged on every process, at INFO); None (all) for the synthetic stream."""
+    if not isinstance(data, data_mod.PackedData):
+        return None
+    rows = loader.rows_of_process(ids_sharding, shape)
+    data.select_rows(rows)
+    logging.getLogger(__name__).info(
+        f"data: process {jax.process_index()} of {jax.process_count()} reads "
+        f"{len(rows)} of the {shape[0]} rows of each batch: {loader.row_ranges(rows)}"
+    )
+    return rows
+
+
+def _resume_data(data, meta: dict, start: int) -> None:
+    """Continue the data source at batch `start`: from the loader state saved with the
+    checkpoint (the trainer's earlier checkpoints hold none, and a resume allowed to switch
+    between synthetic and text data holds the other source's: then by position)."""
+    saved = meta.get("data_state")
+    if saved is None or set(saved) != set(data.state()):  # none, or another kind of source's
+        data.seek(start)  # (--allow-changes synthetic): both count batches from 0
+        return
+    data.restore(saved)
+    if data.position() != start:
+        raise ckpt.StateMismatchError(
+            f"checkpoint step {start} holds the data loader at batch {data.position()} "
+            f"({saved}); expected batch {start}"
+        )
+
+
+def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, packed):
     """The step compiled for `state` (memoised in-process), with its start-up lines; None if a
     signal came first (`interrupt.unless_stopped`: the compile runs in a helper thread, so the
     signal is seen at once)."""
@@ -121,14 +162,15 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop):
         f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}) ..."
     )
     t0 = time.perf_counter()
-    step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
+    step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk, packed)
     compiled = train_step.compile_step(
         step,
         state,
         ids_sharding,
         shape,
-        key=train_step.step_key(cfg, tc, shape, mesh),
+        key=train_step.step_key(cfg, tc, shape, mesh, packed),
         runner=lambda build: interrupt.unless_stopped(build, stop),
+        packed=packed,
     )
     if compiled is None:
         return None
@@ -164,7 +206,8 @@ def train(t: StepContext, state, start: int, meta: dict):
                 log(bar.line(rec))
             sig = t.stop.requested()  # every step (several processes: agreed among them)
             if s % tc.save_every == 0 or s == run.steps or sig is not None:
-                _save(t.mngr, s, state, {**meta, "data_position": s * tc.batch_size})
+                data_meta = {"data_position": s * tc.batch_size, "data_state": t.data.state()}
+                _save(t.mngr, s, state, {**meta, **data_meta})
             if sig is not None:
                 raise _interrupted(sig, t.mngr, s)
     return state
@@ -173,30 +216,32 @@ def train(t: StepContext, state, start: int, meta: dict):
 def _step(t: StepContext, state, s: int):
     """(state, metrics record) after step `s` (the expert bias updated, if the model has one)."""
     tc = t.settings.train
-    ids = train_step.put_batch(t.data.batch(s - 1), t.ids_sharding)
     t0 = time.perf_counter()
-    state, m = t.compiled(state, ids)
+    local = next(t.data)
+    t1 = time.perf_counter()
+    state, m = t.compiled(state, train_step.put_batch(local, t.ids_sharding, tc.batch_size, t.rows))
     if t.settings.model.expert_bias:
         state = train_step.update_expert_bias(t.graphdef, state, m["expert_load"])
     m = jax.device_get(m)
     m.pop("expert_load")
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t1
     rec = {
         "step": s,
         **{k: float(v) if k != "dropped_pairs" else int(v) for k, v in m.items()},
         **t.run_identity.extra(s),
         "tokens_per_s": tc.batch_size * tc.seq_len / dt,
         "step_time": dt,
+        "data_time": t1 - t0,  # waiting for the batch (the loader reads ahead meanwhile)
     }
     return state, rec
 
 
-def _finish(run: RunSettings, mesh, compiled, metrics_path: Path) -> None:
+def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) -> None:
     """With --memory-table the train step's memory per dispatcher, then the loss-curve PNG
     (process 0), whose path is the last line."""
     tc, cfg = run.train, run.model
     if run.memory_table:
-        rows = report.memory_rows(cfg, tc, mesh, compiled, log=log)
+        rows = report.memory_rows(cfg, tc, mesh, compiled, log=log, packed=packed)
         log(
             f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
             f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}, "

@@ -160,24 +160,35 @@ def init_state(cfg, tc: TrainConfig, mesh):
     return graphdef, state, tx, model.rules
 
 
-def next_token_targets(ids_bs):
+def next_token_targets(ids_bs, seg_bs=None):
     """(targets, weights) on ids' sharding: targets[b, s] = ids[b, s+1], weight 1 except 0 at the
-    last position. Built on ids gathered over the sequence, as a sequence dimension sharded over
-    `context` cannot be sliced by one position."""
+    last position and, with segment ids `seg_bs` (packed documents, 0 = padding), 0 where the
+    position is padding or its target is in another segment (the next document's first token:
+    nothing to learn across documents). Built on ids gathered over the sequence, as a sequence
+    dimension sharded over `context` cannot be sliced by one position."""
     sharding = jax.typeof(ids_bs).sharding
     spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    whole = jax.sharding.reshard(ids_bs, NamedSharding(sharding.mesh, P(spec[0], None)))
+    gathered = NamedSharding(sharding.mesh, P(spec[0], None))
+    whole = jax.sharding.reshard(ids_bs, gathered)
     targets = jax.sharding.reshard(jnp.roll(whole, -1, axis=1), sharding)
     s = ids_bs.shape[1]
-    weights = jax.sharding.reshard(
-        jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape).astype(jnp.float32), sharding
-    )
+    keep = jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape)
+    if seg_bs is not None:
+        seg = jax.sharding.reshard(seg_bs, gathered)
+        keep = keep & (seg != 0) & (jnp.roll(seg, -1, axis=1) == seg)
+    weights = jax.sharding.reshard(keep.astype(jnp.float32), sharding)
     return targets, weights
 
 
-def make_step(graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK):
-    """step(state, ids) -> (state, metrics): one AdamW update on next-token cross-entropy plus
-    the router losses. The parameters are gathered from their `fsdp` storage (if any) and, with
+def make_step(
+    graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK,
+    packed: bool = False,
+):  # fmt: skip
+    """step(state, batch) -> (state, metrics): one AdamW update on next-token cross-entropy plus
+    the router losses. `batch` is {"tokens"} [B, S] int32, with `packed` also "segment_ids" and
+    "positions" (packed documents, `train.loader`): attention stays within a document, and the
+    loss is the mean over the targets `next_token_targets` keeps. The parameters are gathered
+    from their `fsdp` storage (if any) and, with
     `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
     weights, the optimizer and the update stay float32; the router and the losses compute in
     float32 anyway). The LM head and cross-entropy run in chunks of `loss_chunk` tokens per
@@ -194,19 +205,23 @@ def make_step(graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int
         x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
         return v.replace(x) if is_variable(v) else x
 
-    def loss_fn(params, rest, ids):
+    def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, jax.tree.map(cast, params, is_leaf=is_variable), rest)
         model.dtype = dtype
-        x_bsh, aux = model.hidden(ids)
-        targets, weights = next_token_targets(ids)
+        ids, seg = batch["tokens"], batch.get("segment_ids")
+        x_bsh, aux = model.hidden(ids, segment_ids=seg, positions=batch.get("positions"))
+        targets, weights = next_token_targets(ids, seg)
         with jax.named_scope("lm_loss"):
             nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)
-        lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
+        if packed:  # at least one target per batch: the loader's rows are seq_len >= 2 tokens
+            lm = nll / jnp.maximum(jnp.sum(weights), 1.0)
+        else:
+            lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
         return lm + aux["router_loss"], (lm, aux)
 
-    def step(state, ids):
+    def step(state, batch):
         (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.rest, ids
+            state.params, state.rest, batch
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -229,10 +244,16 @@ def make_step(graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int
 _COMPILED: dict = {}
 
 
-def step_key(cfg, tc: TrainConfig, batch_shape, mesh):
-    """What the compiled step depends on (not the seed, save interval or data source)."""
+def step_key(cfg, tc: TrainConfig, batch_shape, mesh, packed: bool = False):
+    """What the compiled step depends on (not the seed, save interval or data source, except
+    whether its batches carry segment ids)."""
     opt = dataclasses.replace(tc, seed=0, save_every=1, synthetic=False)
-    return (cfg, repr(opt), tuple(batch_shape), mesh)
+    return (cfg, repr(opt), tuple(batch_shape), mesh, packed)
+
+
+def batch_keys(packed: bool) -> tuple[str, ...]:
+    """The arrays of the step's batch dict."""
+    return ("tokens", "segment_ids", "positions") if packed else ("tokens",)
 
 
 def update_expert_bias(graphdef, state, expert_load):
@@ -244,9 +265,12 @@ def update_expert_bias(graphdef, state, expert_load):
     return state.replace(rest=rest)
 
 
-def compile_step(step, state, ids_sharding, batch_shape, key=None, runner=None):
-    """The step compiled once for `state`'s shardings (in = out, state donated); memoised by
-    `key` (see `step_key`) when given. `runner(fn)` runs the lowering and compile `fn` (default:
+def compile_step(
+    step, state, ids_sharding, batch_shape, key=None, runner=None, packed: bool = False
+):
+    """The step compiled once for `state`'s shardings (in = out, state donated) and a batch of
+    `batch_keys(packed)` arrays on `ids_sharding`; memoised by `key` (see `step_key`) when given.
+    `runner(fn)` runs the lowering and compile `fn` (default:
     calls it); a None it returns (`train.interrupt.unless_stopped`: a signal came first) is
     returned as is and not memoised."""
     if key is not None and key in _COMPILED:
@@ -254,32 +278,32 @@ def compile_step(step, state, ids_sharding, batch_shape, key=None, runner=None):
     shardings = jax.tree.map(lambda x: x.sharding, state)
     # without these XLA:GPU waits for most of a ring hop's transfer before its compute
     # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
+    keys = batch_keys(packed)
     jitted = jax.jit(
         step,
-        in_shardings=(shardings, ids_sharding),
+        in_shardings=(shardings, dict.fromkeys(keys, ids_sharding)),
         out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
         donate_argnums=0,
         compiler_options=XLA_OPTIONS,
     )
-    abstract_ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
-    build = lambda: jitted.lower(state, abstract_ids).compile()
+    abstract = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
+    build = lambda: jitted.lower(state, dict.fromkeys(keys, abstract)).compile()
     compiled = build() if runner is None else runner(build)
     if key is not None and compiled is not None:
         _COMPILED[key] = compiled
     return compiled
 
 
-def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True):
-    """The train step of `cfg` and `tc` on `mesh`, compiled against `abstract_state` (nothing
-    allocated, nothing run): for memory and cost analysis. `memo=False` keeps no executable
-    (searches compile many sizes once each)."""
+def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool = False):
+    """The train step of `cfg` and `tc` on `mesh` (batches with segment ids if `packed`),
+    compiled against `abstract_state` (nothing allocated, nothing run): for memory and cost
+    analysis. `memo=False` keeps no executable (searches compile many sizes once each)."""
     graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
-    return compile_step(
-        step, state, ids_sharding, shape, key=step_key(cfg, tc, shape, mesh) if memo else None
-    )
+    step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk, packed)
+    key = step_key(cfg, tc, shape, mesh, packed) if memo else None
+    return compile_step(step, state, ids_sharding, shape, key=key, packed=packed)
 
 
 def memory_summary(compiled) -> str:
@@ -301,9 +325,26 @@ def memory_summary(compiled) -> str:
     )
 
 
-def put_batch(batch: np.ndarray, sharding):
-    """The full (global) int32 batch as one array on `sharding`. Each process fills only its own
-    devices' shards, from its copy of the batch (every process computes the same batch from
-    (seed, step)), so this also works when the mesh spans several processes."""
-    batch = np.asarray(batch, np.int32)
-    return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
+def put_batch(batch, sharding, global_batch: int, rows=None) -> dict:
+    """The global batch of `global_batch` rows as a dict of arrays on `sharding` (`batch_keys`):
+    `batch` is a `train.loader.Batch` of this process's rows `rows` of it (default: all;
+    `train.loader.rows_of_process` says which each process reads). Each process fills only its
+    own devices' shards, so this also works when the mesh spans several processes."""
+    rows = range(global_batch) if rows is None else rows
+    where = {r: i for i, r in enumerate(rows)}
+    local = {"tokens": batch.tokens}
+    if batch.segment_ids is not None:
+        local.update(segment_ids=batch.segment_ids, positions=batch.positions)
+    out = {}
+    for key, value in local.items():
+        value = np.asarray(value, np.int32)
+        if value.shape[0] != len(where):
+            raise ValueError(f"{key}: {value.shape[0]} rows, this process reads {len(where)}")
+
+        def piece(idx, value=value):
+            picked = [where[r] for r in range(*idx[0].indices(global_batch))]
+            return value[picked][:, idx[1]]
+
+        shape = (global_batch, value.shape[1])
+        out[key] = jax.make_array_from_callback(shape, sharding, piece)
+    return out

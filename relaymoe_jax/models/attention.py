@@ -59,12 +59,16 @@ NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 
 
 def chunked_causal_attention(
-    q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None, segment_ids=None
-):
+    q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None, segment_ids=None,
+    kv_segment_ids=None,
+):  # fmt: skip
     """Causal GQA attention o [B, S, N, D] in the inputs' dtype, blockwise over `block_k` keys.
 
     q [B, S, N, D], k and v [B, S, K, D] with K dividing N; `scale` defaults to D**-0.5;
-    `segment_ids` [B, S] int, optional: attention within equal ids only (packed documents).
+    `segment_ids` [B, S] int, optional: attention within equal ids only (packed documents);
+    `kv_segment_ids` the same ids sharded like the keys where they are not like the queries
+    (context parallelism: the queries' sequence sharded, the keys' gathered), default
+    `segment_ids`.
     Softmax statistics and accumulators are float32. Differentiable (custom VJP; the backward
     recomputes the probabilities block by block).
     """
@@ -78,10 +82,13 @@ def chunked_causal_attention(
         raise ValueError(f"kv heads {k_bskd.shape[2]} must divide query heads {n}")
     if block_k < 1:
         raise ValueError(f"block_k must be positive, got {block_k}")
+    seg_kv = None
     if segment_ids is not None:
         segment_ids = check_segment_ids(segment_ids, (b, s))
+        seg_kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+        seg_kv = check_segment_ids(seg_kv, (b, s))
     scale = d**-0.5 if scale is None else float(scale)
-    return _attention(q_bsnd, k_bskd, v_bskd, segment_ids, min(block_k, s), scale)
+    return _attention(q_bsnd, k_bskd, v_bskd, segment_ids, seg_kv, min(block_k, s), scale)
 
 
 def check_segment_ids(segment_ids, shape):
@@ -94,18 +101,18 @@ def check_segment_ids(segment_ids, shape):
     return segment_ids.astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, block_k, scale):
     """The custom-VJP core; `block_k` (<= S) and `scale` are static Python numbers; `seg_bs`
-    the segment ids or None."""
-    return _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale)[0]
+    and `seg_kv` the segment ids on the queries' and the keys' sharding, or None."""
+    return _forward(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, block_k, scale)[0]
 
 
-def _attention_fwd(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
+def _attention_fwd(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, block_k, scale):
     """Forward pass saving q, k, v, the segment ids, o and lse only."""
-    o_bsnd, lse_bskg = _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale)
+    o_bsnd, lse_bskg = _forward(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, block_k, scale)
     o_bsnd, lse_bskg = checkpoint_name(o_bsnd, "attn_out"), checkpoint_name(lse_bskg, "attn_lse")
-    return o_bsnd, (q_bsnd, k_bskd, v_bskd, seg_bs, o_bsnd, lse_bskg)
+    return o_bsnd, (q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, o_bsnd, lse_bskg)
 
 
 def _group(x_bsnd, kv_heads):
@@ -182,7 +189,7 @@ def _scores(q_bskgd, k_btkd, mask, scale):
     return jnp.where(mask, s_bskgt * scale, NEG)
 
 
-def _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
+def _forward(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, block_k, scale):
     """Online-softmax scan over key blocks: o [B, S, N, D] and lse [B, S, K, G] (float32)."""
     b, s, n, d = q_bsnd.shape
     q_bskgd = _group(q_bsnd, k_bskd.shape[2])
@@ -204,7 +211,7 @@ def _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
 
     stat_bskg = q_bskgd[..., 0]
     init = (_full_like(stat_bskg, NEG), _full_like(stat_bskg, 0.0), _full_like(q_bskgd, 0.0))
-    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_bs, block_k))
+    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_kv, block_k))
     (m_bskg, l_bskg, acc_bskgd), _ = lax.scan(step, init, xs)
     o_bsnd = (acc_bskgd / l_bskg[..., None]).astype(q_bsnd.dtype).reshape(b, s, n, d)
     return o_bsnd, m_bskg + jnp.log(l_bskg)
@@ -212,7 +219,7 @@ def _forward(q_bsnd, k_bskd, v_bskd, seg_bs, block_k, scale):
 
 def _attention_bwd(block_k, scale, res, do_bsnd):
     """Second scan over key blocks: dq carried in float32, dk and dv emitted per block."""
-    q_bsnd, k_bskd, v_bskd, seg_bs, o_bsnd, lse_bskg = res
+    q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, o_bsnd, lse_bskg = res
     b, s, n, d = q_bsnd.shape
     kv = k_bskd.shape[2]
     q_bskgd, do_bskgd = _group(q_bsnd, kv), _group(do_bsnd.astype(q_bsnd.dtype), kv)
@@ -246,10 +253,10 @@ def _attention_bwd(block_k, scale, res, do_bsnd):
         )
         return dq_bskgd, (dk_btkd.astype(k_btkd.dtype), dv_btkd.astype(v_btkd.dtype))
 
-    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_bs, block_k))
+    xs = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, _seg_blocks(seg_kv, block_k))
     dq_bskgd, (dk_jbtkd, dv_jbtkd) = lax.scan(step, _full_like(q_bskgd, 0.0), xs)
     dq_bsnd = dq_bskgd.astype(q_bsnd.dtype).reshape(b, s, n, d)
-    return dq_bsnd, _from_blocks(dk_jbtkd, s), _from_blocks(dv_jbtkd, s), None
+    return dq_bsnd, _from_blocks(dk_jbtkd, s), _from_blocks(dv_jbtkd, s), None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

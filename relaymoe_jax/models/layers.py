@@ -162,8 +162,9 @@ ATTENTION_IMPLS = ("xla", "chunked")  # `causal_attention`'s impl (ModelConfig.a
 
 
 def causal_attention(
-    q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512, segment_ids=None
-):
+    q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512, segment_ids=None,
+    kv_segment_ids=None,
+):  # fmt: skip
     """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
 
     impl="xla": `jax.nn.dot_product_attention` with its default implementation, which in jax 0.12
@@ -174,16 +175,21 @@ def causal_attention(
     a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
     sequences.
     segment_ids [B, S] (optional, packed documents): query i sees key j only if their ids are
-    equal, in both implementations (the XLA one through a [B, 1, S, S] boolean mask).
+    equal, in both implementations (the XLA one through a [B, 1, S, S] boolean mask);
+    kv_segment_ids: the same ids on the keys' sharding where it differs from the queries'
+    (context parallelism), default segment_ids.
     """
     if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
         return chunked_causal_attention(
-            q_bsnd, k_bskd, v_bskd, block_k=block_k, segment_ids=segment_ids
-        )
+            q_bsnd, k_bskd, v_bskd, block_k=block_k, segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+        )  # fmt: skip
     mask = None
     if segment_ids is not None:
         seg_bs = check_segment_ids(segment_ids, q_bsnd.shape[:2])
-        mask = (seg_bs[:, :, None] == seg_bs[:, None, :])[:, None]
+        seg_kv = seg_bs if kv_segment_ids is None else kv_segment_ids
+        seg_kv = check_segment_ids(seg_kv, k_bskd.shape[:2])
+        mask = (seg_bs[:, :, None] == seg_kv[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(
         q_bsnd, k_bskd, v_bskd, mask=mask, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True
     )

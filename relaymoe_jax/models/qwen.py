@@ -149,11 +149,14 @@ class Attention(nnx.Module):
         with jax.named_scope("rope"):
             q_bsnd = apply_rope(q_bsnd, cos_bsd, sin_bsd)
             k_bskd = apply_rope(k_bskd, cos_bsd, sin_bsd)
+        kv_seg_bs = None
         if self.rules.axes("seq"):  # context parallelism: every query shard needs all keys
             b, s = k_bskd.shape[:2]
             kv_spec = P(self.rules.fit((b, s), "batch", "seq")[0], None, None, None)
             k_bskd = constrain(k_bskd, self.rules.mesh, kv_spec)
             v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
+            if seg_bs is not None:  # and the keys' segment ids
+                kv_seg_bs = constrain(seg_bs, self.rules.mesh, P(*kv_spec[:2]))
         with jax.named_scope("attention"):
             o_bsnd = causal_attention(
                 q_bsnd,
@@ -162,6 +165,7 @@ class Attention(nnx.Module):
                 self.attention_impl,
                 self.attention_block_k,
                 segment_ids=seg_bs,
+                kv_segment_ids=kv_seg_bs,
             )
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
