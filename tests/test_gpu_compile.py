@@ -404,11 +404,15 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
 
 
 @needs_plugin
-@pytest.mark.parametrize("dispatcher", ["ring", "alltoall"])
-def test_train_step_kernels_take_16_bit_operands(dispatcher):
+@pytest.mark.parametrize(
+    "dispatcher, packed", [("ring", False), ("alltoall", False), ("ring", True)]
+)
+def test_train_step_kernels_take_16_bit_operands(dispatcher, packed):
     """The tiny model's whole train step (router, attention, experts, chunked LM loss, AdamW),
     compute_dtype=bfloat16, compiled by XLA:GPU for 8 H100s with the trainer's options: every
-    Triton call takes 16-bit float operands."""
+    Triton call takes 16-bit float operands. Also the step on packed documents (`packed`: segment
+    ids and positions, the chunked attention masked block by block, the loss mask), as
+    `--data DIR` runs it."""
     from relaymoe_jax.models.config_files import load_config
     from train import mesh as train_mesh
     from train import train_step
@@ -417,12 +421,18 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher):
     tc = TrainConfig(batch_size=8, seq_len=128, compute_dtype="bfloat16")
     sizes = train_mesh.parse_mesh(tc.mesh, EP)
     mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
+    attention = dict(attention_impl="chunked", attention_block_k=32) if packed else {}
     cfg = load_config(
-        "configs/tiny.yaml", expert_size=train_mesh.expert_size(sizes), dispatcher=dispatcher
+        "configs/tiny.yaml",
+        expert_size=train_mesh.expert_size(sizes),
+        dispatcher=dispatcher,
+        **attention,
     )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        text = train_step.compile_abstract(cfg, tc, mesh, memo=False).as_text()
+        compiled = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=packed)
+        text = compiled.as_text()
+    assert len(compiled.input_shardings[0][1]) == (3 if packed else 1)  # the batch's arrays
     calls = triton_calls.triton_calls(text)
     assert len(calls) >= 9 * cfg.num_hidden_layers, _kernel_report(calls)
     wide = [c for c in calls if c.wide_floats]
