@@ -105,21 +105,37 @@ def _rows(ranges: str) -> set[int]:
     return out
 
 
+def _dataset(tmp_path) -> Path:
+    """A prepared corpus of 400 short JSONL documents (rows hold several: segment ids)."""
+    from train import prepare
+
+    words = "the a cat dog sat on mat log and ran far away home".split()
+    lines = [
+        json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 40))})
+        for i in range(400)
+    ]
+    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    prepare.prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "ds", workers=1, progress=False)
+    return tmp_path / "ds"
+
+
 def test_two_processes_match_one(tmp_path):
+    """On a prepared dataset of many documents: the batches carry segment ids, and each process
+    puts only its rows (tokens, segment ids, positions) into the global batch."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
-    mesh = "mesh=node=2,expert=4"
+    args = ["--data", str(_dataset(tmp_path)), "mesh=node=2,expert=4"]
     procs = [
         _start(
             f"p{i}",
             tmp_path,
             4,
-            ["--out", str(multi), *dist, "--process-id", str(i), mesh],
+            ["--out", str(multi), *dist, "--process-id", str(i), *args],
             log_info=True,
         )
         for i in range(2)
     ]
-    procs.append(_start("single", tmp_path, 8, ["--out", str(single), mesh], log_info=True))
+    procs.append(_start("single", tmp_path, 8, ["--out", str(single), *args], log_info=True))
     _wait_all(procs, tmp_path, TIMEOUT_S)
     for name in ("p0", "p1"):
         assert HIERARCHICAL in (tmp_path / f"{name}.err").read_text(), name
@@ -144,6 +160,7 @@ def test_two_processes_match_one(tmp_path):
     for out in (multi, single):
         assert (out / "checkpoints" / "5").is_dir(), sorted((out / "checkpoints").iterdir())
     assert "done: step 5" in (tmp_path / "p0.out").read_text()
+    assert "data: 400 document(s)" in (tmp_path / "p0.out").read_text()
     assert "done:" not in (tmp_path / "p1.out").read_text()  # only process 0 prints
 
 
