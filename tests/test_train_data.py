@@ -100,6 +100,10 @@ def test_data_errors(tmp_path, files):
     make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
     with pytest.raises(ValueError, match=r"seq_len=10000 is longer than the whole corpus"):
         make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **{**kw, "seq_len": 10_000})
+    body = tmp_path / "b.jsonl"
+    body.write_text('{"body": "some words"}\n')
+    with pytest.raises(DatasetError, match=r"b\.jsonl:1: no string field 'text' .* --field NAME"):
+        make_data([body], vocab_size=256, **kw)
     with pytest.raises(FileNotFoundError, match=r"data file not found: .*nope\.txt"):
         make_data([tmp_path / "nope.txt"], vocab_size=256, **kw)
     # a prepared directory: its manifest against the model and --tokenizer

@@ -126,9 +126,17 @@ def prepared_text(paths, tokenizer=None, field: str = "text", log=print) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     log(f"preparing {len(paths)} file(s) into {final} (once; later runs read it)")
-    prepare.prepare(
-        [str(p) for p in paths], tmp, tokenizer=tokenizer, field=field, workers=1, progress=False
-    )
+    try:
+        prepare.prepare(
+            [str(p) for p in paths], tmp, tokenizer=tokenizer, field=field, workers=1,
+            progress=False,
+        )  # fmt: skip
+    except prepare.MissingFieldError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DatasetError(
+            f"{e}; --data reads the {field!r} field of JSONL files: prepare them with "
+            f"`relaymoe-train prepare FILE --field NAME --out DIR`, then train with --data DIR"
+        ) from None
     try:
         tmp.rename(final)
     except OSError:  # another process put it there first

@@ -63,6 +63,10 @@ class PrepareError(ValueError):
     """Bad input to prepare: one line naming the file and what is wrong."""
 
 
+class MissingFieldError(PrepareError):
+    """A JSONL line without the `--field` string."""
+
+
 def sha256_file(path, chunk=1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -118,7 +122,7 @@ def read_text(doc: Doc, field: str) -> str:
         raise PrepareError(f"prepare: {where}: not a JSON line ({e.msg})") from None
     text = record.get(field) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise PrepareError(
+        raise MissingFieldError(
             f"prepare: {where}: no string field {field!r} (keys: "
             f"{sorted(record) if isinstance(record, dict) else type(record).__name__})"
         )
