@@ -71,6 +71,35 @@ def test_meshes_match_ep8(tmp_path, ep8, spec):
             )
 
 
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """A prepared corpus of 300 short documents: rows of 32 hold several (segment ids)."""
+    from train import prepare
+
+    tmp = tmp_path_factory.mktemp("docs")
+    words = "the a cat dog sat on mat log and ran far away home".split()
+    lines = [
+        json.dumps({"text": " ".join(words[(i * 5 + j) % len(words)] for j in range(2 + i % 9))})
+        for i in range(300)
+    ]
+    (tmp / "c.jsonl").write_text("\n".join(lines) + "\n")
+    prepare.prepare([str(tmp / "c.jsonl")], tmp / "ds", workers=1, progress=False)
+    return tmp / "ds"
+
+
+@pytest.mark.parametrize("attention", ["xla", "chunked"])
+def test_packed_documents_under_context_parallelism_match_ep8(tmp_path, documents, attention):
+    """Packed rows (segment ids, positions) with the sequence sharded over `context`: the keys'
+    segment ids are gathered like the keys (they failed to shard before), and the losses equal
+    the EP=8 mesh's on the same batches."""
+    extra = ["--data", str(documents), f"attention_impl={attention}", "attention_block_k=12"]
+    ep = _run(tmp_path, "mesh=expert=8", *extra)  # the run directory is named by the mesh first
+    cp = _run(tmp_path, "mesh=data=2,context=4", *extra)
+    for a, b in zip(cp, ep, strict=True):
+        for k in ("loss", "lm_loss", "grad_norm"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"step {a['step']} {k}")
+
+
 def test_fsdp_stores_params_and_moments_sharded():
     tc = TrainConfig(mesh="fsdp=2,expert=4")
     mesh = tm.make_mesh(tc.mesh)
