@@ -214,3 +214,28 @@ def test_plot_cli(runs, tmp_path, capsys):
     assert "two runs are labelled 'a'" in capsys.readouterr().err
     assert plot.main([str(out), str(runs["b"]), "--key", "lm_loss"]) == 1
     assert "no records" in capsys.readouterr().err
+
+
+def test_two_processes_preparing_the_same_files_keep_one_copy(tmp_path, monkeypatch, files):
+    """Each process prepares into a directory of its own and renames it into place; the one
+    that finishes second (here: another copy appears just before our rename) discards its own
+    and reads the first one's."""
+    import shutil
+
+    from train import data
+
+    monkeypatch.setenv("RELAYMOE_DATA_CACHE", str(tmp_path / "cache"))
+    real = prepare.prepare
+
+    def another_process_finishes_first(inputs, out, **kw):
+        manifest = real(inputs, out, **kw)
+        shutil.copytree(out, out.parent / out.name.split(".")[1])  # its copy, renamed in place
+        (out.parent / out.name.split(".")[1] / "theirs").write_text("")
+        return manifest
+
+    monkeypatch.setattr(prepare, "prepare", another_process_finishes_first)
+    got = data.prepared_text(files, log=lambda line: None)
+    assert (got / "theirs").exists() and (got / "manifest.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [got.name]  # ours removed
+    monkeypatch.setattr(prepare, "prepare", real)
+    assert data.prepared_text(files, log=lambda line: None) == got  # read from the cache
