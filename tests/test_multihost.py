@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from corpora import word_corpus
 
 from train import cli
 
@@ -105,26 +106,12 @@ def _rows(ranges: str) -> set[int]:
     return out
 
 
-def _dataset(tmp_path) -> Path:
-    """A prepared corpus of 400 short JSONL documents (rows hold several: segment ids)."""
-    from train import prepare
-
-    words = "the a cat dog sat on mat log and ran far away home".split()
-    lines = [
-        json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 40))})
-        for i in range(400)
-    ]
-    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    prepare.prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "ds", workers=1, progress=False)
-    return tmp_path / "ds"
-
-
 def test_two_processes_match_one(tmp_path):
     """On a prepared dataset of many documents: the batches carry segment ids, and each process
     puts only its rows (tokens, segment ids, positions) into the global batch."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
-    args = ["--data", str(_dataset(tmp_path)), "mesh=node=2,expert=4"]
+    args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4"]
     procs = [
         _start(
             f"p{i}",

@@ -10,6 +10,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from corpora import word_corpus
 from flax import nnx
 
 from relaymoe_jax.models.config_files import load_config
@@ -74,17 +75,7 @@ def test_meshes_match_ep8(tmp_path, ep8, spec):
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
     """A prepared corpus of 300 short documents: rows of 32 hold several (segment ids)."""
-    from train import prepare
-
-    tmp = tmp_path_factory.mktemp("docs")
-    words = "the a cat dog sat on mat log and ran far away home".split()
-    lines = [
-        json.dumps({"text": " ".join(words[(i * 5 + j) % len(words)] for j in range(2 + i % 9))})
-        for i in range(300)
-    ]
-    (tmp / "c.jsonl").write_text("\n".join(lines) + "\n")
-    prepare.prepare([str(tmp / "c.jsonl")], tmp / "ds", workers=1, progress=False)
-    return tmp / "ds"
+    return word_corpus(tmp_path_factory.mktemp("docs"), 300, max_words=9)
 
 
 @pytest.mark.parametrize("attention", ["xla", "chunked"])

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from corpora import word_corpus
 
 from relaymoe_jax.models.config import ModelConfig
 from train import checkpoint as ckpt
@@ -334,26 +335,11 @@ def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():
     assert identity.compare({"model_config": before}, old, {}, {}) == []
 
 
-def _corpus(path, n_docs: int, seed: int):
-    """A JSONL corpus of `n_docs` documents of 5..60 words."""
-    rng = np.random.default_rng(seed)
-    words = "the a cat dog sat on mat log and ran far away home".split()
-    lines = [
-        json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 60)))})
-        for _ in range(n_docs)
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_prepared_dataset_resumes_exactly_and_refuses_another(tmp_path, capsys):
     """--data DIR (documents packed with segment ids): stopped at step 3 and resumed to 6, the
     losses are bitwise those of an uninterrupted run, the checkpoint holds grain's loader state
     at the step, and a resume on a re-prepared, different corpus is refused naming both."""
-    from train import prepare
-
-    ds = tmp_path / "ds"
-    prepare.prepare([str(_corpus(tmp_path / "a.jsonl", 300, 0))], ds, workers=1)
+    ds = word_corpus(tmp_path / "corpus_a", 300, seed=0, max_words=60)
     args = [*BASE, "--quiet", "--data", str(ds), "--save-every", "3"]
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0
@@ -366,11 +352,10 @@ def test_prepared_dataset_resumes_exactly_and_refuses_another(tmp_path, capsys):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # bitwise on CPU
     assert all(math.isfinite(r["data_time"]) for r in resumed)
 
-    other = tmp_path / "other"
-    prepare.prepare([str(_corpus(tmp_path / "b.jsonl", 300, 1))], other, workers=1)
+    other = word_corpus(tmp_path / "corpus_b", 300, seed=1, max_words=60)
     with pytest.raises(
         identity.ResumeRefusedError,
-        match=r"data .*/ds \(manifest sha256 \w+\) -> .*/other \(manifest sha256 \w+\) would",
+        match=r"data .*corpus_a/ds \(manifest sha256 \w+\) -> .*corpus_b/ds \(manifest sha256 \w+",
     ):
         cli.main([*BASE, "--quiet", "--data", str(other), "--steps", "9", "--out", str(a)])
 

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import prepare
 from .loader import Batch, DatasetError, PackedRows
+from .prepare import sha256_file
 from .tokens import EOS_TOKENS, byte_tokenize, eos_id, load_hf_tokenizer  # noqa: F401
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "declaration.txt"
@@ -96,26 +98,18 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "relaymoe-jax" / "datasets"
 
 
-def _sha256(path) -> str:
-    from .prepare import sha256_file
-
-    return sha256_file(path)
-
-
 def prepared_text(paths, tokenizer=None, field: str = "text", log=print) -> Path:
     """The prepared dataset of the files `paths` in the cache, prepared now if it is not there
     (in a directory of this process's own, renamed into place: processes preparing the same
     files at once each finish, and one copy stays)."""
-    from . import prepare
-
     paths = [Path(p) for p in paths]
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"data file not found: {p}")
     key = {
         "format": prepare.FORMAT,
-        "files": [_sha256(p) for p in paths],
-        "tokenizer": None if tokenizer is None else _sha256(tokenizer),
+        "files": [sha256_file(p) for p in paths],
+        "tokenizer": None if tokenizer is None else sha256_file(tokenizer),
         "field": field,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -157,7 +151,7 @@ def check_dataset(directory, manifest: dict, vocab_size: int, tokenizer=None) ->
             f"{path}: prepared with {name} of {manifest['vocab_size']} tokens, more than the "
             f"model's vocab_size={vocab_size}"
         )
-    if tokenizer is not None and tok["sha256"] != _sha256(tokenizer):
+    if tokenizer is not None and tok["sha256"] != sha256_file(tokenizer):
         raise DatasetError(
             f"{path}: prepared with {name}, not --tokenizer {tokenizer} (another sha256); "
             f"drop --tokenizer or prepare the corpus with it"

@@ -50,7 +50,6 @@ the step from which the lr stays at its floor `lr * min_lr_ratio`. The warmup st
 
 import argparse
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -61,6 +60,7 @@ from relaymoe_jax.models.config import KEYS, ModelConfig
 from . import checkpoint as ckpt
 from . import data as data_mod
 from .optimizer import make_schedule, schedule_horizon
+from .prepare import sha256_file
 from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
@@ -119,14 +119,6 @@ def allowed_keys(items) -> frozenset:
             f"trainer keys, 'data' or 'tokenizer'"
         )
     return frozenset(keys)
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def data_identity(paths, tokenizer, synthetic: bool) -> dict:
