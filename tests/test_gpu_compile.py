@@ -342,10 +342,8 @@ def _compiled_biased_layer(dispatcher, routing="auto"):
     )
 
     def loss(x, ids, wts, wg, wu, wd, bg, bu, bd):
-        y = moe_ffn(
-            x, ids, wts, wg, wu, wd, mesh=mesh, dispatcher=dispatcher, routing=routing,
-            activation="gpt_oss", b_gate=bg, b_up=bu, b_down=bd,
-        )  # fmt: skip
+        kw = dict(mesh=mesh, dispatcher=dispatcher, routing=routing, activation="gpt_oss")
+        y = moe_ffn(x, ids, wts, wg, wu, wd, **kw, b_gate=bg, b_up=bu, b_down=bd)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     grad = jax.grad(loss, argnums=(0, 2, 3, 4, 5, 6, 7, 8))

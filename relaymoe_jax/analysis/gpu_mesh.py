@@ -35,6 +35,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from relaymoe_jax.util.platform import platform
+from relaymoe_jax.util.tracing import cuda_path
 
 # `platform` is imported for this module's users (gpu_mesh.platform); it lives in util.platform
 __all__ = [
@@ -65,9 +66,7 @@ class PluginMissing(RuntimeError):
 def ptxas() -> str | None:
     """Where XLA finds `ptxas`: jax's CUDA path (nvidia-cuda-nvcc-cu12, or $CUDA_ROOT), else PATH,
     else /usr/local/cuda; None when there is none."""
-    from jax._src import lib  # jax's CUDA path (lib.cuda_path) has no public API
-
-    for root in (lib.cuda_path, "/usr/local/cuda"):
+    for root in (cuda_path(), "/usr/local/cuda"):
         if root and os.access(path := os.path.join(root, "bin", "ptxas"), os.X_OK):
             return path
     return shutil.which("ptxas")

@@ -150,10 +150,6 @@ def layer_fns(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
     return fwd, lambda x, ids, wts, wg, wu, wd, *b: grad(x, wts, wg, wu, wd, *b, ids)
 
 
-def compiled_memory(fn, args):
-    return jax.jit(fn).lower(*args).compile().memory_analysis()
-
-
 def measure_layer(s: LayerShape, mesh, variant: str, axis="expert", extra=None):
     """One variant, compile-only for `mesh`'s devices (emulated CPUs, or abstract GPUs from
     `relaymoe_jax.gpu_mesh`: then XLA:GPU's buffer assignment, with gmm_impl "auto" the Pallas

@@ -10,7 +10,8 @@ present and `jax[cuda12]` installed jax still uses the GPU as usual.
 import os
 
 import jax
-from jax._src import xla_bridge  # backends_are_initialized() has no public API
+
+from relaymoe_jax.util.tracing import backends_started
 
 _FLAG = "xla_force_host_platform_device_count"
 _ours: int | None = None  # the jax_num_cpu_devices value use_cpu_devices set
@@ -35,7 +36,7 @@ def use_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"use_cpu_devices({n!r}): expected a device count >= 1")
-    if xla_bridge.backends_are_initialized():
+    if backends_started():
         try:
             have = len(jax.local_devices(backend="cpu"))
         except RuntimeError:  # backends started without a CPU backend

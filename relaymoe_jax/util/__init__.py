@@ -5,6 +5,6 @@
 - `first_order`: `first_order`, an identity whose JVP raises (the op is first-order only).
 - `platform`: `platform()`, the platform traced code compiles for (mesh, context, backend).
 - `sorted_search`: `count_at_most`, searchsorted that traces in a partial-manual shard_map.
-- `tracing`: what jax is tracing now, and the mesh of `jax.set_mesh` (the op's one `jax._src`
-  reader).
+- `tracing`: what jax is tracing now, the mesh of `jax.set_mesh`, whether jax's backends started
+  and jax's CUDA path (the one `jax._src` reader of the library and the trainer).
 """
