@@ -30,6 +30,7 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     from relaymoe_jax.models.config_files import load_config
     from train import mesh as tm
     from train import train_step
+    from train.data import Batch
     from train.settings import TrainConfig
 
     cfg = load_config(config, num_hidden_layers=layers, scan_layers=scan)
@@ -40,7 +41,7 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     t1 = time.perf_counter()
     shape = (tc.batch_size, tc.seq_len)
     ids = jax.NamedSharding(mesh_, rules.fit(shape, "batch", "seq"))
-    step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk)
+    step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     jitted = jax.jit(
         step,
@@ -48,9 +49,8 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
         out_shardings=(shardings, jax.NamedSharding(mesh_, jax.P())),
         donate_argnums=0,
     )
-    lowered = jitted.trace(
-        state, jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=ids)
-    ).lower()
+    batch = Batch(jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=ids))
+    lowered = jitted.trace(state, batch).lower()
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The data path at scale: `train.prepare` on a generated corpus, then the packed-row loader
-(`train.loader.PackedRows`, what `python -m train --data DIR` reads) at the tiny config's and
+"""The data path at scale: `train.data.prepare` on a generated corpus, then the packed-row loader
+(`train.data.loader.PackedRows`, what `python -m train --data DIR` reads) at the tiny config's and
 Qwen3-30B-A3B's batch shapes, its time to the first batch fresh and resumed, and its resident
 memory at two corpus sizes; against what one 8-GPU step of Qwen3-30B-A3B consumes.
 
@@ -76,7 +76,7 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 def child(directory: str, batch: int, seq: int, n: int, threads: int) -> None:
     """One loader measurement, printed as JSON (run in a fresh process)."""
-    from train.loader import PackedRows
+    from train.data.loader import PackedRows
 
     t0 = time.perf_counter()
     loader = PackedRows(directory, seq_len=seq, global_batch=batch, seed=0, threads=threads)
@@ -139,10 +139,10 @@ def main(argv=None) -> int:
         type=int,
         default=10_000,
         help="prepare's shard size (its default, 10,000); 1,000 makes both sizes span more "
-        "shards than the loader keeps open (train.loader.Corpus.OPEN_SHARDS)",
+        "shards than the loader keeps open (train.data.loader.Corpus.OPEN_SHARDS)",
     )
     a = p.parse_args(argv)
-    from train import prepare
+    from train.data import prepare
 
     sizes = " ".join(map(str, a.sizes_mb))
     print(
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
             )
             dt = time.perf_counter() - t
             print(
-                f"prepare {src.name}: {m['documents']:,} documents, {m['tokens']:,} tokens, "
-                f"{len(m['shards'])} shards in {dt:.1f} s: {m['tokens'] / dt / 1e6:.1f} M "
+                f"prepare {src.name}: {m.documents:,} documents, {m.tokens:,} tokens, "
+                f"{len(m.shards)} shards in {dt:.1f} s: {m.tokens / dt / 1e6:.1f} M "
                 f"tokens/s, {src.stat().st_size / dt / 1e6:.0f} MB/s of JSONL "
                 f"({a.workers} workers)",
                 flush=True,

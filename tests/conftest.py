@@ -16,7 +16,7 @@ Compile time is most of the suite's time, so these settings cut it without chang
   is traced and compiled once, in one process. (xdist's `loadgroup` cannot group under pytest 9.2:
   it rewrites `item._nodeid`, which pytest no longer reads.)
 
-The trainer's cache of prepared text (`train.data.cache_dir`) is a directory of the run's
+The trainer's cache of prepared text (`train.data.prepared.cache_dir`) is a directory of the run's
 cache, not the user's ~/.cache.
 """
 

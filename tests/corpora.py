@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train import prepare
+from train.data import prepare
 
 WORDS = "the a cat dog sat on mat log and ran far away home".split()
 

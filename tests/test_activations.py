@@ -79,7 +79,7 @@ def assert_reference_matches_f64(a: Activation, inp, biases=()):
         return float(np.sum(moe_f64(a, vals[0], ids64, *vals[1:]) * r))
 
     def ref(x, wts, wg, wu, wd, *bb):
-        return reference_moe(x, inp.expert_ids, wts, wg, wu, wd, a, bb or None)
+        return reference_moe(x, inp.expert_ids, wts, wg, wu, wd, *bb, activation=a)
 
     y = jax.jit(ref)(*jax_args)
     want_y = moe_f64(a, diff[0], ids64, *diff[1:])

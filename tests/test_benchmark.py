@@ -122,7 +122,7 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
     seen = []
 
     def fake_cost(cfg, tc, mesh, memo=True):
-        opts = cfg.moe_options
+        opts = cfg.moe.options
         seen.append(
             (opts.dispatcher, opts.capacity_factor, tc.seq_len, cfg.max_position_embeddings)
         )

@@ -15,6 +15,7 @@ from relaymoe_jax.models.config_files import (
     parse_overrides,
 )
 from relaymoe_jax.models.hf_config import from_hf_dict
+from relaymoe_jax.models.moe_config import MoEConfig
 from relaymoe_jax.models.param_count import PAPER_PARAMS, main, param_count
 
 # The paper's Table 3, transcribed from the paper text: name -> (L, Hidden, FFN_moe, E, K, Params).
@@ -69,9 +70,9 @@ def test_table3_shapes(name):
     assert (
         cfg.num_hidden_layers,
         cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.num_experts,
-        cfg.num_experts_per_tok,
+        cfg.moe.moe_intermediate_size,
+        cfg.moe.num_experts,
+        cfg.moe.num_experts_per_tok,
     ) == (L, H, F, E, K)
     if name.startswith("qwen3") or name.startswith("moe-"):
         # Qwen3-style; attention and vocabulary are Qwen3-30B-A3B's (the paper gives neither).
@@ -95,13 +96,13 @@ def test_tiny_configs():
         tiny.num_attention_heads,
         tiny.num_key_value_heads,
         tiny.head_size,
-        tiny.num_experts,
-        tiny.num_experts_per_tok,
-        tiny.moe_intermediate_size,
+        tiny.moe.num_experts,
+        tiny.moe.num_experts_per_tok,
+        tiny.moe.moe_intermediate_size,
         tiny.intermediate_size,
         tiny.max_position_embeddings,
     ) == ("qwen3_moe", 256, 64, 2, 4, 2, 16, 8, 2, 64, 128, 256)
-    assert tiny2.arch == "qwen2_moe" and tiny2.shared_expert_intermediate_size > 0
+    assert tiny2.arch == "qwen2_moe" and tiny2.moe.shared_expert_intermediate_size > 0
     assert [tiny2.is_moe_layer(i) for i in range(tiny2.num_hidden_layers)] == [True, False, True]
 
 
@@ -175,6 +176,15 @@ def test_param_count_options():
     # decoder_sparse_step=2: layer 0 dense, layer 1 MoE
     c = param_count(load_config("tiny", decoder_sparse_step=2))
     assert c["dense_mlp"] == 3 * 64 * 128 and c["experts"] == 8 * 3 * 64 * 64
+    # the MoE block's biases (2 MoE layers, E=8, H=F=64, k=2): the router's E per layer, the
+    # experts' 2·E·F + E·H per layer (k of them active per token)
+    c = param_count(load_config("tiny", router="topk_softmax", router_bias=True))
+    assert c["router"] - c0["router"] == 2 * 8 and c["experts"] == c0["experts"]
+    c = param_count(load_config("tiny", activation="gpt_oss", expert_biases=True))
+    assert c["experts"] - c0["experts"] == 2 * (2 * 8 * 64 + 8 * 64)
+    assert c["active"] - c0["active"] == 2 * 2 * (2 * 64 + 64)
+    # the aux-loss-free expert bias is not trained by the optimizer: not counted
+    assert param_count(load_config("tiny", expert_bias=True)) == c0
 
 
 def test_hf_published_counts():
@@ -326,15 +336,18 @@ def test_experts_not_divisible_by_expert_axis(tmp_path):
     check_mesh(cfg, 3)
     with pytest.raises(
         ValueError,
-        match=r"num_experts=6: expected a multiple of the expert "
-        r"axis size 4",
+        match=r"num_experts=6 is not divisible by the size 4 of the expert axis",
     ):
         check_mesh(cfg, 4)
-    with pytest.raises(ValueError, match=r"cfg\.yaml:1: num_experts=6: .*expert axis size 4"):
+    with pytest.raises(
+        ValueError, match=r"cfg\.yaml:1: num_experts=6 is not divisible by the size 4 "
+    ):
         load_config(p, expert_size=4)
-    with pytest.raises(ValueError, match=r"override num_experts=12\).*axis size 8"):
+    with pytest.raises(
+        ValueError, match=r"override num_experts=12\).*the size 8 of the expert axis"
+    ):
         load_config("tiny", expert_size=8, num_experts=12)
-    assert load_config("moe-e384", expert_size=8).num_experts == 384
+    assert load_config("moe-e384", expert_size=8).moe.num_experts == 384
 
 
 def test_empty_file_is_an_error(tmp_path):
@@ -368,7 +381,7 @@ def test_yaml_values(tmp_path):
     assert isinstance(cfg.rope_theta, float) and cfg.rope_theta == 10000.0
     assert cfg.rms_norm_eps == 1e-5 and isinstance(cfg.rms_norm_eps, float)
     assert cfg.head_dim is None and cfg.mlp_only_layers == (0,)
-    capacity = cfg.moe_options.capacity_factor
+    capacity = cfg.moe.options.capacity_factor
     assert capacity == 2.0 and isinstance(capacity, float)
 
 
@@ -379,7 +392,7 @@ def test_missing_file():
 
 def test_overrides():
     cfg = load_config("tiny", **parse_overrides(["num_experts=16", "routing=token"]))
-    assert (cfg.num_experts, cfg.moe_options.routing) == (16, "token")
+    assert (cfg.moe.num_experts, cfg.moe.options.routing) == (16, "token")
     with pytest.raises(ValueError, match=r"tiny\.yaml \(override routing='sideways'\): routing="):
         load_config("tiny", routing="sideways")
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['num_expertz'\]"):
@@ -469,3 +482,123 @@ def test_param_count_matches_hf_checkpoints(path):
     assert n > 0
     cfg = from_hf_dict(json.loads((path / "config.json").read_text()))
     assert param_count(cfg)["total"] == n
+
+
+# --------------------------------------------------------------------------- the MoE block's keys
+
+BEFORE = Path(__file__).parent / "fixtures" / "configs_before_moe_block.json"
+
+
+@pytest.mark.parametrize("name", available_configs())
+def test_shipped_yaml_loads_as_before(name):
+    """Every shipped YAML file loads to the config it loaded to before `ModelConfig.moe` (the flat
+    form written by the old code, `fixtures/configs_before_moe_block.json`), and the keys added
+    since (the router, activation and bias keys of the MoE block) are at their defaults."""
+    old = json.loads(BEFORE.read_text())[name]
+    flat = {
+        k: list(v) if isinstance(v, tuple) else v for k, v in load_config(name).as_dict().items()
+    }
+    assert {k: flat[k] for k in old} == old
+    defaults = MoEConfig().as_dict()
+    assert {k: flat[k] for k in set(flat) - set(old)} == {
+        k: defaults[k] for k in set(flat) - set(old)
+    }
+    assert ModelConfig.from_dict(old) == load_config(name)  # an old flat dict loads too
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(router="sigmoid_group", n_group=2, topk_group=1),
+        dict(router="topk_softmax", router_bias=True),
+        dict(activation="gpt_oss", expert_biases=True),
+        dict(activation="gpt_oss", swiglu_limit=5.0),
+        dict(router="sigmoid_group", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        dict(expert_bias=True, expert_bias_rate=0.01),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_moe_block_keys_in_yaml_and_overrides(tmp_path, over):
+    """The MoE block's router, activation and bias keys are model-config keys: in a YAML file,
+    as overrides and in the flat form, each landing in `cfg.moe`."""
+    from_override = load_config("tiny", **parse_overrides([f"{k}={v}" for k, v in over.items()]))
+    text = "".join(
+        f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in over.items()
+    )
+    from_yaml = load_config(_write(tmp_path, text))
+    for k, v in over.items():
+        assert getattr(from_override.moe, k) == v and getattr(from_yaml.moe, k) == v
+    assert ModelConfig.from_dict(from_override.as_dict()) == from_override
+    assert from_override.replace(**over) == from_override
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("router: sigmoid_grup\n", "router"),
+        ("router: softmax_topk\nn_group: 2\n", "n_group"),
+        ("router_bias: 1\n", "router_bias"),
+        ("activation: relu\n", "activation"),
+        ("swiglu_limit: 3.0\n", "swiglu_limit"),
+        ("expert_biases: yes please\n", "expert_biases"),
+        ("initializer_range: .inf\n", "initializer_range"),
+    ],
+)
+def test_moe_block_key_errors_name_the_line(tmp_path, text, key):
+    with pytest.raises(ValueError, match=rf"cfg\.yaml:\d+: {key}="):
+        load_config(_write(tmp_path, text))
+
+
+def test_initializer_range_is_checked_by_the_model_config():
+    """inf was accepted by ModelConfig and refused later, at model build, as a MoEConfig error."""
+    with pytest.raises(ValueError, match=r"^initializer_range=inf: expected a finite number >= 0"):
+        ModelConfig(initializer_range=float("inf"))
+
+
+def test_dense_model_config():
+    """num_experts=0 is a dense model: no layer holds the MoE block; the block's other keys keep
+    their values in the flat form."""
+    cfg = load_config("tiny", num_experts=0)
+    assert cfg.moe.is_dense and not any(cfg.is_moe_layer(i) for i in range(2))
+    assert ModelConfig.from_dict(cfg.as_dict()) == cfg
+    assert param_count(cfg)["experts"] == param_count(cfg)["router"] == 0
+
+
+@pytest.mark.parametrize(
+    "over,key",
+    [
+        (dict(router="topk_softmax"), "router"),
+        (dict(router="sigmoid_group", n_group=2, topk_group=1), "router"),
+        (dict(router="topk_softmax", router_bias=True), "router"),
+        (dict(router_bias=True), "router_bias"),
+        (dict(activation="geglu"), "activation"),
+        (dict(activation="gpt_oss", expert_biases=True), "activation"),
+        (dict(expert_biases=True), "expert_biases"),
+    ],
+)
+def test_hf_bridge_refuses_what_qwen_has_not(over, key):
+    """Qwen3-MoE / Qwen2-MoE have one router, one activation and no biases in the MoE block: a
+    config using another is refused both ways, in one line naming the key."""
+    from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
+
+    hf = json.loads((FIXTURES / "qwen3_moe_topk_norm" / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"^{key}=.*Qwen3MoeForCausalLM has no such option"):
+        config_from_hf(hf, **over)
+    cfg = load_config("tiny", **over)
+    with pytest.raises(ValueError, match=rf"^{key}=[^\n]*Qwen3MoeForCausalLM has no such option"):
+        config_to_hf(cfg, "float32")
+
+
+def test_hf_bridge_and_the_expert_bias():
+    """The aux-loss-free expert bias is a training choice on load (it starts at 0: HF's routing)
+    but refused on export (the trained bias would be lost and the routing differ)."""
+    from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
+
+    hf = json.loads((FIXTURES / "qwen3_moe_topk_norm" / "config.json").read_text())
+    cfg = config_from_hf(hf, expert_bias=True, expert_bias_rate=0.01)
+    assert cfg.moe.expert_bias
+    with pytest.raises(
+        ValueError, match=r"^expert_bias=True: the Hugging Face Qwen3MoeForCausalLM"
+    ):
+        config_to_hf(cfg, "float32")
+    config_to_hf(cfg.replace(expert_bias=False, expert_bias_rate=0.001), "float32")

@@ -84,14 +84,14 @@ def test_logits_match_transformers(name, dispatcher, routing):
     moe_layers = [int(i) for i in ref["moe_layers"]]
     assert list(model.moe_layers) == moe_layers
     for n, i in enumerate(moe_layers):
-        ours = np.asarray(aux["router_logits"][n]).reshape(-1, model.config.num_experts)
+        ours = np.asarray(aux.router_logits[n]).reshape(-1, model.config.moe.num_experts)
         np.testing.assert_allclose(ours, ref[f"router_logits_{i}"], atol=TOL, rtol=0)
-    np.testing.assert_allclose(aux["aux_loss"], ref["aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(aux.aux_loss, ref["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(ce_loss(logits, ids), ref["lm_loss"], atol=TOL)
     coef = float(ref["router_aux_loss_coef"])
     assert model.config.router_aux_loss_coef == pytest.approx(coef)
     np.testing.assert_allclose(
-        ce_loss(logits, ids) + coef * float(aux["aux_loss"]), ref["loss"], atol=TOL
+        ce_loss(logits, ids) + coef * float(aux.aux_loss), ref["loss"], atol=TOL
     )
 
 
@@ -162,4 +162,4 @@ def test_folded_auto_mesh():
     ref = reference(name)
     logits, aux = forward(model, jnp.asarray(ref["input_ids"]))
     assert float(np.max(np.abs(np.asarray(logits) - ref["logits"]))) <= TOL
-    np.testing.assert_allclose(aux["aux_loss"], ref["aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(aux.aux_loss, ref["aux_loss"], rtol=1e-5)

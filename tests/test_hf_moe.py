@@ -36,7 +36,6 @@ def _load(name):
 def gpt_oss(hf, options):
     """(MoEConfig, {our parameter: value}, {our parameter: HF gradient}) of the GPT-OSS block."""
     cfg = MoEConfig(
-        hidden_size=hf["hidden_size"],
         num_experts=hf["num_local_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["intermediate_size"],
@@ -67,7 +66,6 @@ def gpt_oss(hf, options):
 def deepseek_v3(hf, options):
     f = hf["moe_intermediate_size"]
     cfg = MoEConfig(
-        hidden_size=hf["hidden_size"],
         num_experts=hf["n_routed_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         moe_intermediate_size=f,
@@ -110,7 +108,7 @@ def test_moe_layer_matches_transformers(name, options):
     data, hf = _load(name)
     cfg, ours = FAMILIES[name](hf, MoEOptions(**options))
     m = mesh("dp2_ep4")
-    layer = MoELayer(cfg, mesh=m, rngs=nnx.Rngs(0))
+    layer = MoELayer(cfg, hidden_size=hf["hidden_size"], mesh=m, rngs=nnx.Rngs(0))
     variables = _variables(layer)
     values = ours(lambda k: data[k])
     if name == "deepseek_v3_moe":
@@ -141,7 +139,7 @@ def test_moe_layer_matches_transformers(name, options):
     close(dx, data["grad/hidden_states"], "gradient w.r.t. hidden_states")
     e = cfg.num_experts
     load = np.bincount(data["topk_idx"].ravel(), minlength=e)
-    np.testing.assert_array_equal(np.asarray(aux["expert_load"]), load)
+    np.testing.assert_array_equal(np.asarray(aux.expert_load), load)
     grads = {k: v.get_value() for k, v in _variables(d_layer).items()}
     want = ours(lambda k: data[f"grad/{k}"] if f"grad/{k}" in data else None)
     for k, g in want.items():

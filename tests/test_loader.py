@@ -1,5 +1,5 @@
-"""The packed-row loader of a prepared dataset (`train/loader.py`), against a reference built here
-from the documents tokenized independently: each row is the corpus stream cut into rows and
+"""The packed-row loader of a prepared dataset (`train/data/loader.py`), against a reference built
+here from the documents tokenized independently: each row is the corpus stream cut into rows and
 visited in grain's permutation, with segment ids and positions that match the
 documents in it; an epoch visits every row of its grid once; a process reads only its rows (and
 only the records under them); a restored state continues exactly; bad datasets are refused
@@ -10,9 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from train import prepare
-from train.data import byte_tokenize
-from train.loader import DatasetError, PackedRows, load_manifest, row_ranges
+from train.data import prepare
+from train.data.format import DatasetError, load_manifest
+from train.data.loader import PackedRows, row_ranges
+from train.data.tokenizers import byte_tokenize
 
 SEQ, B = 16, 4
 
@@ -164,4 +165,21 @@ def test_bad_datasets_name_the_file(dataset, tmp_path):
         load_manifest(copy)
     (copy / "manifest.json").write_text("{")
     with pytest.raises(DatasetError, match=r"manifest\.json: not valid JSON"):
+        load_manifest(copy)
+
+
+def test_the_manifest_is_one_record_read_back_as_written(dataset, tmp_path):
+    """`load_manifest` reads manifest.json into the `Manifest` record that writes it back byte
+    for byte; a manifest of the right format missing a field is one line naming the file."""
+    directory, _ = dataset
+    manifest = load_manifest(directory, verify_hashes=True)
+    assert manifest.shards[0].file == "shard-00000.array_record"
+    assert manifest.documents == 40 and manifest.tokenizer.kind == "bytes"
+    copy = _copy(directory, tmp_path)
+    manifest.write(copy)
+    assert (copy / "manifest.json").read_bytes() == (directory / "manifest.json").read_bytes()
+    d = json.loads((copy / "manifest.json").read_text())
+    del d["shards"][0]["lengths_sha256"]
+    (copy / "manifest.json").write_text(json.dumps(d))
+    with pytest.raises(DatasetError, match=r"manifest\.json: not a relaymoe-tokens-v2 manifest"):
         load_manifest(copy)

@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from relaymoe_jax.models import ModelConfig, QwenMoe, router, rules_for
-from relaymoe_jax.models.moe import MoELayer
+from relaymoe_jax.models import ModelConfig, QwenMoe, rules_for
+from relaymoe_jax.models import router_losses as router
+from relaymoe_jax.models.moe_layer import MoELayer
 from relaymoe_jax.models.qwen import DenseMLP
 from relaymoe_jax.models.sharding import from_tokens, to_tokens
 
@@ -57,7 +58,7 @@ def lm_loss(model, ids, return_outputs=False):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1]), axis=-1)
     mask = (jnp.arange(s) < s - 1).astype(jnp.float32)
-    loss = jnp.sum(nll * mask) / (ids.shape[0] * (s - 1)) + aux["router_loss"]
+    loss = jnp.sum(nll * mask) / (ids.shape[0] * (s - 1)) + aux.router_loss
     return (loss, (logits, aux)) if return_outputs else loss
 
 
@@ -130,7 +131,7 @@ def test_dispatchers_agree(arch, dispatcher, routing):
         QwenMoe(
             tiny(
                 **{
-                    **{k: getattr(cfg, k) for k in ("arch", "shared_expert_intermediate_size")},
+                    **{k: cfg.as_dict()[k] for k in ("arch", "shared_expert_intermediate_size")},
                     "dispatcher": dispatcher,
                     "routing": routing,
                 }
@@ -142,9 +143,9 @@ def test_dispatchers_agree(arch, dispatcher, routing):
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     assert logits.shape == (B, S, TINY["vocab_size"])
     assert_close(logits, ref_logits, what="logits")
-    assert_close(aux["aux_loss"], ref_aux["aux_loss"], what="aux_loss")
-    assert_close(aux["router_logits"], ref_aux["router_logits"], what="router_logits")
-    np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+    assert_close(aux.aux_loss, ref_aux.aux_loss, what="aux_loss")
+    assert_close(aux.router_logits, ref_aux.router_logits, what="router_logits")
+    np.testing.assert_array_equal(aux.expert_load, ref_aux.expert_load)
     assert_close(loss, ref_loss, what="loss")
     grads = flat(grads)
     assert grads.keys() == ref_grads.keys()
@@ -235,15 +236,15 @@ def test_losses_match_float64_numpy():
 
 def test_model_aux_matches_numpy_of_its_router_logits():
     _, _, _, aux, _, _ = reference_run("qwen3_moe")
-    rl = np.asarray(aux["router_logits"]).reshape(len(aux["z_loss_per_layer"]), B * S, -1)
+    rl = np.asarray(aux.router_logits).reshape(len(aux.z_loss_per_layer), B * S, -1)
     concat, per_layer, z, counts = numpy_losses(rl, TINY["num_experts_per_tok"])
-    np.testing.assert_allclose(aux["aux_loss"], concat, rtol=1e-5)
-    np.testing.assert_allclose(aux["aux_loss_per_layer"], per_layer, rtol=1e-5)
-    np.testing.assert_allclose(aux["z_loss_per_layer"], z, rtol=1e-5)
-    np.testing.assert_allclose(aux["z_loss"], z.mean(), rtol=1e-5)
-    np.testing.assert_array_equal(aux["expert_load"], counts)
-    np.testing.assert_allclose(aux["router_loss"], 1e-2 * concat + 1e-3 * z.mean(), rtol=1e-5)
-    assert int(aux["dropped_pairs"]) == 0
+    np.testing.assert_allclose(aux.aux_loss, concat, rtol=1e-5)
+    np.testing.assert_allclose(aux.aux_loss_per_layer, per_layer, rtol=1e-5)
+    np.testing.assert_allclose(aux.z_loss_per_layer, z, rtol=1e-5)
+    np.testing.assert_allclose(aux.z_loss, z.mean(), rtol=1e-5)
+    np.testing.assert_array_equal(aux.expert_load, counts)
+    np.testing.assert_allclose(aux.router_loss, 1e-2 * concat + 1e-3 * z.mean(), rtol=1e-5)
+    assert int(aux.dropped_pairs) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,10 +281,10 @@ def test_model_expert_bias_update():
     )
     ids = input_ids()
     (_, (_, aux)), grads = loss_and_grads(model, ids)
-    load = np.asarray(aux["expert_load"])
+    load = np.asarray(aux.expert_load)
     assert load.shape == (2, 8) and np.all(load.sum(1) == B * S * 2)
     assert not any("expert_bias" in k for k in flat(grads))  # not a Param: no gradient
-    model.update_expert_bias(aux["expert_load"])
+    model.update_expert_bias(aux.expert_load)
     for n, i in enumerate(model.moe_layers):
         bias = np.asarray(model.layers[i].mlp.expert_bias[...])
         np.testing.assert_allclose(bias, 0.5 * np.sign(load[n].mean() - load[n]))
@@ -294,7 +295,7 @@ def test_model_expert_bias_update():
             jax.device_put(np.eye(8, dtype=np.float32)[3] * 100, var.get_value().sharding)
         )
     _, aux = forward(model, ids)
-    assert np.all(np.asarray(aux["expert_load"])[:, 3] == B * S)
+    assert np.all(np.asarray(aux.expert_load)[:, 3] == B * S)
 
 
 def test_expert_bias_update_inside_jit_equals_eager():
@@ -339,12 +340,12 @@ def test_dense_and_moe_layer_placement():
     assert model.layers[1].mlp.w_gate.shape == (8, 32, 16)
     assert model.layers[1].mlp.w_down.shape == (8, 16, 32)
     _, aux = forward(model, input_ids())
-    assert aux["expert_load"].shape == (1, 8) and aux["router_logits"].shape == (1, B, S, 8)
+    assert aux.expert_load.shape == (1, 8) and aux.router_logits.shape == (1, B, S, 8)
     # no MoE layer at all
     dense = QwenMoe(tiny(num_experts=0, dispatcher="reference"), mesh=mesh(), rngs=nnx.Rngs(0))
     assert all(isinstance(layer.mlp, DenseMLP) for layer in dense.layers)
     _, aux = forward(dense, input_ids())
-    assert float(aux["aux_loss"]) == 0.0 and aux["expert_load"].shape == (0, 0)
+    assert float(aux.aux_loss) == 0.0 and aux.expert_load.shape == (0, 0)
 
 
 def test_params_created_sharded():
@@ -404,8 +405,8 @@ def test_other_meshes_match(layout):
     assert model.layers[0].mlp.w_gate.get_value().sharding.spec[0] == rules.expert_axis
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     assert_close(logits, ref_logits, what="logits")
-    assert_close(aux["router_logits"], ref_aux["router_logits"], what="router_logits")
-    np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+    assert_close(aux.router_logits, ref_aux.router_logits, what="router_logits")
+    np.testing.assert_array_equal(aux.expert_load, ref_aux.expert_load)
     assert_close(loss, ref_loss, what="loss")
     for k, g in flat(grads).items():
         assert_close(g, ref_grads[k], what=f"grad {k}")
@@ -437,14 +438,30 @@ def test_token_flatten_moves_no_data(names, batch):
     assert jax.jit(lambda x: to_tokens(x, rules))(x).sharding.spec[0] == rules.token_axes
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
-def test_model_parameters_match_the_param_count_formula(name):
+PARAM_COUNT_CASES = {
+    "tiny": ("tiny", {}),
+    "tiny-qwen2": ("tiny-qwen2", {}),
+    "router_bias": ("tiny", dict(router="topk_softmax", router_bias=True)),
+    "gpt_oss expert_biases": ("tiny", dict(activation="gpt_oss", expert_biases=True)),
+    "sigmoid_group expert_bias": (
+        "tiny",
+        dict(router="sigmoid_group", n_group=2, topk_group=1, expert_bias=True),
+    ),
+    "ungated shared expert": ("tiny-qwen2", dict(shared_expert_gated=False)),
+    "dense": ("tiny", dict(num_experts=0)),
+}
+
+
+@pytest.mark.parametrize("case", PARAM_COUNT_CASES)
+def test_model_parameters_match_the_param_count_formula(case):
     """The NNX model's trainable parameters, counted element by element, equal `param_count`
-    (the formula, itself checked against HF checkpoints in test_configs)."""
+    (the formula, itself checked against HF checkpoints in test_configs), with the router's and
+    the experts' biases of the MoE block's keys too (the aux-loss-free expert_bias is no Param)."""
     from relaymoe_jax.models.config_files import load_config
     from relaymoe_jax.models.param_count import param_count
 
-    cfg = load_config(name)
-    model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))
+    name, over = PARAM_COUNT_CASES[case]
+    cfg = load_config(name, **over)
+    model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0)))
     n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == param_count(cfg)["total"]

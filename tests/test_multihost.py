@@ -98,7 +98,7 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 
 def _rows(ranges: str) -> set[int]:
-    """ "0-3, 6" -> {0, 1, 2, 3, 6} (`train.loader.row_ranges`)."""
+    """ "0-3, 6" -> {0, 1, 2, 3, 6} (`train.data.loader.row_ranges`)."""
     out = set()
     for part in ranges.split(", "):
         lo, _, hi = part.partition("-")

@@ -104,9 +104,9 @@ def test_attention_cost_model_splits_the_batch_over_node():
 
 
 def test_ring_option_is_validated():
-    assert ModelConfig().moe_options.ring == "auto"
+    assert ModelConfig().moe.options.ring == "auto"
     for r in ("flat", "hierarchical", "auto"):
-        assert ModelConfig.from_dict({"ring": r}).moe_options.ring == r
+        assert ModelConfig.from_dict({"ring": r}).moe.options.ring == r
     with pytest.raises(
         ValueError,
         match=r"ring='nested': expected one of \('auto', 'flat', "

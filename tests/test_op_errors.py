@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from moe_cases import make_inputs, mesh, uniform_ids
-from relaymoe_jax import moe_ffn
+from relaymoe_jax import moe_ffn, routing_volumes
+from relaymoe_jax.dispatch.experts import check_experts_divide
 
 
 @pytest.fixture
@@ -172,3 +173,12 @@ def test_options_record_or_keywords_not_both(inp):
         call(inp, options={"dispatcher": "alltoall"})
     with pytest.raises(ValueError, match=r"capacity_factor=1.0 applies to dispatcher='alltoall'"):
         call(inp, options=MoEOptions(capacity_factor=1.0))  # the combination is checked too
+
+
+def test_experts_divide_the_expert_axis_is_one_check():
+    """The op, `routing_volumes` and the model's config share one rule and one error text."""
+    check_experts_divide(16, 8)
+    with pytest.raises(ValueError, match=r"^num_experts=12 is not divisible by the size 8 of "):
+        check_experts_divide(12, 8)
+    with pytest.raises(ValueError, match=r"^experts=12 is not divisible by the size 8 of the exp"):
+        routing_volumes(experts=12, top_k=2, hidden=8, ffn=8, ep=8, tokens_per_device=4)

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from relaymoe_jax.models.config_files import load_config
 from train import mesh as tm
 from train import train_step
+from train.data import Batch
 from train.settings import TrainConfig
 
 B, S = 8, 16
@@ -74,9 +75,8 @@ def test_packed_lm_loss_is_the_documents_loss_alone():
             )
             total, count = total + nll, count + n
     ids_sharding = NamedSharding(mesh, rules.fit((B, S), "batch", "seq"))
-    step = train_step.make_step(graphdef, tx, cfg, packed=True)
+    step = train_step.make_step(graphdef, tx, packed=True)
     compiled = train_step.compile_step(step, state, ids_sharding, (B, S), packed=True)
-    batch = {"tokens": tokens, "segment_ids": seg, "positions": pos}
-    batch = {k: jax.device_put(v, ids_sharding) for k, v in batch.items()}
+    batch = jax.device_put(Batch(tokens, seg, pos), ids_sharding)
     _, metrics = compiled(state, batch)
-    np.testing.assert_allclose(float(metrics["lm_loss"]), total / count, rtol=2e-6)
+    np.testing.assert_allclose(float(metrics.lm_loss), total / count, rtol=2e-6)

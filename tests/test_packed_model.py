@@ -25,11 +25,13 @@ def packed_row(ids_s):
     return ids_s[None], jnp.asarray([seg], jnp.int32), jnp.asarray([pos], jnp.int32)
 
 
-@pytest.mark.parametrize(
-    "kw", [dict(attention_impl="xla"), dict(attention_impl="chunked", attention_block_k=8,
-                                            scan_layers=True)],
-    ids=["xla", "chunked-scanned"],
-)  # fmt: skip
+CASES = {
+    "xla": dict(attention_impl="xla"),
+    "chunked-scanned": dict(attention_impl="chunked", attention_block_k=8, scan_layers=True),
+}
+
+
+@pytest.mark.parametrize("kw", list(CASES.values()), ids=list(CASES))
 def test_each_packed_document_gets_its_own_logits(kw):
     model = QwenMoe(tiny(**kw), mesh=mesh(), rngs=nnx.Rngs(0))
     ids, seg, pos = packed_row(input_ids(seed=4, b=1, s=32)[0])

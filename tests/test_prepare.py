@@ -1,6 +1,6 @@
-"""`relaymoe-train prepare` (train/prepare.py): a corpus tokenized once into ArrayRecord shards,
-read back through grain against the trainer's own tokenization of each document; the manifest;
-an interrupted prepare resumed without redoing finished shards; bad input."""
+"""`relaymoe-train prepare` (train/data/prepare.py): a corpus tokenized once into ArrayRecord
+shards, read back through grain against the trainer's own tokenization of each document; the
+manifest; an interrupted prepare resumed without redoing finished shards; bad input."""
 
 import json
 import subprocess
@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import data as data_mod
-from train import prepare
-from train.data import byte_tokenize
+from train.data import prepare
+from train.data import tokenizers as data_mod
+from train.data.format import sha256_file
+from train.data.tokenizers import BYTE_EOD, byte_tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["the cat sat on the mat", "", "a dog and a log\n", "über café ☕", "the end"]
@@ -46,7 +47,7 @@ def test_byte_level_prepare_reads_back_document_by_document(corpus):
     m = prepare.prepare(inputs, out, workers=2, docs_per_shard=2)
     m, records = read_back(out)
     texts = [d for d in DOCS if d]
-    want = [np.append(byte_tokenize(t), prepare.BYTE_EOD) for t in texts]
+    want = [np.append(byte_tokenize(t), BYTE_EOD) for t in texts]
     assert len(records) == len(want) == m["documents"]
     for got, w in zip(records, want):
         np.testing.assert_array_equal(got, w)
@@ -55,9 +56,9 @@ def test_byte_level_prepare_reads_back_document_by_document(corpus):
     assert (m["vocab_size"], m["eod_id"], m["tokenizer"]["kind"]) == (256, 10, "bytes")
     assert len(m["shards"]) == 3  # 6 documents scanned (2 empty), 2 per shard
     for s in m["shards"]:
-        assert s["sha256"] == prepare.sha256_file(out / s["file"])
+        assert s["sha256"] == sha256_file(out / s["file"])
         assert s["bytes"] == (out / s["file"]).stat().st_size
-        assert s["lengths_sha256"] == prepare.sha256_file(out / s["lengths_file"])
+        assert s["lengths_sha256"] == sha256_file(out / s["lengths_file"])
     lengths = np.concatenate([np.load(out / s["lengths_file"]) for s in m["shards"]])
     np.testing.assert_array_equal(lengths, [len(w) for w in want])  # the loader's index
     assert [i["path"] for i in m["inputs"]] == inputs
@@ -78,9 +79,9 @@ def test_hf_tokenizer_json(corpus):
     eod = tok.token_to_id("</s>")
     want = [[*tok.encode(d, add_special_tokens=False).ids, eod] for d in DOCS if d]
     assert [r.tolist() for r in records] == want
-    assert m["eod_id"] == eod == data_mod.eos_id(tok)
-    assert m["tokenizer"]["sha256"] == prepare.sha256_file(tmp / "tokenizer.json")
-    assert m["vocab_size"] == tok.get_vocab_size(with_added_tokens=True)
+    assert m.eod_id == eod == data_mod.eos_id(tok)
+    assert m.tokenizer.sha256 == sha256_file(tmp / "tokenizer.json")
+    assert m.vocab_size == tok.get_vocab_size(with_added_tokens=True)
 
 
 def test_an_interrupted_prepare_resumes_without_redoing_finished_shards(corpus, capsys):
@@ -98,7 +99,7 @@ def test_an_interrupted_prepare_resumes_without_redoing_finished_shards(corpus, 
     after = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
     assert after["shard-00000.array_record"] == first["shard-00000.array_record"]
     assert after["shard-00002.array_record"] == first["shard-00002.array_record"]
-    assert m["documents"] == 4 and len(read_back(out)[1]) == 4
+    assert m.documents == 4 and len(read_back(out)[1]) == 4
     with pytest.raises(prepare.PrepareError, match="holds a prepare of other inputs"):
         prepare.prepare(inputs[:1], out, workers=1, docs_per_shard=2)
 
@@ -121,13 +122,13 @@ def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, content, match):
 
 
 def test_cli_one_line_errors_and_the_trainer_subcommand(tmp_path):
-    """`python -m train.prepare` and `python -m train prepare`: a summary line when done, one
+    """`python -m train.data.prepare` and `python -m train prepare`: a summary line when done, one
     `error:` line and exit status 1 for bad input (missing file, a glob matching nothing, an empty
     corpus: after the progress lines of what it read), argparse's exit 2 for bad numbers."""
     (tmp_path / "a.txt").write_text("some text")
     (tmp_path / "empty.txt").write_text("")
 
-    def run(*args, module="train.prepare"):
+    def run(*args, module="train.data.prepare"):
         cmd = [sys.executable, "-m", *module.split(), *map(str, args)]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 

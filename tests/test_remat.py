@@ -290,7 +290,7 @@ def test_options_give_the_same_loss_and_gradients():
         @jax.jit
         def f(params):
             logits, aux = nnx.merge(graphdef, params, rest)(ids)
-            return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux["router_loss"]
+            return jnp.mean(jax.nn.logsumexp(logits, -1)) + aux.router_loss
 
         with jax.set_mesh(mesh):
             return jax.value_and_grad(f)(params)

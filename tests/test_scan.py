@@ -23,13 +23,14 @@ from relaymoe_jax.models import (
     ModelConfig,
     QwenMoe,
     from_pretrained,
-    router,
     rules_for,
     save_pretrained,
 )
+from relaymoe_jax.models import router_losses as router
 from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.models.qwen import DecoderLayer
 from train import train_step
+from train.data import Batch
 from train.settings import TrainConfig
 
 B, S = 2, 8
@@ -72,7 +73,7 @@ def lm_loss(model, ids):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1]), axis=-1)
     mask = (jnp.arange(S) < S - 1).astype(jnp.float32)
-    return jnp.sum(nll * mask) / (B * (S - 1)) + aux["router_loss"], (logits, aux)
+    return jnp.sum(nll * mask) / (B * (S - 1)) + aux.router_loss, (logits, aux)
 
 
 # XLA:CPU backend options that halve these tests' compile times; the program (HLO) is the same
@@ -248,9 +249,9 @@ def test_scanned_matches_unscanned(layout, over):
         "router_loss",
         "router_logits",
     ):
-        assert_close(aux[k], ref_aux[k], what=k)
-    np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
-    assert int(aux["dropped_pairs"]) == int(ref_aux["dropped_pairs"]) == 0
+        assert_close(getattr(aux, k), getattr(ref_aux, k), what=k)
+    np.testing.assert_array_equal(aux.expert_load, ref_aux.expert_load)
+    assert int(aux.dropped_pairs) == int(ref_aux.dropped_pairs) == 0
     grads = per_layer(grads, 2)
     assert grads.keys() == ref_grads.keys()
     for k in ref_grads:
@@ -324,7 +325,7 @@ def test_expert_bias_stacked():
         )
     )
     _, aux = forward(eager, input_ids())
-    assert np.all(np.asarray(aux["expert_load"])[:, 3] == B * S)
+    assert np.all(np.asarray(aux.expert_load)[:, 3] == B * S)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,21 +352,21 @@ def test_train_step_fsdp_matches_unscanned():
     ids_sharding = jax.NamedSharding(m, rules.fit(ids.shape, "batch", "seq"))
     shardings = jax.tree.map(lambda x: x.sharding, state)  # as train_step.compile_step, FAST
     state, metrics = run_fast(
-        train_step.make_step(graphdef, tx, cfg),
+        train_step.make_step(graphdef, tx),
         state,
-        {"tokens": jax.device_put(ids, ids_sharding)},
-        in_shardings=(shardings, {"tokens": ids_sharding}),
+        Batch(jax.device_put(ids, ids_sharding)),
+        in_shardings=(shardings, ids_sharding),
         out_shardings=(shardings, jax.NamedSharding(m, jax.P())),
         donate_argnums=0,
     )
-    assert_close(metrics["loss"], ref_loss, what="loss")
-    assert_close(metrics["lm_loss"], ref_loss - ref_aux["router_loss"], what="lm_loss")
+    assert_close(metrics.loss, ref_loss, what="loss")
+    assert_close(metrics.lm_loss, ref_loss - ref_aux.router_loss, what="lm_loss")
     for k in ("aux_loss", "z_loss", "router_loss"):
-        assert_close(metrics[k], ref_aux[k], what=k)
-    np.testing.assert_array_equal(metrics["expert_load"], ref_aux["expert_load"])
+        assert_close(getattr(metrics, k), getattr(ref_aux, k), what=k)
+    np.testing.assert_array_equal(metrics.expert_load, ref_aux.expert_load)
     grads = {"/".join(map(str, k)): v for k, v in ref_grads.items()}
     assert_close(
-        metrics["grad_norm"],
+        metrics.grad_norm,
         np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in grads.values())),
         what="grad_norm",
     )
@@ -377,12 +378,12 @@ def test_train_step_fsdp_matches_unscanned():
     for k in want:  # Adam's first step lr * g / (|g| + eps) amplifies tiny gradient differences
         assert_close(got[k], want[k], rel=1e-4, what=f"updated {k}")
         assert np.any(got[k] != params0[k]), k
-    state = train_step.update_expert_bias(graphdef, state, metrics["expert_load"])
+    state = train_step.update_expert_bias(graphdef, state, metrics.expert_load)
     bias = state.rest["layers"]["mlp"]["expert_bias"]
     np.testing.assert_array_equal(
         bias,
         router.expert_bias_update(
-            np.zeros((2, 8), np.float32), np.asarray(metrics["expert_load"]), cfg.expert_bias_rate
+            np.zeros((2, 8), np.float32), np.asarray(metrics.expert_load), cfg.moe.expert_bias_rate
         ),
     )
 
@@ -408,10 +409,10 @@ def test_hf_import_and_export(name, tmp_path):
     ids = jnp.asarray(ref["input_ids"], jnp.int32)
     logits, aux = forward(model, ids)
     assert float(np.max(np.abs(np.asarray(logits) - ref["logits"]))) <= 1e-4
-    np.testing.assert_allclose(aux["aux_loss"], ref["aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(aux.aux_loss, ref["aux_loss"], rtol=1e-5)
     for n, i in enumerate(int(i) for i in ref["moe_layers"]):
         np.testing.assert_allclose(
-            np.asarray(aux["router_logits"][n]).reshape(-1, 8),
+            np.asarray(aux.router_logits[n]).reshape(-1, 8),
             ref[f"router_logits_{i}"],
             atol=1e-4,
             rtol=0,

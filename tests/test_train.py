@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from train import cli, guards
-from train.data import DEFAULT_TEXT, SyntheticData, byte_tokenize, make_data
+from train.data import DEFAULT_TEXT, make_source
+from train.data.synthetic import SyntheticSource
+from train.data.tokenizers import byte_tokenize
 
 SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
 
@@ -99,7 +101,7 @@ def test_text_data_is_deterministic_and_cycles():
     loader): fixed by the seed, each epoch's rows are the text cut into rows of seq_len, every
     row once, and the next epoch is another permutation."""
     kw = dict(synthetic=False, seq_len=32, batch_size=8, vocab_size=256)
-    d, again = make_data(None, seed=3, **kw), make_data(None, seed=3, **kw)
+    d, again = make_source(None, seed=3, **kw), make_source(None, seed=3, **kw)
     stream = np.append(byte_tokenize(DEFAULT_TEXT.read_text()), np.int32(10))  # 1 doc, EOD
     n = len(stream) // 32
     steps_per_epoch = n // 8
@@ -111,10 +113,10 @@ def test_text_data_is_deterministic_and_cycles():
     grid = stream[: n * 32].reshape(n, 32)
     assert {r.tobytes() for r in epoch0} <= {r.tobytes() for r in grid}
     assert len({r.tobytes() for r in epoch0}) == len(epoch0)  # no repeats within an epoch
-    other = make_data(None, seed=4, **kw)
+    other = make_source(None, seed=4, **kw)
     assert not np.array_equal(batches[0].tokens, next(other).tokens)
-    syn = SyntheticData(16, 4, 0, 256)
-    np.testing.assert_array_equal(syn.batch(7), SyntheticData(16, 4, 0, 256).batch(7))
+    syn = SyntheticSource(16, 4, 0, 256)
+    np.testing.assert_array_equal(syn.batch(7), SyntheticSource(16, 4, 0, 256).batch(7))
 
 
 @pytest.mark.parametrize(

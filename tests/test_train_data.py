@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from train import plot, prepare
-from train.data import byte_tokenize, make_data
-from train.loader import DatasetError
+from train import plot
+from train.data import DatasetError, make_source, prepare, prepared
+from train.data.tokenizers import byte_tokenize
 
 TEXTS = [
     "the cat sat on the mat\nthe dog sat on the log\n",
@@ -47,7 +47,7 @@ def files(tmp_path):
 def _stream(d):
     """The whole token stream of a packed data source, with its segment ids."""
     whole = d.corpus.read(0, d.corpus.tokens)
-    return whole["tokens"], whole["segment_ids"]
+    return whole.tokens, whole.segment_ids
 
 
 @pytest.mark.parametrize(
@@ -67,14 +67,14 @@ def test_hf_tokenizer_packs_independent_tokenization(tmp_path, files, specials, 
     ids = [i for f in per_file for i in f]
     assert tok.token_to_id("<s>") not in ids  # no post-processor tokens
     kw = dict(synthetic=False, seq_len=4, batch_size=1, seed=1)
-    d = make_data(
+    d = make_source(
         [str(f) for f in files], vocab_size=64, tokenizer=tmp_path / "tokenizer.json", **kw
     )
     tokens, seg = _stream(d)
     np.testing.assert_array_equal(tokens, ids)
     np.testing.assert_array_equal(seg, np.repeat([1, 2], [len(f) for f in per_file]))
     logged = []
-    again = make_data(
+    again = make_source(
         files, vocab_size=64, tokenizer=str(tmp_path / "tokenizer.json"), log=logged.append, **kw
     )
     assert logged == []  # read from the cache, not prepared again
@@ -89,46 +89,48 @@ def test_data_errors(tmp_path, files):
     n = tok.get_vocab_size(with_added_tokens=True)
     kw = dict(synthetic=False, seq_len=4, batch_size=2, seed=0)
     with pytest.raises(FileNotFoundError, match=r"tokenizer file not found: .*missing\.json"):
-        make_data(files, vocab_size=64, tokenizer=tmp_path / "missing.json", **kw)
+        make_source(files, vocab_size=64, tokenizer=tmp_path / "missing.json", **kw)
     for i, junk in enumerate(["not json", "{}", '{"model": 3}']):
         bad = tmp_path / f"bad{i}.json"
         bad.write_text(junk)
         with pytest.raises(ValueError, match=rf"not a valid tokenizer\.json: .*bad{i}\.json"):
-            make_data(files, vocab_size=64, tokenizer=bad, **kw)
+            make_source(files, vocab_size=64, tokenizer=bad, **kw)
     with pytest.raises(ValueError, match=rf"has {n} tokens, .*vocab_size={n - 1}"):
-        make_data(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
-    make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
+        make_source(files, vocab_size=n - 1, tokenizer=tmp_path / "tok.json", **kw)
+    make_source(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **kw)  # exactly fits
     with pytest.raises(ValueError, match=r"seq_len=10000 is longer than the whole corpus"):
-        make_data(files, vocab_size=n, tokenizer=tmp_path / "tok.json", **{**kw, "seq_len": 10_000})
+        make_source(
+            files, vocab_size=n, tokenizer=tmp_path / "tok.json", **{**kw, "seq_len": 10_000}
+        )
     body = tmp_path / "b.jsonl"
     body.write_text('{"body": "some words"}\n')
     with pytest.raises(DatasetError, match=r"b\.jsonl:1: no string field 'text' .* --field NAME"):
-        make_data([body], vocab_size=256, **kw)
+        make_source([body], vocab_size=256, **kw)
     with pytest.raises(FileNotFoundError, match=r"data file not found: .*nope\.txt"):
-        make_data([tmp_path / "nope.txt"], vocab_size=256, **kw)
+        make_source([tmp_path / "nope.txt"], vocab_size=256, **kw)
     # a prepared directory: its manifest against the model and --tokenizer
     prepare.prepare(
         [str(f) for f in files], tmp_path / "ds", tokenizer=tmp_path / "tok.json", workers=1
     )
-    make_data([tmp_path / "ds"], vocab_size=n, **kw)
+    make_source([tmp_path / "ds"], vocab_size=n, **kw)
     with pytest.raises(
         DatasetError,
         match=rf"manifest\.json: prepared with .*tok\.json of {n} tokens, .* vocab_size={n - 1}",
     ):
-        make_data([tmp_path / "ds"], vocab_size=n - 1, **kw)
+        make_source([tmp_path / "ds"], vocab_size=n - 1, **kw)
     other = _tokenizer_json(tmp_path / "other.json", ["[UNK]", "<|endoftext|>", "x"])
     assert other.get_vocab_size() <= 64
     with pytest.raises(
         DatasetError,
         match=r"manifest\.json: prepared with tokenizer .*tok\.json, not --tokenizer .*other",
     ):
-        make_data([tmp_path / "ds"], vocab_size=64, tokenizer=tmp_path / "other.json", **kw)
+        make_source([tmp_path / "ds"], vocab_size=64, tokenizer=tmp_path / "other.json", **kw)
     with pytest.raises(DatasetError, match=r"is a prepared dataset: give it alone"):
-        make_data([tmp_path / "ds", files[0]], vocab_size=64, **kw)
+        make_source([tmp_path / "ds", files[0]], vocab_size=64, **kw)
 
 
 def test_byte_tokenizer_packs_files_joined_by_newline(files):
-    d = make_data(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=256)
+    d = make_source(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=256)
     raw = "".join(t + "\n" for t in TEXTS).encode()
     tokens, seg = _stream(d)
     np.testing.assert_array_equal(tokens, np.frombuffer(raw, np.uint8))
@@ -138,13 +140,13 @@ def test_byte_tokenizer_packs_files_joined_by_newline(files):
         ValueError,
         match=r"byte-level tokenizer of 256 tokens, more than .* vocab_size=255",
     ):
-        make_data(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=255)
+        make_source(files, synthetic=False, seq_len=8, batch_size=2, seed=0, vocab_size=255)
 
 
 def test_default_data_does_not_import_tokenizers():
     code = (
-        "import sys; from train.data import make_data; "
-        "d = make_data(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
+        "import sys; from train.data import make_source; "
+        "d = make_source(None, synthetic=False, seq_len=32, batch_size=2, seed=0, "
         "vocab_size=256); next(d); assert 'tokenizers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -222,7 +224,7 @@ def test_two_processes_preparing_the_same_files_keep_one_copy(tmp_path, monkeypa
     and reads the first one's."""
     import shutil
 
-    from train import data
+    data = prepared
 
     monkeypatch.setenv("RELAYMOE_DATA_CACHE", str(tmp_path / "cache"))
     real = prepare.prepare

@@ -249,7 +249,7 @@ def test_contradictory_or_ignored_settings_are_refused(tmp_path, extra, said):
     """Before anything is read, built or compiled: one sentence naming the setting."""
     argv = [*TINY, "--out", str(tmp_path / "x"), *extra]
     if said is None:
-        assert cli.parse(argv).model.moe_options.routing == "token"
+        assert cli.parse(argv).model.moe.options.routing == "token"
         return
     with pytest.raises(ValueError) as e:
         cli.parse(argv)

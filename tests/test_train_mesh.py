@@ -16,7 +16,7 @@ from flax import nnx
 from relaymoe_jax.models.config_files import load_config
 from train import cli, train_step
 from train import mesh as tm
-from train.data import make_data
+from train.data import make_source
 from train.settings import TrainConfig
 
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", "--steps", "3"]
@@ -34,7 +34,9 @@ def _numpy_first_loss(mesh_spec):
     cfg = load_config("configs/tiny.yaml")
     mesh = tm.make_mesh(tc.mesh)
     graphdef, state, _, _ = train_step.init_state(cfg, tc, mesh)
-    first = next(make_data(None, synthetic=False, seq_len=32, batch_size=8, seed=0, vocab_size=256))
+    first = next(
+        make_source(None, synthetic=False, seq_len=32, batch_size=8, seed=0, vocab_size=256)
+    )
     assert first.segment_ids is None  # the shipped text is one document: no boundary in a row
     ids = first.tokens
     model = nnx.merge(graphdef, jax.tree.map(train_step.gather_fsdp, state.params), state.rest)

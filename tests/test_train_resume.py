@@ -24,6 +24,7 @@ from relaymoe_jax.models.config import ModelConfig
 from train import checkpoint as ckpt
 from train import cli, identity, optimizer, plot, progress, train_step
 from train import mesh as tm
+from train.data.format import sha256_file
 from train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,9 +320,9 @@ def test_progress_line_shows_lr():
         "tokens_per_s": 100.0,
         "step_time": 0.1,
     }
-    assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.Progress(0, 4).line(rec)
+    assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.StepProgress(0, 4).line(rec)
     del rec["lr"]  # a record of an older run
-    assert " gnorm 0.500 100 tok/s " in progress.Progress(0, 4).line(rec)
+    assert " gnorm 0.500 100 tok/s " in progress.StepProgress(0, 4).line(rec)
 
 
 def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():
@@ -345,7 +346,7 @@ def test_prepared_dataset_resumes_exactly_and_refuses_another(tmp_path, capsys):
     assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0
     meta = json.loads((a / "checkpoints" / "3" / "meta" / "metadata").read_text())
     assert meta["data_state"] == {"next_index": 3}
-    assert meta["data"]["dataset"]["manifest_sha256"] == identity.sha256_file(ds / "manifest.json")
+    assert meta["data"]["dataset"]["manifest_sha256"] == sha256_file(ds / "manifest.json")
     assert cli.main([*args, "--steps", "6", "--out", str(a)]) == 0
     assert cli.main([*args, "--steps", "6", "--out", str(b)]) == 0
     resumed, straight = _metrics(a), _metrics(b)

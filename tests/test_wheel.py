@@ -37,7 +37,7 @@ try:
 except ModuleNotFoundError:
     out["train"] = None
 from relaymoe_jax.models.config_files import available_configs, load_config
-out["tiny_experts"] = load_config("tiny").num_experts
+out["tiny_experts"] = load_config("tiny").moe.num_experts
 out["configs"] = available_configs()
 try:
     load_config("no-such-config")

@@ -7,8 +7,10 @@ needs the `train` extra (optax, orbax-checkpoint, matplotlib).
 Modules, one job each: `cli` (arguments into `settings.RunSettings`, the command), `settings`
 (the typed trainer settings: `TrainConfig`, `RunSettings`), `run` (one run: build or resume, the
 steps, checkpoints, the end-of-run report), `mesh` (the `mesh=` option), `distributed`
-(jax.distributed flags), `data` (tokenizers, packing, deterministic batches), `optimizer` (AdamW
-and its schedule), `train_step` (the `TrainState` record, its shardings, the jitted train step),
+(jax.distributed flags), `data` (the data package: the prepared-dataset format, prepare, the
+loader, the tokenizers, and the synthetic and prepared sources behind one `Source` protocol),
+`optimizer` (AdamW and its schedule), `train_step` (the `TrainState` record, its shardings, the
+jitted train step on a `data.Batch`, its `StepMetrics`),
 `checkpoint` (orbax save/restore, checksums, the metrics log), `identity` (what a checkpoint was
 trained with, which resumes it refuses, the lr's horizon), `progress` (the per-step line), `plot`
 (loss-curve PNGs), `report` (memory per dispatcher), `guards` (checks before a run: `--out`, does

@@ -25,11 +25,11 @@ import jax
 from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config import KEYS as MODEL_FIELDS
 from relaymoe_jax.models.config_files import load_config, parse_overrides, unknown_keys
+from relaymoe_jax.op.options import DISPATCHERS
 
 from . import distributed, guards, interrupt  # these need no package of the train extra
 from . import mesh as train_mesh
 from .settings import (
-    COMPUTE_DTYPES,
     TRAIN_FIELDS,
     RunSettings,
     TrainConfig,
@@ -267,14 +267,19 @@ def _check_ignored_options(over: dict, cfg, memory_table: bool) -> None:
     trained dispatcher ignores it (`MoEOptions.applicable`), and so does the --memory-table (its
     ring row takes the ring's options; its all-to-all rows set their own capacity_factor). A
     config file may hold them all (one file for several dispatchers)."""
-    opts = cfg.moe_options
+    opts = cfg.moe.options
     used = opts.applicable()
     for key in over:
         if not hasattr(used, key) or getattr(used, key) == getattr(opts, key):
             continue
-        if memory_table and key != "capacity_factor":
+        # the dispatcher that uses it: MoEOptions' own rule (`applicable`)
+        owner = next(
+            d
+            for d in DISPATCHERS
+            if getattr(opts.replace(dispatcher=d).applicable(), key) == getattr(opts, key)
+        )
+        if memory_table and owner == "ring":
             continue  # the table's ring row uses it
-        owner = "alltoall" if key == "capacity_factor" else "ring"
         raise ValueError(
             f"{key}={over[key]!r} applies to dispatcher={owner!r} only, and this run trains "
             f"dispatcher={opts.dispatcher!r}: it would be ignored; drop it or add "
@@ -291,8 +296,6 @@ def parse(argv) -> RunSettings:
     tc = _train_config(args, over)
     _check_data_flags(args, tc)
     sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
-    if tc.compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype={tc.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
     cfg = load_config(
         args.config,
         expert_size=train_mesh.expert_size(sizes),
@@ -342,8 +345,8 @@ def entry() -> None:
     still used if jax has one), then `main`; clear one-line errors for bad input, a missing
     `train` extra, a diverged loss, a failed write (disk full, read-only) and the like, exit
     status 1; stopped by SIGINT / SIGTERM (after checkpointing): one line, exit status 130 / 143."""
-    if sys.argv[1:2] == ["prepare"]:  # `relaymoe-train prepare ...`: train/prepare.py
-        from . import prepare
+    if sys.argv[1:2] == ["prepare"]:  # `relaymoe-train prepare ...`: train/data/prepare.py
+        from .data import prepare
 
         sys.exit(prepare.main(sys.argv[2:]))
     try:

@@ -6,10 +6,11 @@ Every checkpoint's JSON metadata records
   keys) as resolved (the YAML file plus the key=value overrides);
 * `train_config`: the trainer settings (`TrainConfig`), `schedule_steps` resolved to the cosine
   horizon the run uses (see "Schedule");
-* `data`: a prepared dataset's directory and the sha256 of its manifest.json (which holds every
-  shard's sha256 and the tokenizer's), or each text file's path and sha256 (in order: the order
-  changes the packing) and the tokenizer (the tokenizer.json's path and sha256, or null for the
-  byte-level one), either with `"loader": LOADER` (how rows are packed: checkpoints of the
+* `data`: what the data source records (`train.data.Source.identity`): a prepared dataset's
+  directory and the sha256 of its manifest.json (which holds every shard's sha256 and the
+  tokenizer's), or each text file's path and sha256 (in order: the order changes the packing)
+  and the tokenizer (the tokenizer.json's path and sha256, or null for the byte-level one),
+  either with `"loader"`, how rows are packed (`train.data.loader.PACKING`: checkpoints of the
   trainer's earlier text packing, without it, read other rows), or `{"synthetic": true}`.
 
 A rerun on the same --out compares them, key by key, with its own (the checkpoint it restores;
@@ -36,7 +37,9 @@ nothing is checked when it has nothing left to train):
 
 Changes allowed with --allow-changes are logged, recorded and marked like the same-math ones.
 A checkpoint written before identities were recorded (no `model_config`) resumes with a one-line
-warning; its trainer settings (always saved) are still checked.
+warning; its trainer settings (always saved) are still checked. A model key added since a
+checkpoint was written (the router, activation and bias keys of the MoE block) is compared as its
+default: the checkpoint was trained with it.
 
 Schedule: the cosine horizon is `schedule_steps` if set, else the run's --steps (never shorter
 than warmup_steps + 1). It is recorded, so a resume with another --steps and no schedule_steps
@@ -58,14 +61,11 @@ import numpy as np
 from relaymoe_jax.models.config import KEYS, ModelConfig
 
 from . import checkpoint as ckpt
-from . import data as data_mod
 from .optimizer import make_schedule, schedule_horizon
-from .prepare import sha256_file
 from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer")
-LOADER = "packed-documents-v1"  # train.loader: documents back to back, segment ids
 # same math up to float rounding (see the module docstring)
 SAME_MATH = frozenset(
     {
@@ -121,28 +121,6 @@ def allowed_keys(items) -> frozenset:
     return frozenset(keys)
 
 
-def data_identity(paths, tokenizer, synthetic: bool) -> dict:
-    """What the run trains on (the JSON `data` entry of the checkpoint metadata)."""
-    if synthetic:
-        return {"synthetic": True}
-    files = [Path(p) for p in (paths or [data_mod.DEFAULT_TEXT])]
-    if len(files) == 1 and files[0].is_dir():
-        manifest = files[0] / "manifest.json"
-        tok = json.loads(manifest.read_text())["tokenizer"]
-        return {
-            "dataset": {"path": str(files[0].resolve()), "manifest_sha256": sha256_file(manifest)},
-            "tokenizer": None if tok["sha256"] is None else tok,
-            "loader": LOADER,
-        }
-    return {
-        "files": [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in files],
-        "tokenizer": None
-        if tokenizer is None
-        else {"path": str(Path(tokenizer).resolve()), "sha256": sha256_file(tokenizer)},
-        "loader": LOADER,
-    }
-
-
 def json_value(x):
     """`x` as it reads back from JSON (tuples become lists): how the metadata holds it."""
     return json.loads(json.dumps(x))
@@ -161,7 +139,7 @@ def _drops(model: dict) -> float | None:
 
 
 def _files(d: dict) -> str:
-    """The data of a `data_identity`, in a few words."""
+    """The data of a data identity (`Source.identity`), in a few words."""
     if "dataset" in d:
         text = f"{d['dataset']['path']} (manifest sha256 {d['dataset']['manifest_sha256'][:12]})"
     else:
@@ -170,7 +148,7 @@ def _files(d: dict) -> str:
 
 
 def _content(d: dict):
-    """What decides the rows a `data_identity` reads."""
+    """What decides the rows a data identity (`Source.identity`) reads."""
     if "dataset" in d:
         return ("dataset", d["dataset"]["manifest_sha256"], d.get("loader"))
     return ("files", [f["sha256"] for f in d["files"]], d.get("loader"))
@@ -198,7 +176,9 @@ class Change:
 
 def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
     """The changes from the checkpoint metadata `meta` to this run's identity, classified (see
-    the module docstring). Keys the checkpoint did not record are not compared."""
+    the module docstring). A model key the checkpoint did not record (one added since it was
+    written, e.g. `router`) had its default; the trainer keys it did not record are not
+    compared."""
     changes = []
     old_m = meta.get("model_config")
     defaults = json_value(ModelConfig().as_dict())
@@ -228,7 +208,8 @@ def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
 
 class RunIdentity:
     """This run's identity (`meta`, saved with every checkpoint) and the resume check
-    (`check`, the `check_meta` hook of `train.checkpoint.restore`)."""
+    (`check`, the `check_meta` hook of `train.checkpoint.restore`). `data`: what the data
+    source records (`train.data.Source.identity`)."""
 
     def __init__(
         self,
@@ -236,15 +217,14 @@ class RunIdentity:
         tc: TrainConfig,
         *,
         steps: int,
-        data_paths,
-        tokenizer,
+        data: dict,
         allow=frozenset(),
         explicit_schedule: bool = True,
         out=None,
     ):
         self.model = json_value(cfg.as_dict())
         self.train = json_value(dataclasses.asdict(tc))
-        self.data = data_identity(data_paths, tokenizer, tc.synthetic)
+        self.data = data
         self.meta = {"model_config": self.model, "train_config": self.train, "data": self.data}
         self.steps, self.allow, self.explicit_schedule = steps, frozenset(allow), explicit_schedule
         self.out = out
@@ -316,10 +296,11 @@ class RunIdentity:
         return rec
 
 
-def prepare(run: RunSettings, log=print) -> tuple[RunSettings, RunIdentity]:
-    """(settings, RunIdentity) for `run`: its `train.schedule_steps` resolved to the horizon
+def of_run(run: RunSettings, data: dict, log=print) -> tuple[RunSettings, RunIdentity]:
+    """(settings, RunIdentity) for `run` training on `data` (the data source's identity,
+    `train.data.Source.identity`): its `train.schedule_steps` resolved to the horizon
     (`optimizer.schedule_horizon`), with a warning if the lr will sit at its floor before the
-    end; its data, tokenizer and `--allow-changes` keys read (checked)."""
+    end; its `--allow-changes` keys read (checked)."""
     tc = run.train
     explicit = tc.schedule_steps is not None
     if explicit and tc.schedule_steps < 1:
@@ -345,8 +326,7 @@ def prepare(run: RunSettings, log=print) -> tuple[RunSettings, RunIdentity]:
         run.model,
         tc,
         steps=run.steps,
-        data_paths=run.data,
-        tokenizer=run.tokenizer,
+        data=data,
         allow=allow,
         explicit_schedule=explicit,
         out=run.out,

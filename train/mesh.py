@@ -94,12 +94,12 @@ def expert_size(sizes: dict[str, int]) -> int:
 def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) -> None:
     """The config and batch fit the mesh (ValueError naming the values otherwise)."""
     etp = sizes.get("expert_tensor", 1)
-    if cfg.moe_intermediate_size % etp:
+    if cfg.moe.moe_intermediate_size % etp:
         raise ValueError(
-            f"mesh={spec!r}: moe_intermediate_size={cfg.moe_intermediate_size} "
+            f"mesh={spec!r}: moe_intermediate_size={cfg.moe.moe_intermediate_size} "
             f"does not split over expert_tensor={etp}"
         )
-    opts = cfg.moe_options
+    opts = cfg.moe.options
     if opts.dispatcher == "ring" and opts.ring == "hierarchical" and len(expert_axes(sizes)) < 2:
         raise ValueError(
             f"mesh={spec!r}: ring='hierarchical' needs the experts over two axes, "

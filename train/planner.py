@@ -165,7 +165,7 @@ def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
         raise ValueError(
             f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
             f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
-            f"MiB available (dispatcher={cfg.moe_options.dispatcher}, batch {tc.batch_size}, "
+            f"MiB available (dispatcher={cfg.moe.options.dispatcher}, batch {tc.batch_size}, "
             f"seq {tc.seq_len}): nothing to plan"
         )
     misses, budget = [], capacity - full.peak
@@ -184,7 +184,7 @@ def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
             else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
         )
         if planned.peak <= capacity:
-            d = cfg.moe_options.dispatcher
+            d = cfg.moe.options.dispatcher
             return RematReport(d, capacity, full, plan, planned, tuple(misses))
         misses.append((plan, planned.peak))
         budget = max(0, plan.bytes - (planned.peak - capacity))

@@ -44,9 +44,9 @@ def _axes(names) -> str:
 
 
 def expert_parallelism(cfg, mesh) -> str:
-    """How `cfg.moe_options.dispatcher` moves the experts' work over `mesh`: which ring (flat or
+    """How `cfg.moe.options.dispatcher` moves the experts' work over `mesh`: which ring (flat or
     hierarchical, and why with ring="auto"; `relaymoe_jax.op.topology`) over which axes."""
-    opts = cfg.moe_options
+    opts = cfg.moe.options
     axes = rules_for(mesh).axes("experts")
     size = lambda names: math.prod(mesh.shape[a] for a in names)
     over = _axes(axes)

@@ -12,7 +12,7 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-class Progress:
+class StepProgress:
     """Formats the line of each step from `start + 1` to `total`. The time left is the mean step
     time so far (the first step excluded once there are others: it may include warm-up) times
     the steps left."""

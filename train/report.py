@@ -2,7 +2,7 @@
 buffer assignment of the compiled step (`memory_analysis()`), compile-only for the dispatchers
 that did not train.
 
-The step of another dispatcher is the same program with `ModelConfig.moe_options` changed,
+The step of another dispatcher is the same program with `ModelConfig.moe.options` changed,
 compiled against the abstract state (`train_step.compile_abstract`: shapes and shardings, nothing
 allocated), so nothing runs.
 """
@@ -24,7 +24,7 @@ def memory_rows(cfg, tc, mesh, trained=None, log=print, packed: bool = False):
     rows = []
     for label, over in MEMORY_TABLE_ROWS:
         c = cfg.replace(**over)
-        same = c.moe_options == cfg.moe_options
+        same = c.moe.options == cfg.moe.options
         if same and trained is not None:
             rows.append((label, trained.memory_analysis(), "trained"))
             continue

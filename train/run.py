@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import distributed, guards, identity, interrupt, loader, plot, progress, report, train_step
+from . import distributed, guards, identity, interrupt, plot, progress, report, train_step
 from . import mesh as train_mesh
+from .data import loader
 from .settings import RunSettings
 
 log = distributed.print_on_main
@@ -40,7 +41,7 @@ class StepContext:
     settings: RunSettings
     graphdef: object  # nnx.GraphDef of the model
     compiled: object  # the compiled step (`train_step.compile_step`)
-    data: object  # `train.data` source: an iterator of loader.Batch with state()
+    data: data_mod.Source  # an iterator of `data_mod.Batch` with state()
     rows: list[int] | None  # the global batch's rows this process reads (None: all)
     ids_sharding: NamedSharding
     mngr: object  # orbax CheckpointManager
@@ -54,7 +55,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     caller) checkpoint the last completed step and raise `interrupt.Interrupted`."""
     out = guards.prepare_run_dir(run.out)  # a writable directory, or one line now
     tc = run.train
-    data = data_mod.make_data(
+    data = data_mod.make_source(
         run.data,
         synthetic=tc.synthetic,
         seq_len=tc.seq_len,
@@ -64,13 +65,9 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         tokenizer=run.tokenizer,
         log=log,
     )
-    if not tc.synthetic:
-        log(
-            f"data: {data.manifest['documents']:,} document(s), {data.corpus.tokens:,} tokens in "
-            f"{data.num_rows:,} rows of {tc.seq_len} (the last {data.unused_tokens} tokens in "
-            "none)"
-        )
-    run, ident = identity.prepare(run, log=log)  # schedule horizon, run identity
+    if (summary := data.summary()) is not None:
+        log(summary)  # the dataset's documents, tokens and rows
+    run, ident = identity.of_run(run, data.identity(), log=log)  # schedule horizon, identity
     tc, cfg = run.train, run.model
     mesh = train_mesh.make_mesh(tc.mesh)
     est = guards.check_fits(cfg, tc, mesh, force=run.force)  # before anything is allocated
@@ -124,7 +121,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
 def _select_rows(data, ids_sharding, shape) -> list[int] | None:
     """The rows of the global batch this process's devices hold, which a dataset source then
     reads alone (logged on every process, at INFO); None (all) for the synthetic stream."""
-    if not isinstance(data, data_mod.PackedData):
+    if not isinstance(data, data_mod.PreparedSource):
         return None
     rows = loader.rows_of_process(ids_sharding, shape)
     data.select_rows(rows)
@@ -158,11 +155,11 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, pa
     tc, cfg = run.train, run.model
     shape = (tc.batch_size, tc.seq_len)
     log(
-        f"compiling the train step (dispatcher={cfg.moe_options.dispatcher}, mesh "
+        f"compiling the train step (dispatcher={cfg.moe.options.dispatcher}, mesh "
         f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}) ..."
     )
     t0 = time.perf_counter()
-    step = train_step.make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk, packed)
+    step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed)
     compiled = train_step.compile_step(
         step,
         state,
@@ -177,7 +174,7 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, pa
     log(
         f"train step ready in {time.perf_counter() - t0:.1f} s on "
         f"{jax.device_count()} {jax.default_backend()} devices "
-        f"(dispatcher={cfg.moe_options.dispatcher}, mesh {dict(mesh.shape)})"
+        f"(dispatcher={cfg.moe.options.dispatcher}, mesh {dict(mesh.shape)})"
     )
     log(train_step.memory_summary(compiled))
     return compiled
@@ -189,7 +186,7 @@ def train(t: StepContext, state, start: int, meta: dict):
     (`t.stop`), checkpoint the step just completed and raise `interrupt.Interrupted`. Returns the
     state."""
     run, tc = t.settings, t.settings.train
-    bar = progress.Progress(start, run.steps)
+    bar = progress.StepProgress(start, run.steps)
     with _metrics_file(t.metrics_path) as mf:
         for s in range(start + 1, run.steps + 1):
             state, rec = _step(t, state, s)
@@ -220,14 +217,13 @@ def _step(t: StepContext, state, s: int):
     local = next(t.data)
     t1 = time.perf_counter()
     state, m = t.compiled(state, train_step.put_batch(local, t.ids_sharding, tc.batch_size, t.rows))
-    if t.settings.model.expert_bias:
-        state = train_step.update_expert_bias(t.graphdef, state, m["expert_load"])
+    if t.settings.model.moe.expert_bias:
+        state = train_step.update_expert_bias(t.graphdef, state, m.expert_load)
     m = jax.device_get(m)
-    m.pop("expert_load")
     dt = time.perf_counter() - t1
     rec = {
         "step": s,
-        **{k: float(v) if k != "dropped_pairs" else int(v) for k, v in m.items()},
+        **m.record(),
         **t.run_identity.extra(s),
         "tokens_per_s": tc.batch_size * tc.seq_len / dt,
         "step_time": dt,
@@ -249,7 +245,7 @@ def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) 
             + report.memory_table(rows)
         )
     if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
-        label = plot.dispatcher_label(metrics_path, cfg.moe_options.dispatcher)
+        label = plot.dispatcher_label(metrics_path, cfg.moe.options.dispatcher)
         png = plot.plot_losses(
             {label: metrics_path}, run.out / "loss.png", title=f"{run.config}: training loss"
         )

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.loss import DEFAULT_CHUNK
+from relaymoe_jax.util.checks import one_of
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
+ComputeDtype = typing.Literal["float32", "bfloat16"]
+COMPUTE_DTYPES: tuple[str, ...] = typing.get_args(ComputeDtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,7 @@ class TrainConfig:
     save_every: int = 100
     synthetic: bool = False
     mesh: str = "expert=-1"  # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
-    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, float32 master weights
+    compute_dtype: ComputeDtype = "float32"  # "bfloat16": bf16 compute, float32 master weights
     loss_chunk: int = DEFAULT_CHUNK  # tokens per device per LM-head chunk (models/loss.py)
 
 
@@ -61,8 +63,11 @@ RANGES = {
 
 
 def field_type(f: dataclasses.Field) -> type:
-    """The value type of a TrainConfig field: `int` for `int | None` (None then means "unset")."""
+    """The value type of a TrainConfig field: `int` for `int | None` (None then means "unset"),
+    `str` for a Literal of names."""
     t = {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
+    if typing.get_origin(t) is typing.Literal:  # names: a str
+        return type(typing.get_args(t)[0])
     args = [a for a in typing.get_args(t) if a is not type(None)]
     return args[0] if len(args) == 1 else t
 
@@ -86,23 +91,22 @@ def checked_train_config(values: Mapping) -> TrainConfig:
         if ok is not None and not ok(v):
             raise ValueError(f"trainer option {f.name}={v!r}: expected {expected}")
         kw[f.name] = v
-    return TrainConfig(**kw)
+    tc = TrainConfig(**kw)
+    one_of("compute_dtype", tc.compute_dtype, COMPUTE_DTYPES)  # the one check of it
+    return tc
 
 
 def sized_train_config(over: dict, sizes: Mapping[str, tuple[str, int]]) -> TrainConfig:
     """The trainer fields of the key=value items `over` (taken out of it), checked as
     `checked_train_config` does, with the fields `sizes` ({field: (its flag, value)}, e.g. the
     planner's --batch and --seq) set by their flags; ValueError for a size given as key=value
-    too, or a compute_dtype not in COMPUTE_DTYPES."""
+    too."""
     values = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
     for field, (flag, value) in sizes.items():
         if field in values:
             raise ValueError(f"{field}={values[field]!r}: set it with {flag} (here {value})")
         values[field] = value
-    tc = checked_train_config(values)
-    if tc.compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype={tc.compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
-    return tc
+    return checked_train_config(values)
 
 
 @dataclasses.dataclass(frozen=True)

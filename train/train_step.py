@@ -9,10 +9,14 @@ recompiled at step 2: `jax_explain_cache_misses` shows the optimizer's scalars, 
 count and a u32[] scalar, arriving unsharded at step 1 and replicated over the Explicit mesh from
 step 2.) Compiled steps are memoised per process by (model config, optimizer settings, batch
 shape, mesh), so repeated in-process runs (tests) compile once.
+
+The step takes a `train.data.Batch` (tokens, and for packed documents segment ids and positions,
+each on the batch's sharding: `put_batch`) and returns `StepMetrics`, one record.
 """
 
 import dataclasses
 import typing
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +30,9 @@ from relaymoe_jax.models import QwenMoe
 from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
+from .data.source import Batch
 from .optimizer import make_optimizer
-from .settings import COMPUTE_DTYPES, TrainConfig
+from .settings import TrainConfig
 
 
 @jax.tree_util.register_dataclass
@@ -180,23 +185,45 @@ def next_token_targets(ids_bs, seg_bs=None):
     return targets, weights
 
 
+class StepMetrics(NamedTuple):
+    """What a step returns besides the state (scalars, replicated): the losses, the gradient
+    norm, the pairs the all-to-all dropped, and the expert load the bias update reads."""
+
+    loss: jax.Array  # lm_loss + router_loss: what the update minimises
+    lm_loss: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    router_loss: jax.Array
+    grad_norm: jax.Array
+    dropped_pairs: jax.Array  # int32
+    expert_load: jax.Array  # [L_moe, E] int32 (`update_expert_bias`; not logged)
+
+    def record(self) -> dict:
+        """The fields of the metrics.jsonl line (host values; `expert_load` left out), in the
+        order the line always had them (by name)."""
+        rec = {k: float(v) for k, v in sorted(self._asdict().items()) if k != "expert_load"}
+        rec["dropped_pairs"] = int(self.dropped_pairs)
+        return rec
+
+
 def make_step(
-    graphdef, tx, cfg, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK,
+    graphdef,
+    tx,
+    compute_dtype: str = "float32",
+    loss_chunk: int = DEFAULT_CHUNK,
     packed: bool = False,
-):  # fmt: skip
-    """step(state, batch) -> (state, metrics): one AdamW update on next-token cross-entropy plus
-    the router losses. `batch` is {"tokens"} [B, S] int32, with `packed` also "segment_ids" and
-    "positions" (packed documents, `train.loader`): attention stays within a document, and the
-    loss is the mean over the targets `next_token_targets` keeps. The parameters are gathered
-    from their `fsdp` storage (if any) and, with
-    `compute_dtype="bfloat16"`, cast to bf16 for the forward and backward (the stored master
-    weights, the optimizer and the update stay float32; the router and the losses compute in
-    float32 anyway). The LM head and cross-entropy run in chunks of `loss_chunk` tokens per
-    device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab] logits are ever built.
-    The expert bias is not touched here: `update_expert_bias` (eager, as
-    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics["expert_load"]`."""
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+):
+    """step(state, batch) -> (state, StepMetrics): one AdamW update on next-token cross-entropy
+    plus the router losses. `batch` is a `Batch` of [B, S] int32 arrays: its tokens, with
+    `packed` also its segment ids and positions (packed documents, `train.data.loader`):
+    attention stays within a document, and the loss is the mean over the targets
+    `next_token_targets` keeps. The parameters are gathered from their `fsdp` storage (if any)
+    and, with `compute_dtype="bfloat16"` (`TrainConfig` checks it), cast to bf16 for the forward
+    and backward (the stored master weights, the optimizer and the update stay float32; the
+    router and the losses compute in float32 anyway). The LM head and cross-entropy run in chunks
+    of `loss_chunk` tokens per device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab]
+    logits are ever built. The expert bias is not touched here: `update_expert_bias` (eager, as
+    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics.expert_load`."""
     dtype = jnp.dtype(compute_dtype)
 
     def cast(v):
@@ -205,11 +232,11 @@ def make_step(
         x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
         return v.replace(x) if is_variable(v) else x
 
-    def loss_fn(params, rest, batch):
+    def loss_fn(params, rest, batch: Batch):
         model = nnx.merge(graphdef, jax.tree.map(cast, params, is_leaf=is_variable), rest)
         model.dtype = dtype
-        ids, seg = batch["tokens"], batch.get("segment_ids")
-        x_bsh, aux = model.hidden(ids, segment_ids=seg, positions=batch.get("positions"))
+        ids, seg = batch.tokens, batch.segment_ids
+        x_bsh, aux = model.hidden(ids, segment_ids=seg, positions=batch.positions)
         targets, weights = next_token_targets(ids, seg)
         with jax.named_scope("lm_loss"):
             nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)
@@ -217,25 +244,25 @@ def make_step(
             lm = nll / jnp.maximum(jnp.sum(weights), 1.0)
         else:
             lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
-        return lm + aux["router_loss"], (lm, aux)
+        return lm + aux.router_loss, (lm, aux)
 
-    def step(state, batch):
+    def step(state, batch: Batch):
         (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.rest, batch
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-        metrics = {
-            "loss": loss,
-            "lm_loss": lm,
-            "aux_loss": aux["aux_loss"],
-            "z_loss": aux["z_loss"],
-            "router_loss": aux["router_loss"],
-            "grad_norm": optax.tree.norm(grads),
-            "dropped_pairs": aux["dropped_pairs"],
-            "expert_load": aux["expert_load"],
-        }
+        metrics = StepMetrics(
+            loss=loss,
+            lm_loss=lm,
+            aux_loss=aux.aux_loss,
+            z_loss=aux.z_loss,
+            router_loss=aux.router_loss,
+            grad_norm=optax.tree.norm(grads),
+            dropped_pairs=aux.dropped_pairs,
+            expert_load=aux.expert_load,
+        )
         return TrainState(opt_state, params, state.rest, rng), metrics
 
     return step
@@ -251,11 +278,6 @@ def step_key(cfg, tc: TrainConfig, batch_shape, mesh, packed: bool = False):
     return (cfg, repr(opt), tuple(batch_shape), mesh, packed)
 
 
-def batch_keys(packed: bool) -> tuple[str, ...]:
-    """The arrays of the step's batch dict."""
-    return ("tokens", "segment_ids", "positions") if packed else ("tokens",)
-
-
 def update_expert_bias(graphdef, state, expert_load):
     """The aux-loss-free bias update after a step, outside the optimizer (and outside jit), via
     `QwenMoe.update_expert_bias`; keeps the bias's sharding so the compiled step still fits."""
@@ -268,8 +290,9 @@ def update_expert_bias(graphdef, state, expert_load):
 def compile_step(
     step, state, ids_sharding, batch_shape, key=None, runner=None, packed: bool = False
 ):
-    """The step compiled once for `state`'s shardings (in = out, state donated) and a batch of
-    `batch_keys(packed)` arrays on `ids_sharding`; memoised by `key` (see `step_key`) when given.
+    """The step compiled once for `state`'s shardings (in = out, state donated) and a `Batch` on
+    `ids_sharding` (with segment ids and positions if `packed`); memoised by `key` (see
+    `step_key`) when given.
     `runner(fn)` runs the lowering and compile `fn` (default:
     calls it); a None it returns (`train.interrupt.unless_stopped`: a signal came first) is
     returned as is and not memoised."""
@@ -278,16 +301,16 @@ def compile_step(
     shardings = jax.tree.map(lambda x: x.sharding, state)
     # without these XLA:GPU waits for most of a ring hop's transfer before its compute
     # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
-    keys = batch_keys(packed)
     jitted = jax.jit(
         step,
-        in_shardings=(shardings, dict.fromkeys(keys, ids_sharding)),
+        in_shardings=(shardings, ids_sharding),  # every array of the batch
         out_shardings=(shardings, NamedSharding(ids_sharding.mesh, P())),
         donate_argnums=0,
         compiler_options=XLA_OPTIONS,
     )
-    abstract = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
-    build = lambda: jitted.lower(state, dict.fromkeys(keys, abstract)).compile()
+    ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
+    batch = Batch(ids, ids, ids) if packed else Batch(ids)
+    build = lambda: jitted.lower(state, batch).compile()
     compiled = build() if runner is None else runner(build)
     if key is not None and compiled is not None:
         _COMPILED[key] = compiled
@@ -301,7 +324,7 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool
     graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    step = make_step(graphdef, tx, cfg, tc.compute_dtype, tc.loss_chunk, packed)
+    step = make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed)
     key = step_key(cfg, tc, shape, mesh, packed) if memo else None
     return compile_step(step, state, ids_sharding, shape, key=key, packed=packed)
 
@@ -325,26 +348,25 @@ def memory_summary(compiled) -> str:
     )
 
 
-def put_batch(batch, sharding, global_batch: int, rows=None) -> dict:
-    """The global batch of `global_batch` rows as a dict of arrays on `sharding` (`batch_keys`):
-    `batch` is a `train.loader.Batch` of this process's rows `rows` of it (default: all;
-    `train.loader.rows_of_process` says which each process reads). Each process fills only its
-    own devices' shards, so this also works when the mesh spans several processes."""
+def put_batch(batch: Batch, sharding, global_batch: int, rows=None) -> Batch:
+    """The global batch of `global_batch` rows as a `Batch` of arrays on `sharding`: `batch` is
+    this process's rows `rows` of it (default: all; `train.data.loader.rows_of_process` says
+    which each process reads). Each process fills only its own devices' shards, so this also
+    works when the mesh spans several processes."""
     rows = range(global_batch) if rows is None else rows
     where = {r: i for i, r in enumerate(rows)}
-    local = {"tokens": batch.tokens}
-    if batch.segment_ids is not None:
-        local.update(segment_ids=batch.segment_ids, positions=batch.positions)
-    out = {}
-    for key, value in local.items():
+
+    def put(key, value):
+        if value is None:
+            return None
         value = np.asarray(value, np.int32)
         if value.shape[0] != len(where):
             raise ValueError(f"{key}: {value.shape[0]} rows, this process reads {len(where)}")
 
-        def piece(idx, value=value):
+        def piece(idx):
             picked = [where[r] for r in range(*idx[0].indices(global_batch))]
             return value[picked][:, idx[1]]
 
-        shape = (global_batch, value.shape[1])
-        out[key] = jax.make_array_from_callback(shape, sharding, piece)
-    return out
+        return jax.make_array_from_callback((global_batch, value.shape[1]), sharding, piece)
+
+    return Batch(*(put(k, v) for k, v in batch._asdict().items()))

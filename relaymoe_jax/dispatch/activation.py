@@ -21,18 +21,13 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+
+from relaymoe_jax.util.checks import finite_number, one_of
 
 ActivationName = Literal["swiglu", "geglu", "geglu_exact", "gpt_oss"]
 ACTIVATIONS: tuple[str, ...] = typing.get_args(ActivationName)
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
-
-
-def _positive_finite(name: str, value) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
-    if not (ok and value > 0 and math.isfinite(value)):
-        raise ValueError(f"activation {name}={value!r}: expected a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +43,9 @@ class Activation:
     limit: float = GPT_OSS_LIMIT
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or self.name not in ACTIVATIONS:
-            raise ValueError(f"activation={self.name!r}: expected one of {ACTIVATIONS}")
-        _positive_finite("alpha", self.alpha)
-        _positive_finite("limit", self.limit)
+        one_of("activation", self.name, ACTIVATIONS)
+        finite_number("activation alpha", self.alpha, low=0, strict=True)
+        finite_number("activation limit", self.limit, low=0, strict=True)
         if self.name != "gpt_oss" and (self.alpha, self.limit) != (GPT_OSS_ALPHA, GPT_OSS_LIMIT):
             raise ValueError(
                 f"activation {self.name!r} takes no alpha or limit (got alpha={self.alpha}, "

@@ -1,16 +1,17 @@
 """The Megatron-style all-to-all baseline (per device, inside `jax.shard_map`).
 
-Pipeline (paper Figure 2), each stage one buffer, no needless copies:
-  1. permute + expand: pairs sorted by global expert, token rows gathered into the send buffer
-     [N * B, H] (one block of B rows per destination device, rows sorted by local expert);
-  2. `lax.all_to_all` of the send buffer (and of the [N, E_l] counts);
-  3. sort the received rows by local expert (one gather) -> [N * B, H];
-  4. grouped matmuls gate/up -> SwiGLU -> down (bf16 operands in both passes: the kernels cast
-     a float32 cotangent down, `kernels/gmm/common.py`; no work for the padding rows, which the
-     Pallas kernel leaves unwritten: `zero_padding=False`);
-  5. unsort back to the receive layout;
-  6. `lax.all_to_all` back;
-  7. unpermute: scale by the router weight and scatter-add into [T, H].
+Pipeline (paper Figure 2), each stage one buffer, no needless copies; `alltoall_moe` calls the
+stages in order, each under a `jax.named_scope` (in brackets):
+  1. `permute` (a2a_permute): pairs sorted by global expert, token rows gathered into the send
+     buffer [N * B, H] (one block of B rows per destination device, rows sorted by local expert);
+  2. `lax.all_to_all` of the send buffer and of the [N, E_l] counts (a2a_dispatch);
+  3. `sort_local` (a2a_sort_local): the received rows sorted by local expert (one gather);
+  4. `expert_compute` (a2a_experts): the expert MLP (`dispatch.experts.expert_mlp`) with grouped
+     matmuls (bf16 operands in both passes: the kernels cast a float32 cotangent down,
+     `kernels/gmm/common.py`; no work for the padding rows, which the Pallas kernel leaves
+     unwritten: `zero_padding=False`);
+  5.-7. `combine` (a2a_combine): unsort back to the receive layout, `lax.all_to_all` back,
+     unpermute: scale by the router weight and scatter-add into [T, H].
 Autodiff gives the backward (as in Megatron, the expanded intermediates are kept for it).
 
 Static sizing (XLA:CPU has no ragged all-to-all, so every block has a fixed size B):
@@ -25,6 +26,7 @@ Static sizing (XLA:CPU has no ragged all-to-all, so every block has a fixed size
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
+from relaymoe_jax.dispatch.experts import Experts, expert_mlp
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
 from relaymoe_jax.util.sorted_search import count_at_most
 
@@ -59,102 +62,140 @@ def expert_capacity(tokens, top_k, num_experts, capacity_factor):
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
-    """Returns (y [T, H], dropped_pairs int32 summed over the token axes)."""
+class Sent(NamedTuple):
+    """The send buffer of the permute stage, and where its rows came from."""
+
+    send_rh: jax.Array  # [N * B, H] token rows, a block of B per destination, by local expert
+    send_counts: jax.Array  # [N, E_l] int32 rows per destination device and local expert
+    slot_pair: jax.Array  # [N * B] int32 the pair in each row (clamped for padding rows)
+    slot_ok: jax.Array  # [N * B] bool: the row holds a pair
+    dropped: jax.Array  # int32 pairs dropped on this device (over capacity or overflow)
+
+
+class Sorted(NamedTuple):
+    """The received rows sorted by local expert, and the way back to the receive layout."""
+
+    xs_rh: jax.Array  # [N * B, H] rows by local expert (padding rows past them)
+    group_sizes: jax.Array  # [E_l] int32 received rows per local expert
+    dst: jax.Array  # [N * B] int32 each received row's sorted row (N * B: padding)
+    row_ok: jax.Array  # [N, B] bool: the received row holds a pair
+
+
+def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, experts: Experts):
+    """Returns (y [T, H], dropped_pairs int32 summed over the token axes): the stages in order,
+    each under its `jax.named_scope`."""
     n = lax.axis_size(cfg.axis)
-    t, k = ids_tk.shape
-    num_e = cfg.num_experts
-    e_local = num_e // n
-    b = block_rows(t, k, num_e, n, cfg.capacity_factor)
-    rows = n * b
-
+    b = block_rows(*ids_tk.shape, cfg.num_experts, n, cfg.capacity_factor)
     with jax.named_scope("a2a_permute"):
-        order, counts_e = pairs.sort_pairs(ids_tk, num_e)
-        key_s = pairs.pair_keys(ids_tk, num_e)[order]  # sorted keys
-        real = key_s < num_e
-        start_e = pairs.exclusive_cumsum(counts_e)
-        keep = real
-        if cfg.capacity_factor is not None:
-            cap = expert_capacity(t, k, num_e, cfg.capacity_factor)
-            pos_in_e = jnp.arange(t * k) - start_e[jnp.minimum(key_s, num_e - 1)]
-            keep = keep & (pos_in_e < cap)
-        dest = jnp.minimum(key_s, num_e - 1) // e_local
-        kept_e = jnp.zeros((num_e + 1,), jnp.int32).at[jnp.where(keep, key_s, num_e)].add(1)
-        kept_e = kept_e[:num_e]
-        kept_dev_start = pairs.exclusive_cumsum(kept_e.reshape(n, e_local).sum(1))
-        slot = jnp.cumsum(keep) - 1 - kept_dev_start[dest]
-        keep = keep & (slot < b)  # overflow (repeated ids) only
-        send_counts = (
-            jnp.zeros((num_e + 1,), jnp.int32)
-            .at[jnp.where(keep, key_s, num_e)]
-            .add(1)[:num_e]
-            .reshape(n, e_local)
-        )
-        dropped = jnp.sum(real & ~keep).astype(jnp.int32)
-        slot_g = jnp.where(keep, dest * b + slot, rows)
-        slot_pair = jnp.full((rows,), t * k, jnp.int32).at[slot_g].set(order, mode="drop")
-        slot_ok = slot_pair < t * k
-        slot_pair = jnp.minimum(slot_pair, t * k - 1)
-        send_rh = pairs.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
-
+        sent = permute(cfg, x_th, ids_tk, n, b)
     with jax.named_scope("a2a_dispatch"):
-        recv_rh = lax.all_to_all(send_rh, cfg.axis, 0, 0, tiled=True)
-        recv_counts = lax.all_to_all(send_counts, cfg.axis, 0, 0, tiled=True)  # [src, E_l]
-
+        recv_rh = lax.all_to_all(sent.send_rh, cfg.axis, 0, 0, tiled=True)
+        recv_counts = lax.all_to_all(sent.send_counts, cfg.axis, 0, 0, tiled=True)  # [src, E_l]
     with jax.named_scope("a2a_sort_local"):
-        group_sizes = recv_counts.sum(0)
-        blk_end = jnp.cumsum(recv_counts, axis=1)  # [src, E_l]
-        j = jnp.arange(b)
-        e_of = count_at_most(blk_end, j[None, :])  # [src, b]
-        row_ok = j[None, :] < blk_end[:, -1:]
-        e_of = jnp.minimum(e_of, e_local - 1)
-        rank = j[None, :] - jnp.take_along_axis(blk_end - recv_counts, e_of, axis=1)
-        src_before = pairs.exclusive_cumsum(recv_counts, axis=0)  # [src, E_l]
-        dst = (
-            pairs.exclusive_cumsum(group_sizes)[e_of]
-            + jnp.take_along_axis(src_before, e_of, axis=1)
-            + rank
-        )
-        dst = jnp.where(row_ok, dst, rows).reshape(-1)
-        src_of = (
-            jnp.full((rows,), rows, jnp.int32)
-            .at[dst]
-            .set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
-        )
-        sorted_ok = src_of < rows
-        # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
-        xs_rh = pairs.take_rows_masked_grad(
-            recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison
-        )
-
+        local = sort_local(cfg, recv_rh, recv_counts, b)
     with jax.named_scope("a2a_experts"):
-        # Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel
-        # work and stay unwritten; every read of them below is a select (`where`), never a product.
-        mm = lambda a, w: gmm(
-            a,
-            w,
-            group_sizes,
-            **impl_kwargs(cfg.gmm_impl),
-            preferred_element_type=jnp.float32,
-            zero_padding=False,
-        )
-        gate, up = mm(xs_rh, w_gate), mm(xs_rh, w_up)
-        if biases:  # the rows are sorted by local expert: padding rows (past them) add 0
-            group = pairs.group_of_rows(group_sizes, rows)
-            gate, up = (pairs.add_group_bias(a, b, group) for a, b in zip((gate, up), biases))
-        act = cfg.activation(gate, up).astype(x_th.dtype)
-        ys_rh = mm(act, w_down)
-        if biases:
-            ys_rh = pairs.add_group_bias(ys_rh, biases[2], group)
-        ys_rh = ys_rh.astype(x_th.dtype)
-
+        ys_rh = expert_compute(cfg, experts, local, x_th.dtype)
     with jax.named_scope("a2a_combine"):
-        yr_rh = pairs.take_rows(ys_rh, jnp.minimum(dst, rows - 1), row_ok.reshape(-1), cfg.poison)
-        yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True)
-        w_slot = jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
-        contrib = jnp.where(slot_ok[:, None], yb_rh.astype(jnp.float32) * w_slot[:, None], 0.0)
-        out_th = jnp.zeros(x_th.shape, jnp.float32).at[slot_pair // k].add(contrib)
-
+        out_th = combine(cfg, ys_rh, local, sent, wts_tk, x_th.shape)
+    dropped = sent.dropped
     if cfg.stat_axes:
         dropped = lax.psum(dropped, cfg.stat_axes)
     return out_th.astype(x_th.dtype), dropped
+
+
+def permute(cfg: AllToAllConfig, x_th, ids_tk, n, b) -> Sent:
+    """Stage 1: pairs sorted by global expert (capacity applied), token rows gathered into the
+    send buffer."""
+    t, k = ids_tk.shape
+    num_e = cfg.num_experts
+    e_local, rows = num_e // n, n * b
+    order, counts_e = pairs.sort_pairs(ids_tk, num_e)
+    key_s = pairs.pair_keys(ids_tk, num_e)[order]  # sorted keys
+    real = key_s < num_e
+    start_e = pairs.exclusive_cumsum(counts_e)
+    keep = real
+    if cfg.capacity_factor is not None:
+        cap = expert_capacity(t, k, num_e, cfg.capacity_factor)
+        pos_in_e = jnp.arange(t * k) - start_e[jnp.minimum(key_s, num_e - 1)]
+        keep = keep & (pos_in_e < cap)
+    dest = jnp.minimum(key_s, num_e - 1) // e_local
+    kept_e = jnp.zeros((num_e + 1,), jnp.int32).at[jnp.where(keep, key_s, num_e)].add(1)
+    kept_e = kept_e[:num_e]
+    kept_dev_start = pairs.exclusive_cumsum(kept_e.reshape(n, e_local).sum(1))
+    slot = jnp.cumsum(keep) - 1 - kept_dev_start[dest]
+    keep = keep & (slot < b)  # overflow (repeated ids) only
+    send_counts = (
+        jnp.zeros((num_e + 1,), jnp.int32)
+        .at[jnp.where(keep, key_s, num_e)]
+        .add(1)[:num_e]
+        .reshape(n, e_local)
+    )
+    dropped = jnp.sum(real & ~keep).astype(jnp.int32)
+    slot_g = jnp.where(keep, dest * b + slot, rows)
+    slot_pair = jnp.full((rows,), t * k, jnp.int32).at[slot_g].set(order, mode="drop")
+    slot_ok = slot_pair < t * k
+    slot_pair = jnp.minimum(slot_pair, t * k - 1)
+    send_rh = pairs.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
+    return Sent(send_rh, send_counts, slot_pair, slot_ok, dropped)
+
+
+def sort_local(cfg: AllToAllConfig, recv_rh, recv_counts, b) -> Sorted:
+    """Stage 3: the received rows ([src, E_l] blocks) sorted by local expert (one gather)."""
+    rows = recv_rh.shape[0]
+    e_local = recv_counts.shape[1]
+    group_sizes = recv_counts.sum(0)
+    blk_end = jnp.cumsum(recv_counts, axis=1)  # [src, E_l]
+    j = jnp.arange(b)
+    e_of = count_at_most(blk_end, j[None, :])  # [src, b]
+    row_ok = j[None, :] < blk_end[:, -1:]
+    e_of = jnp.minimum(e_of, e_local - 1)
+    rank = j[None, :] - jnp.take_along_axis(blk_end - recv_counts, e_of, axis=1)
+    src_before = pairs.exclusive_cumsum(recv_counts, axis=0)  # [src, E_l]
+    dst = (
+        pairs.exclusive_cumsum(group_sizes)[e_of]
+        + jnp.take_along_axis(src_before, e_of, axis=1)
+        + rank
+    )
+    dst = jnp.where(row_ok, dst, rows).reshape(-1)
+    src_of = (
+        jnp.full((rows,), rows, jnp.int32)
+        .at[dst]
+        .set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+    )
+    sorted_ok = src_of < rows
+    # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
+    xs_rh = pairs.take_rows_masked_grad(
+        recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison
+    )
+    return Sorted(xs_rh, group_sizes, dst, row_ok)
+
+
+def expert_compute(cfg: AllToAllConfig, experts: Experts, local: Sorted, dtype):
+    """Stage 4: the experts' MLP on the sorted rows, as grouped matmuls ([N * B, H], `dtype`).
+
+    Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel work
+    and stay unwritten (`zero_padding=False`); every read of them after is a select (`where`),
+    never a product. Their expert is past the last one, so a bias adds 0 there."""
+    mm = lambda a, w, a_rows=None: gmm(
+        a,
+        w,
+        local.group_sizes,
+        **impl_kwargs(cfg.gmm_impl),
+        preferred_element_type=jnp.float32,
+        zero_padding=False,
+    )
+    rows = lambda: pairs.group_of_rows(local.group_sizes, local.xs_rh.shape[0])
+    return expert_mlp(experts, cfg.activation, local.xs_rh, mm, rows, dtype).astype(dtype)
+
+
+def combine(cfg: AllToAllConfig, ys_rh, local: Sorted, sent: Sent, wts_tk, shape):
+    """Stages 5-7: unsort to the receive layout, all-to-all back, scale by the router weights and
+    scatter-add into the tokens ([T, H] float32)."""
+    rows, k = ys_rh.shape[0], wts_tk.shape[1]
+    dst, ok = jnp.minimum(local.dst, rows - 1), local.row_ok.reshape(-1)
+    yr_rh = pairs.take_rows(ys_rh, dst, ok, cfg.poison)
+    yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True)
+    slot_pair, slot_ok = sent.slot_pair, sent.slot_ok
+    w_slot = jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
+    contrib = jnp.where(slot_ok[:, None], yb_rh.astype(jnp.float32) * w_slot[:, None], 0.0)
+    return jnp.zeros(shape, jnp.float32).at[slot_pair // k].add(contrib)

@@ -13,6 +13,10 @@ return exact zeros for them and never read them as group members).
 With the Pallas kernel the chunk's token rows (x forward; x and dy backward) are never gathered
 into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a fused row gather).
 Other implementations gather the rows first (NaN-filled past the segment when poisoned).
+
+The expert side is an `Experts` record (`dispatch.experts`): the forward is `expert_mlp` with the
+chunk's grouped matmuls; the backward recomputes `gate_up` and writes out the rest of the chain
+rule, its weight gradient an `Experts` of float32 accumulators.
 """
 
 from typing import NamedTuple
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import pairs
+from relaymoe_jax.dispatch.experts import Experts, expert_mlp, gate_up, row_bias
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
 from relaymoe_jax.util.late import late_zero
 
@@ -131,84 +136,73 @@ class Hop:
             acc=acc,
         )
 
-    def _projections(self, x_ch, x_rows, ch, w):
-        """The chunk's gate and up projections (float32), with their biases when `w` has them;
-        and the chunk rows' local expert (None without biases)."""
-        gate = self._mm(x_ch, w[0], ch.gs, a_rows=x_rows)
-        up = self._mm(x_ch, w[1], ch.gs, a_rows=x_rows)
-        if len(w) == 3:
-            return gate, up, None
-        group = pairs.group_of_rows(ch.gs, self.cfg.chunk)  # invalid rows: past the groups
-        return pairs.add_group_bias(gate, w[3], group), pairs.add_group_bias(up, w[4], group), group
+    def _mlp_rows(self, ch):
+        """How the chunk's rows meet their experts: the grouped matmul, each row's expert."""
+        matmul = lambda a, w, a_rows=None: self._mm(a, w, ch.gs, a_rows=a_rows)
+        return matmul, lambda: pairs.group_of_rows(ch.gs, self.cfg.chunk)  # invalid: past them
 
-    def forward(self, tk, p, w, out_th):
-        """out_th + the routed expert outputs of `tk`'s pairs with expert partition p (= w:
-        w_gate, w_up, w_down, then b_gate, b_up, b_down when the experts have biases)."""
+    def forward(self, tk, p, w: Experts, out_th):
+        """out_th + the routed expert outputs of `tk`'s pairs with expert partition p (= w)."""
         dt = tk.x_th.dtype
 
         def body(ch, out_th):
             x_ch, x_rows = self.rows(tk.x_th, ch)
-            gate, up, group = self._projections(x_ch, x_rows, ch, w)
-            act = self.cfg.activation(gate, up).astype(dt)
-            y_ch = self._mm(act, w[2], ch.gs)
-            if group is not None:
-                y_ch = pairs.add_group_bias(y_ch, w[5], group)
+            matmul, groups = self._mlp_rows(ch)
+            y_ch = expert_mlp(w, self.cfg.activation, x_ch, matmul, groups, dt, x_rows)
             return out_th.at[ch.tok].add(y_ch * ch.wts_c[:, None])  # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
             return self._chunks(tk, p, body, out_th)
 
-    def backward(self, tk, p, w, dy_th, dx_th, dwts_p, dw):
+    def backward(self, tk, p, w: Experts, dy_th, dx_th, dwts_p, dw: Experts):
         """Recompute the hop and add its gradients: returns (dw, dx_th, dwts_p) accumulated."""
-        w_gate, w_up, w_down = w[:3]
         dt = tk.x_th.dtype
 
         def body(ch, carry):
-            dx_th, dwts_p, (dwg, dwu, dwd, *db) = carry
+            dx_th, dwts_p, dw = carry
             gs = ch.gs
             x_ch, x_rows = self.rows(tk.x_th, ch)
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
-            gate, up, group = self._projections(x_ch, x_rows, ch, w)
+            gate, up, group = gate_up(w, x_ch, *self._mlp_rows(ch), x_rows)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
             act = act_f32.astype(dt)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
-            dact0 = self._mm(dy_ch, w_down, gs, transpose=True, a_rows=dy_rows)
+            dact0 = self._mm(dy_ch, w.w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
+            db_down = dw.b_down
             if group is not None:  # y = act @ w_down + b_down: b_down's share of d weight
-                db, dwts_b = self._bias_down_grads(db, dy_th, ch, group, w[5])
+                db_down, dwts_b = self._bias_down_grads(db_down, dy_th, ch, group, w.b_down)
                 dwts_c = dwts_c + dwts_b
             dwts_p = dwts_p.at[ch.pidx].add(dwts_c)  # invalid rows: act = dact0 = 0
             wts = ch.wts_c[:, None]
             # dW_down = (wts * act)^T dy; invalid rows: the weight is 0 and tgmm ignores them.
-            dwd = self._tmm(dwd, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
+            dwd = self._tmm(dw.w_down, (act * wts).astype(dt), dy_ch, gs, b_rows=dy_rows)
             dact = dact0 * wts
             dgate_f32, dup_f32 = act_vjp(dact)
+            db_gate, db_up = dw.b_gate, dw.b_up
             if group is not None:
-                el = self.e_local
-                db[0] = db[0] + pairs.group_bias_grad(dgate_f32, group, el)
-                db[1] = db[1] + pairs.group_bias_grad(dup_f32, group, el)
+                db_gate = db_gate + pairs.group_bias_grad(dgate_f32, group, self.e_local)
+                db_up = db_up + pairs.group_bias_grad(dup_f32, group, self.e_local)
             dgate, dup = dgate_f32.astype(dt), dup_f32.astype(dt)
-            dwg = self._tmm(dwg, x_ch, dgate, gs, a_rows=x_rows)
-            dwu = self._tmm(dwu, x_ch, dup, gs, a_rows=x_rows)
-            dx_ch = self._mm(dgate, w_gate, gs, transpose=True) + self._mm(
-                dup, w_up, gs, transpose=True
+            dwg = self._tmm(dw.w_gate, x_ch, dgate, gs, a_rows=x_rows)
+            dwu = self._tmm(dw.w_up, x_ch, dup, gs, a_rows=x_rows)
+            dx_ch = self._mm(dgate, w.w_gate, gs, transpose=True) + self._mm(
+                dup, w.w_up, gs, transpose=True
             )
             dx_th = dx_th.at[ch.tok].add(dx_ch)  # gmm: invalid rows are exact 0
-            return dx_th, dwts_p, (dwg, dwu, dwd, *db)
+            return dx_th, dwts_p, Experts(dwg, dwu, dwd, db_gate, db_up, db_down)
 
         with jax.named_scope("ring_bwd_hop"):
-            dx_th, dwts_p, dw = self._chunks(tk, p, body, (dx_th, dwts_p, tuple(dw)))
+            dx_th, dwts_p, dw = self._chunks(tk, p, body, (dx_th, dwts_p, dw))
         return dw, dx_th, dwts_p
 
-    def _bias_down_grads(self, db, dy_th, ch, group, b_down):
+    def _bias_down_grads(self, db_down, dy_th, ch, group, b_down):
         """b_down's gradient (router-weighted dy rows summed per expert) and its term of the
         router weights' (dy . b_down[e]); the chunk's dy rows are gathered here, in float32
         (invalid rows masked: poisoned, they are NaN)."""
         dy_ch = jnp.where(ch.valid[:, None], dy_th[ch.tok].astype(jnp.float32), 0.0)
-        db = list(db)
-        db[2] = db[2] + pairs.group_bias_grad(dy_ch * ch.wts_c[:, None], group, self.e_local)
-        bias = pairs.add_group_bias(jnp.zeros_like(dy_ch), b_down, group)
-        return db, jnp.sum(dy_ch * bias, axis=-1)
+        db_down = db_down + pairs.group_bias_grad(dy_ch * ch.wts_c[:, None], group, self.e_local)
+        return db_down, jnp.sum(dy_ch * row_bias(b_down, group), axis=-1)
 
 
 def zeros_f32(shape, *refs):

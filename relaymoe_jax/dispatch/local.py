@@ -14,6 +14,7 @@ from jax import lax
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
+from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.ring import RingConfig, ring_moe
 
 log = logging.getLogger("relaymoe_jax")
@@ -54,7 +55,7 @@ class LocalSpec:
         )
 
 
-def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
+def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
     """Per device: ETP plumbing around the dispatcher, whose experts hold an ffn slice.
 
     Each ETP rank computes every pair of its token group with its slice of ffn, so the outputs are
@@ -62,26 +63,26 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *bias
     reduce-scattered back: each rank keeps only its [T/ETP, H] share of the result (a psum would
     leave the full [T, H] sum on every rank), and the transposes are the same pair (all-gather of
     dy, reduce-scatter of dx). Tokens replicated over the ETP axis get a psum.
-    `biases`: none, or (b_gate, b_up [E/EP, F/ETP], b_down [E/EP, H]); b_down is added by ETP
-    rank 0 only, so that the partial sums hold it once.
+    `experts`: w_gate, w_up [E/EP, H, F/ETP], w_down [E/EP, F/ETP, H] and the biases, all three
+    or none (b_gate, b_up [E/EP, F/ETP], b_down [E/EP, H]); b_down is added by ETP rank 0 only,
+    so that the partial sums hold it once.
     Returns (y [T, H], dropped pairs summed over the token axes).
     """
     etp, gather = spec.etp, spec.gather_etp
-    if biases and etp is not None:
-        b_gate, b_up, b_down = biases
-        biases = (b_gate, b_up, jnp.where(lax.axis_index(etp) == 0, b_down, 0))
+    if experts.has_biases and etp is not None:
+        experts = experts._replace(b_down=jnp.where(lax.axis_index(etp) == 0, experts.b_down, 0))
     if etp is not None:
         if gather:
             x_th, ids_tk, wts_tk = (
                 lax.all_gather(a, etp, axis=0, tiled=True) for a in (x_th, ids_tk, wts_tk)
             )
         else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
-            x_th, wts_tk = (pairs.vary_like(a, w_gate) for a in (x_th, wts_tk))
+            x_th, wts_tk = (pairs.vary_like(a, experts.w_gate) for a in (x_th, wts_tk))
     if spec.dispatcher == "ring":
-        y_th = _ring(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
+        y_th = _ring(spec, x_th, ids_tk, wts_tk, experts)
         dropped = jnp.int32(0)
     else:
-        y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
+        y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, experts)
         dropped = dropped // (spec.etp_size if gather else 1)  # each ETP rank counted the same
     if etp is not None:
         y_th = (

@@ -29,9 +29,10 @@ it is the mode with fewer sent forward + backward bytes per hop.
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 from relaymoe_jax.dispatch.chunking import default_chunk
+from relaymoe_jax.dispatch.experts import check_experts_divide
+from relaymoe_jax.util.checks import is_int
 
 
 def _bytes(n: float) -> str:
@@ -101,7 +102,7 @@ class RoutingVolumes:
 
 
 def _size(name: str, value) -> int:
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or value <= 0:
+    if not (is_int(value) and value > 0):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -168,8 +169,7 @@ def routing_volumes(
                 f"seq_len={s}, sp={sp}, cp={cp}"
             )
         tokens = b * s // (sp * cp)
-    if e % ep:
-        raise ValueError(f"experts must be divisible by ep, got experts={e}, ep={ep}")
+    check_experts_divide(e, ep, name="experts", axis="the expert axis (ep)")
     if f % etp:
         raise ValueError(f"ffn must be divisible by etp, got ffn={f}, etp={etp}")
     if k > e:

@@ -100,13 +100,6 @@ def group_of_rows(group_sizes_g, rows: int):
     return count_at_most(jnp.cumsum(group_sizes_g), jnp.arange(rows, dtype=jnp.int32))
 
 
-def add_group_bias(a_rf, b_gf, group_r):
-    """a + b[group] in float32, row by row (rows past the groups add 0)."""
-    return a_rf.astype(jnp.float32) + b_gf.astype(jnp.float32).at[group_r].get(
-        mode="fill", fill_value=0
-    )
-
-
 def group_bias_grad(d_rf, group_r, num_groups: int):
     """[G, f] float32: the rows of d summed per group (rows past the groups dropped)."""
     zeros = vary_like(jnp.zeros((num_groups, d_rf.shape[-1]), jnp.float32), d_rf, group_r)

@@ -17,34 +17,29 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.dispatch.activation import SWIGLU
+from relaymoe_jax.dispatch.experts import Experts, expert_mlp
 
 
-def reference_moe(
-    x_th, ids_tk, wts_tk, w_gate_ehf, w_up_ehf, w_down_efh, activation=SWIGLU, biases=None
-):
-    """y [T, H] (x's dtype); `biases` None or (b_gate [E, F], b_up [E, F], b_down [E, H])."""
-    num_experts = w_gate_ehf.shape[0]
+def reference_moe(x_th, ids_tk, wts_tk, *experts, activation=SWIGLU):
+    """y [T, H] (x's dtype). `experts`: the fields of an `Experts` in order, w_gate [E, H, F],
+    w_up [E, H, F], w_down [E, F, H], then optionally b_gate, b_up [E, F] and b_down [E, H]
+    (`reference_moe(x, ids, wts, *experts)` with a record)."""
+    experts = Experts(*experts).complete()
+    num_experts = experts.w_gate.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
     x = x_th.astype(f32)
     valid_tk = (ids_tk >= 0) & (ids_tk < num_experts)
     rows_tk = jnp.where(valid_tk, ids_tk, num_experts)  # out of range: zero weights
 
-    def expert(w, rows_t):
-        return w.astype(f32).at[rows_t].get(mode="fill", fill_value=0)
-
     y_th = jnp.zeros(x.shape, f32)
     for j in range(ids_tk.shape[1]):
         rows_t = rows_tk[:, j]
-        gate_tf = jnp.einsum("th,thf->tf", x, expert(w_gate_ehf, rows_t), precision=hi)
-        up_tf = jnp.einsum("th,thf->tf", x, expert(w_up_ehf, rows_t), precision=hi)
-        if biases is not None:
-            gate_tf = gate_tf + expert(biases[0], rows_t)
-            up_tf = up_tf + expert(biases[1], rows_t)
-        out_th = jnp.einsum(
-            "tf,tfh->th", activation(gate_tf, up_tf), expert(w_down_efh, rows_t), precision=hi
-        )
-        if biases is not None:
-            out_th = out_th + expert(biases[2], rows_t)
+
+        def matmul(a, w, a_rows=None, rows_t=rows_t):  # each token times its own expert's w
+            w_t = w.astype(f32).at[rows_t].get(mode="fill", fill_value=0)
+            return jnp.einsum("tk,tkn->tn", a, w_t, precision=hi)
+
+        out_th = expert_mlp(experts, activation, x, matmul, lambda r=rows_t: r, f32)
         y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
     return y_th.astype(x_th.dtype)

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
+from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.hop import Hop, make_tokens, shift, zeros_f32
 from relaymoe_jax.util.first_order import first_order
 
@@ -187,7 +188,7 @@ def _expert_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     # zeros made once the weights they pair with exist (`late_zero`): anchored to the home
     # weights, the last hop's partial would be allocated before the loop and live through it
-    zeros = lambda w: tuple(zeros_f32(a.shape, a, tk.x_th) for a in w)
+    zeros = lambda w: jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)
 
     def visit(src, w, state):  # partial dW of the visiting w
         dw, dx_th, dwts_p = hop.backward(tk, src, w, dy_th, *state, zeros(w))
@@ -216,7 +217,7 @@ def _token_backward(cfg, tk, w, dy_th):
         dw, dx_th, dwts_p = hop.backward(tk, hop.me, w, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
 
-    dw = tuple(zeros_f32(a.shape, a, tk.x_th) for a in w)
+    dw = jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)
     dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), (tk, dy_th), visit, dw, lambda: zeros(tk))
     return dw, dx_th, dwts_p
 
@@ -228,7 +229,7 @@ _MODES = {"expert": (_expert_forward, _expert_backward), "token": (_token_forwar
 def _ring_op(cfg: RingConfig):
     forward, backward = _MODES[cfg.routing]
 
-    def fwd(x_th, ids_tk, wts_tk, *w):
+    def fwd(x_th, ids_tk, wts_tk, w):
         tk = make_tokens(cfg, x_th, ids_tk, wts_tk)
         return forward(cfg, tk, w).astype(x_th.dtype), (tk, w)
 
@@ -237,23 +238,24 @@ def _ring_op(cfg: RingConfig):
         dw, dx_th, dwts_p = backward(cfg, tk, w, dy_th)
         if cfg.reduce_axes:
             dw = lax.psum(dw, cfg.reduce_axes)
-        dw = tuple(d.astype(a.dtype) for d, a in zip(dw, w))
+        dw = jax.tree.map(lambda d, a: d.astype(a.dtype), dw, w)
         return (
             dx_th.astype(tk.x_th.dtype),
             None,
             dwts_p.reshape(-1, tk.top_k).astype(tk.wts_p.dtype),
-            *dw,
+            dw,
         )
 
     @jax.custom_vjp
-    def ring(x_th, ids_tk, wts_tk, *w):
-        return fwd(x_th, ids_tk, wts_tk, *w)[0]
+    def ring(x_th, ids_tk, wts_tk, w):
+        return fwd(x_th, ids_tk, wts_tk, w)[0]
 
     ring.defvjp(fwd, bwd)
     return ring
 
 
-def ring_moe(cfg: RingConfig, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases):
-    """Per-device body (call inside shard_map): y[T, H] for the local tokens. `biases`: none, or
-    (b_gate, b_up, b_down), which travel and come home with their weights like them."""
-    return _ring_op(cfg)(x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
+def ring_moe(cfg: RingConfig, x_th, ids_tk, wts_tk, experts: Experts):
+    """Per-device body (call inside shard_map): y[T, H] for the local tokens. `experts`: this
+    device's partition, the payload of expert routing (biases, if any, travel with their weights,
+    and the weight gradient, an `Experts` too, comes home like them)."""
+    return _ring_op(cfg)(x_th, ids_tk, wts_tk, experts)

@@ -3,9 +3,10 @@
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.hf import from_pretrained, save_pretrained
 from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
-from relaymoe_jax.models.moe import MoEConfig, MoELayer
+from relaymoe_jax.models.moe_config import MoEConfig
+from relaymoe_jax.models.moe_layer import MoELayer
 from relaymoe_jax.models.qwen import QwenMoe
-from relaymoe_jax.models.router import (
+from relaymoe_jax.models.router_losses import (
     expert_bias_update,
     load_balancing_loss,
     load_balancing_loss_per_layer,

@@ -59,9 +59,8 @@ NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
 
 
 def chunked_causal_attention(
-    q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None, segment_ids=None,
-    kv_segment_ids=None,
-):  # fmt: skip
+    q_bsnd, k_bskd, v_bskd, *, block_k: int = 512, scale=None, segment_ids=None, kv_segment_ids=None
+):
     """Causal GQA attention o [B, S, N, D] in the inputs' dtype, blockwise over `block_k` keys.
 
     q [B, S, N, D], k and v [B, S, K, D] with K dividing N; `scale` defaults to D**-0.5;
@@ -72,6 +71,22 @@ def chunked_causal_attention(
     Softmax statistics and accumulators are float32. Differentiable (custom VJP; the backward
     recomputes the probabilities block by block).
     """
+    seg_bs = seg_kv = None
+    if segment_ids is not None:
+        b, s = q_bsnd.shape[:2]
+        seg_bs = check_segment_ids(segment_ids, (b, s))
+        seg_kv = check_segment_ids(
+            segment_ids if kv_segment_ids is None else kv_segment_ids, (b, s)
+        )
+    return blockwise_attention(
+        q_bsnd, k_bskd, v_bskd, block_k=block_k, scale=scale, seg_bs=seg_bs, seg_kv=seg_kv
+    )
+
+
+def blockwise_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int, scale, seg_bs, seg_kv):
+    """`chunked_causal_attention` on segment ids already checked (`check_segment_ids`: int32
+    [B, S] for the queries and the keys, or both None): what the model calls in every layer,
+    having checked its segment ids once at its entry."""
     b, s, n, d = q_bsnd.shape
     if k_bskd.shape != v_bskd.shape or k_bskd.shape[:2] != (b, s) or k_bskd.shape[3] != d:
         raise ValueError(
@@ -82,13 +97,8 @@ def chunked_causal_attention(
         raise ValueError(f"kv heads {k_bskd.shape[2]} must divide query heads {n}")
     if block_k < 1:
         raise ValueError(f"block_k must be positive, got {block_k}")
-    seg_kv = None
-    if segment_ids is not None:
-        segment_ids = check_segment_ids(segment_ids, (b, s))
-        seg_kv = segment_ids if kv_segment_ids is None else kv_segment_ids
-        seg_kv = check_segment_ids(seg_kv, (b, s))
     scale = d**-0.5 if scale is None else float(scale)
-    return _attention(q_bsnd, k_bskd, v_bskd, segment_ids, seg_kv, min(block_k, s), scale)
+    return _attention(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, min(block_k, s), scale)
 
 
 def check_segment_ids(segment_ids, shape):

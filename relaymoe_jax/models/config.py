@@ -1,34 +1,42 @@
 """The model configuration: one frozen dataclass with named sizes, checked on construction.
 
 Field names follow Hugging Face's `Qwen3MoeConfig` / `Qwen2MoeConfig` where one exists, so a
-`config.json` maps onto it directly (`hf_config.from_hf_dict`). How the MoE runs (dispatcher,
-routing, ring, capacity_factor, chunk_size, gmm_impl) is one `MoEOptions` record,
-`moe_options`, checked by `MoEOptions` itself.
+`config.json` maps onto it directly (`hf_config.from_hf_dict`). The MoE block is one `MoEConfig`,
+`moe` (its sizes, router, experts, shared expert and how `moe_ffn` runs, the `MoEOptions`
+`moe.options`), checked by `MoEConfig` itself; a dense model has `num_experts=0`. What is the
+model's (the hidden size, the initializer's std, the router losses' coefficients) is here.
 
 The flat form: in YAML, on the command line, in a checkpoint's run identity and wherever a config
-is written or compared, the record's fields are keys next to the others (`KEYS`, in field order).
-`ModelConfig.from_dict` is the strict loader of that form behind the YAML files in `configs/`,
-`as_dict` writes it, and `cfg.replace(dispatcher="alltoall", num_experts=16)` changes fields by
-flat key. An unknown key, a wrong type or inconsistent sizes raise a ValueError that names the
-key and what it accepts (`key=value: expected ...`).
+is written or compared, the records' fields are keys next to the others (`KEYS`, in field order:
+`moe` spelled out as `MoEConfig`'s fields, its `options` as `MoEOptions`' dispatcher, routing,
+ring, capacity_factor, chunk_size, gmm_impl). `ModelConfig.from_dict` is the strict loader of
+that form behind the YAML files in `configs/`, `as_dict` writes it, and
+`cfg.replace(dispatcher="alltoall", num_experts=16)` changes fields by flat key. An unknown key,
+a wrong type or inconsistent sizes raise a ValueError that names the key and what it accepts
+(`key=value: expected ...`).
 """
 
 import dataclasses
 import typing
 from collections.abc import Mapping
+from typing import Literal
 
-from relaymoe_jax.models.layers import ATTENTION_IMPLS
-from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
+from relaymoe_jax.dispatch.experts import check_experts_divide
+from relaymoe_jax.models.layers import ATTENTION_IMPLS, AttentionImpl
+from relaymoe_jax.models.moe_config import MOE_KEYS, MoEConfig
 from relaymoe_jax.op.options import MoEOptions
 from relaymoe_jax.remat.options import OPTIONS as REMAT_OPTIONS
+from relaymoe_jax.remat.options import RematOption
+from relaymoe_jax.util.checks import fail, finite_number, int_at_least, is_bool, is_int, one_of
 
-ARCHS = ("qwen3_moe", "qwen2_moe")
+Arch = Literal["qwen3_moe", "qwen2_moe"]
+ARCHS: tuple[str, ...] = typing.get_args(Arch)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     # architecture
-    arch: str = "qwen3_moe"  # "qwen3_moe": q/k RMSNorm, no qkv bias; "qwen2_moe": qkv
+    arch: Arch = "qwen3_moe"  # "qwen3_moe": q/k RMSNorm, no qkv bias; "qwen2_moe": qkv
     # bias, no q/k norm, optional shared expert
     vocab_size: int = 256
     hidden_size: int = 64  # H
@@ -37,13 +45,8 @@ class ModelConfig:
     num_key_value_heads: int = 2
     head_dim: int | None = None  # default hidden_size // num_attention_heads
     intermediate_size: int = 128  # ffn of the dense MLP layers
-    moe_intermediate_size: int = 32  # F, ffn of one expert
-    num_experts: int = 8  # E
-    num_experts_per_tok: int = 2  # k (top-k)
-    norm_topk_prob: bool = True  # renormalise the top-k router probabilities
     attention_bias: bool = False  # qwen3_moe: bias on q/k/v/o (qwen2_moe: q/k/v always)
     qkv_bias: bool = True  # qwen2_moe: bias on q/k/v (HF Qwen2MoeConfig.qkv_bias)
-    shared_expert_intermediate_size: int = 0  # qwen2_moe: ffn of the shared expert (0: none)
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     rope_theta: float = 1_000_000.0
@@ -51,20 +54,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02  # std of the normal random init (HF's)
-    # router losses (see models/router.py for the formulas)
+    # the router losses' weights in the model's objective (models/router_losses.py)
     router_aux_loss_coef: float = 0.001  # Switch/Qwen load-balancing loss coefficient
     router_z_loss_coef: float = 0.0  # router z-loss coefficient
-    expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
-    expert_bias_rate: float = 0.001  # its update rate
-    # execution: how `moe_ffn` runs (flat keys dispatcher, routing, ring, capacity_factor,
-    # chunk_size, gmm_impl in the flat form); the op uses `moe_options.applicable()`
-    moe_options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
-    attention_impl: str = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S] scores on
-    # the XLA path) or "chunked" (O(S * block) memory)
+    # the MoE block (sizes, router, experts, shared expert, `moe_ffn`'s options); the flat
+    # form spells its fields as keys (num_experts, router, dispatcher, ...); num_experts=0: dense
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    attention_impl: AttentionImpl = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S]
+    # scores on the XLA path) or "chunked" (O(S * block) memory)
     attention_block_k: int = 512  # keys per block of "chunked"
     # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
     # per layer; "save_all" = no jax.checkpoint
-    attention_remat: str | tuple[str, ...] = "save_all"
+    attention_remat: RematOption | tuple[RematOption, ...] = "save_all"
     # recompute the whole MLP/MoE block (its norm, router and dispatcher) in the backward,
     # keeping only its input: Megatron's full recomputation of the MoE activations. It drops the
     # all-to-all's dispatch buffers kept for the backward; the ring's custom_vjp keeps only its
@@ -87,25 +88,24 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(KEYS)}")
         d = {k: _normalise(k, v) for k, v in d.items()}
-        options = MoEOptions.from_mapping(d)
-        rest = {k: v for k, v in d.items() if k not in OPTION_KEYS}
-        return cls(**rest, moe_options=options)
+        moe = MoEConfig.from_dict({k: v for k, v in d.items() if k in MOE_KEYS})
+        return cls(**{k: v for k, v in d.items() if k not in MOE_KEYS}, moe=moe)
 
     def as_dict(self) -> dict:
         """The flat form: every key of `KEYS`, in order, with its value."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out.update(value.as_dict() if f.name == "moe_options" else {f.name: value})
+            out.update(value.as_dict() if f.name == "moe" else {f.name: value})
         return out
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with `changes` (flat keys, or `moe_options=` a whole record), normalised like
+        """A copy with `changes` (flat keys, or `moe=` a whole record), normalised like
         `from_dict`'s and checked."""
         changes = {k: _normalise(k, v) for k, v in changes.items()}
-        options = {k: changes.pop(k) for k in list(changes) if k in OPTION_KEYS}
-        if options:
-            changes["moe_options"] = changes.get("moe_options", self.moe_options).replace(**options)
+        block = {k: changes.pop(k) for k in list(changes) if k in MOE_KEYS}
+        if block:
+            changes["moe"] = changes.get("moe", self.moe).replace(**block)
         return dataclasses.replace(self, **changes)
 
     @property
@@ -120,17 +120,15 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         """Hugging Face's rule for which decoder layers hold the MoE block."""
         return (
-            self.num_experts > 0
+            not self.moe.is_dense
             and i not in self.mlp_only_layers
             and (i + 1) % self.decoder_sparse_step == 0
         )
 
 
-# The flat keys: ModelConfig's fields with `moe_options` spelled out as its own fields.
+# The flat keys: ModelConfig's fields with `moe` spelled out as its own flat keys.
 KEYS: tuple[str, ...] = tuple(
-    k
-    for f in dataclasses.fields(ModelConfig)
-    for k in (OPTION_KEYS if f.name == "moe_options" else (f.name,))
+    k for f in dataclasses.fields(ModelConfig) for k in (MOE_KEYS if f.name == "moe" else (f.name,))
 )
 
 
@@ -139,7 +137,8 @@ def _float_keys(*classes) -> frozenset:
     return frozenset(k for k, h in hints.items() if h is float or float in typing.get_args(h))
 
 
-FLOAT_KEYS = _float_keys(ModelConfig, MoEOptions) & set(KEYS)  # an int given here is a float
+# an int given here is a float
+FLOAT_KEYS = _float_keys(ModelConfig, MoEConfig, MoEOptions) & set(KEYS)
 
 
 def _normalise(key, value):
@@ -154,134 +153,100 @@ def _normalise(key, value):
 # checks
 
 
-def _fail(key, value, want):
-    raise ValueError(f"{key}={value!r}: expected {want}")
+def _head_dim(name, v):
+    if not (v is None or (is_int(v) and v >= 2 and v % 2 == 0)):
+        want = (
+            "an even int >= 2 (RoPE rotates pairs), or null for hidden_size // num_attention_heads"
+        )
+        fail(name, v, want)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _layer_indices(name, v):
+    if not (isinstance(v, tuple) and all(map(is_int, v))):
+        fail(name, v, "a list of layer indices (a tuple in Python)")
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_from(lo: int):
-    return (lambda v: _is_int(v) and v >= lo), f"an int >= {lo}"
-
-
-def _number_from(lo: float):
-    return (lambda v: _is_number(v) and v >= lo), f"a number >= {lo:g}"
-
-
-def _one_of(allowed: tuple[str, ...]):
-    return (lambda v: isinstance(v, str) and v in allowed), f"one of {allowed}"
-
-
-def _remat_ok(v) -> bool:
+def _remat(name, v):
     names = (v,) if isinstance(v, str) else v
-    return isinstance(names, tuple) and all(
-        isinstance(o, str) and o in REMAT_OPTIONS for o in names
-    )
+    if not (
+        isinstance(names, tuple) and all(isinstance(o, str) and o in REMAT_OPTIONS for o in names)
+    ):
+        fail(name, v, f"one of {REMAT_OPTIONS}, or a list (tuple) of them, one per layer")
 
 
-_BOOL = (lambda v: isinstance(v, bool)), "true or false"
-_NUMBER = _is_number, "a number"
+def _moe(name, v):
+    if not isinstance(v, MoEConfig):
+        fail(name, v, f"a MoEConfig (in the flat form the keys {MOE_KEYS})")
 
-# One check per field: (accepts(value) -> bool, what it accepts). The rules that tie fields
-# together (top-k within the experts, heads that divide, ...) are `_CONSISTENCY` below.
+
+_size = lambda name, v: int_at_least(name, v, 1)
+_rate = lambda name, v: finite_number(name, v, low=0)
+
+# One check per field (it raises `name=value: expected ...`). The rules that tie fields together
+# (heads that divide, ...) are `_CONSISTENCY` below; the MoE block's are `MoEConfig`'s.
 FIELD_CHECKS = {
-    "arch": _one_of(ARCHS),
-    "vocab_size": _int_from(1),
-    "hidden_size": _int_from(1),
-    "num_hidden_layers": _int_from(1),
-    "num_attention_heads": _int_from(1),
-    "num_key_value_heads": _int_from(1),
-    "head_dim": (
-        lambda v: v is None or (_is_int(v) and v >= 2 and v % 2 == 0),
-        "an even int >= 2 (RoPE rotates pairs), or null for hidden_size // num_attention_heads",
-    ),
-    "intermediate_size": _int_from(1),
-    "moe_intermediate_size": _int_from(1),
-    "num_experts": _int_from(0),
-    "num_experts_per_tok": (_is_int, "an int"),
-    "norm_topk_prob": _BOOL,
-    "attention_bias": _BOOL,
-    "qkv_bias": _BOOL,
-    "shared_expert_intermediate_size": _int_from(0),
-    "decoder_sparse_step": _int_from(1),
-    "mlp_only_layers": (
-        lambda v: isinstance(v, tuple) and all(map(_is_int, v)),
-        "a list of layer indices (a tuple in Python)",
-    ),
-    "rope_theta": _NUMBER,
-    "rms_norm_eps": _NUMBER,
-    "tie_word_embeddings": _BOOL,
-    "max_position_embeddings": _int_from(1),
-    "initializer_range": _number_from(0),
-    "router_aux_loss_coef": _number_from(0),
-    "router_z_loss_coef": _number_from(0),
-    "expert_bias": _BOOL,
-    "expert_bias_rate": _number_from(0),
-    "moe_options": (
-        lambda v: isinstance(v, MoEOptions),
-        f"a MoEOptions (in the flat form the keys {OPTION_KEYS})",
-    ),
-    "attention_impl": _one_of(ATTENTION_IMPLS),
-    "attention_block_k": _int_from(1),
-    "attention_remat": (
-        _remat_ok,
-        f"one of {REMAT_OPTIONS}, or a list (tuple) of them, one per layer",
-    ),
-    "moe_remat": _BOOL,
-    "scan_layers": _BOOL,
+    "arch": lambda name, v: one_of(name, v, ARCHS),
+    "vocab_size": _size,
+    "hidden_size": _size,
+    "num_hidden_layers": _size,
+    "num_attention_heads": _size,
+    "num_key_value_heads": _size,
+    "head_dim": _head_dim,
+    "intermediate_size": _size,
+    "attention_bias": is_bool,
+    "qkv_bias": is_bool,
+    "decoder_sparse_step": _size,
+    "mlp_only_layers": _layer_indices,
+    "rope_theta": lambda name, v: finite_number(name, v, low=0, strict=True),
+    "rms_norm_eps": _rate,
+    "tie_word_embeddings": is_bool,
+    "max_position_embeddings": _size,
+    "initializer_range": _rate,
+    "router_aux_loss_coef": _rate,
+    "router_z_loss_coef": _rate,
+    "moe": _moe,
+    "attention_impl": lambda name, v: one_of(name, v, ATTENTION_IMPLS),
+    "attention_block_k": _size,
+    "attention_remat": _remat,
+    "moe_remat": is_bool,
+    "scan_layers": is_bool,
 }
 assert list(FIELD_CHECKS) == [f.name for f in dataclasses.fields(ModelConfig)]
-
-
-def _top_k(cfg):
-    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
-        want = f"an int in [1, num_experts={cfg.num_experts}]"
-        _fail("num_experts_per_tok", cfg.num_experts_per_tok, want)
 
 
 def _heads(cfg):
     if cfg.head_dim is None and cfg.hidden_size % cfg.num_attention_heads:
         want = f"a divisor of hidden_size={cfg.hidden_size} (or set head_dim)"
-        _fail("num_attention_heads", cfg.num_attention_heads, want)
+        fail("num_attention_heads", cfg.num_attention_heads, want)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         want = f"a divisor of num_attention_heads={cfg.num_attention_heads}"
-        _fail("num_key_value_heads", cfg.num_key_value_heads, want)
+        fail("num_key_value_heads", cfg.num_key_value_heads, want)
 
 
 def _shared_expert(cfg):
-    if cfg.shared_expert_intermediate_size and cfg.arch != "qwen2_moe":
-        want = "0 unless arch='qwen2_moe'"
-        _fail("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size, want)
+    size = cfg.moe.shared_expert_intermediate_size
+    if size and cfg.arch != "qwen2_moe":
+        fail("shared_expert_intermediate_size", size, "0 unless arch='qwen2_moe'")
 
 
 def _layer_lists(cfg):
     n = cfg.num_hidden_layers
     if any(not 0 <= i < n for i in cfg.mlp_only_layers):
-        _fail(
-            "mlp_only_layers", cfg.mlp_only_layers, f"layer indices in [0, num_hidden_layers={n})"
-        )
+        fail("mlp_only_layers", cfg.mlp_only_layers, f"layer indices in [0, num_hidden_layers={n})")
     remat = cfg.attention_remat
     if not isinstance(remat, str) and len(remat) != n:
         want = f"one option or {n} (num_hidden_layers), got {len(remat)}"
-        _fail("attention_remat", remat, want)
+        fail("attention_remat", remat, want)
 
 
-_CONSISTENCY = (_top_k, _heads, _shared_expert, _layer_lists)
+_CONSISTENCY = (_heads, _shared_expert, _layer_lists)
 
 
 def check(cfg: ModelConfig) -> None:
     """Every field on its own (`FIELD_CHECKS`), then how they fit together; a ValueError names
     the offending key and what it accepts."""
-    for name, (accepts, want) in FIELD_CHECKS.items():
-        value = getattr(cfg, name)
-        if not accepts(value):
-            _fail(name, value, want)
+    for name, check_field in FIELD_CHECKS.items():
+        check_field(name, getattr(cfg, name))
     for rule in _CONSISTENCY:
         rule(cfg)
     if cfg.scan_layers:
@@ -291,7 +256,7 @@ def check(cfg: ModelConfig) -> None:
 def check_scannable(cfg: ModelConfig) -> None:
     """`scan_layers=True` runs one layer body for every layer, so the layers must be alike."""
     if not isinstance(cfg.attention_remat, str) and len(set(cfg.attention_remat)) > 1:
-        _fail(
+        fail(
             "attention_remat",
             cfg.attention_remat,
             "one option for every layer with scan_layers=True (the scanned layers share one "
@@ -300,7 +265,7 @@ def check_scannable(cfg: ModelConfig) -> None:
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     if moe and dense:
-        _fail(
+        fail(
             "scan_layers",
             cfg.scan_layers,
             f"layers of one kind (the scanned layers share one body), but layers {dense} are "
@@ -311,5 +276,4 @@ def check_scannable(cfg: ModelConfig) -> None:
 
 def check_mesh(cfg: ModelConfig, expert_size: int) -> None:
     """The experts must split evenly over the expert axis (of size `expert_size`)."""
-    if cfg.num_experts % expert_size:
-        _fail("num_experts", cfg.num_experts, f"a multiple of the expert axis size {expert_size}")
+    check_experts_divide(cfg.moe.num_experts, expert_size)

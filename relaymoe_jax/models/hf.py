@@ -206,7 +206,9 @@ def from_pretrained(
 
     `overrides` (flat keys, `config.KEYS`) replace config.json's values: the op's options
     (`dispatcher`, `routing`, `ring`, `capacity_factor`, `chunk_size`, `gmm_impl`) and the router
-    options (`router_z_loss_coef`, `expert_bias`, ...). Parameters are stored in `dtype`.
+    options (`router_z_loss_coef`, `expert_bias`, ...); what the Hugging Face architecture does not
+    have (another router or activation, biases: `hf_config.check_hf`) is refused. Parameters are
+    stored in `dtype`.
     """
     with open(os.path.join(path, "config.json")) as f:
         cfg = config_from_hf(json.load(f), **overrides)
@@ -223,7 +225,13 @@ def from_pretrained(
         stacked = _variable(model, entries[0])[1] is not None
         var.set_value(
             _place(
-                entries, stacked, var.get_value(), sharding, ckpt, dtype, cfg.moe_intermediate_size
+                entries,
+                stacked,
+                var.get_value(),
+                sharding,
+                ckpt,
+                dtype,
+                cfg.moe.moe_intermediate_size,
             )
         )
     return model
@@ -239,7 +247,7 @@ def _check_names(ckpt: _Checkpoint, wanted: list[Entry], cfg: ModelConfig):
             expected.add(f"{entry.name}.{'down_proj' if entry.which == 'down' else 'gate_up_proj'}")
         else:
             expected.update(
-                f"{entry.name}.{e}.{entry.which}_proj.weight" for e in range(cfg.num_experts)
+                f"{entry.name}.{e}.{entry.which}_proj.weight" for e in range(cfg.moe.num_experts)
             )
     have = ckpt.names()
     if cfg.tie_word_embeddings:

@@ -4,16 +4,32 @@ The field names are Hugging Face's where one exists, so most keys map one to one
 `config_from_hf` refuses what the model does not implement (RoPE scaling, sliding-window
 attention, another activation) and `from_hf_dict` maps the keys; `config_to_hf` writes the
 dict back without our own keys (`OURS_ONLY`: the op's options, recomputation, layer scan, the
-router options HF has no key for). The weights' names are `hf_mapping.py`.
+router options HF has no key for). Both refuse a config that uses what Qwen3-MoE and Qwen2-MoE
+do not have (`NOT_IN_HF`: another router or activation, router or expert biases, an ungated
+shared expert; on export also the aux-loss-free `expert_bias`, which would route differently
+there), naming the key (`check_hf`). The weights' names are `hf_mapping.py`.
 """
 
 import jax.numpy as jnp
 
 from relaymoe_jax.models.config import ARCHS, KEYS, ModelConfig
+from relaymoe_jax.models.moe_config import MoEConfig
 from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
 
 HF_ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 assert tuple(HF_ARCHS) == ARCHS
+# the MoE block's keys the Qwen architectures do not have: refused away from their defaults
+NOT_IN_HF = (
+    "router",
+    "router_bias",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "activation",
+    "swiglu_limit",
+    "expert_biases",
+    "shared_expert_gated",
+)
 # our keys with no Hugging Face counterpart: not written to config.json
 OURS_ONLY = (
     "arch",
@@ -26,7 +42,22 @@ OURS_ONLY = (
     "attention_block_k",
     "moe_remat",
     "scan_layers",
+    *NOT_IN_HF,
 )
+
+
+def check_hf(cfg: ModelConfig, *, export: bool) -> None:
+    """Refuse, naming the key, a config that uses what the Hugging Face Qwen3-MoE / Qwen2-MoE
+    architectures do not have (`NOT_IN_HF` away from its default; on `export` also
+    `expert_bias`: the bias would be lost and the routing differ)."""
+    default = MoEConfig()
+    for key in (*NOT_IN_HF, "expert_bias") if export else NOT_IN_HF:
+        value = getattr(cfg.moe, key)
+        if value != getattr(default, key):
+            raise ValueError(
+                f"{key}={value!r}: the Hugging Face {HF_ARCHS[cfg.arch]} has no such option "
+                f"(expected {getattr(default, key)!r})"
+            )
 
 
 def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
@@ -42,14 +73,16 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             f"{hf.get('model_type')!r}: expected Qwen3MoeForCausalLM or "
             "Qwen2MoeForCausalLM"
         )
-    d = {k: v for k, v in hf.items() if k in KEYS}
+    d = {k: v for k, v in hf.items() if k in KEYS and k not in NOT_IN_HF}
     d["arch"] = arch
     d["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
     if d.get("head_dim") is None:
         d.pop("head_dim", None)
     d["rope_theta"] = float(d.get("rope_theta", ModelConfig.rope_theta))
     d.update(overrides)
-    return ModelConfig.from_dict(d)
+    cfg = ModelConfig.from_dict(d)
+    check_hf(cfg, export=False)
+    return cfg
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -74,6 +107,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     """The Hugging Face config.json dict of `cfg`."""
+    check_hf(cfg, export=True)
     d = {k: v for k, v in cfg.as_dict().items() if k not in OURS_ONLY}
     if cfg.arch == "qwen3_moe":
         d.pop("qkv_bias")

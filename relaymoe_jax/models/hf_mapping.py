@@ -106,7 +106,7 @@ def _moe(cfg: ModelConfig, m: tuple, sm: str) -> list[Entry]:
     out += [
         Entry((*m, f"w_{w}"), f"{sm}.experts", "expert", which=w) for w in ("gate", "up", "down")
     ]
-    if cfg.shared_expert_intermediate_size:
+    if cfg.moe.shared_expert_intermediate_size:
         out += _linears(m, sm, "shared_expert")
         out.append(Entry((*m, "shared_expert_gate"), f"{sm}.shared_expert_gate.weight", "T"))
     return out

@@ -6,6 +6,8 @@ Parameters are created already sharded: each is drawn by a `jax.jit` whose `out_
 """
 
 import functools
+import typing
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.models.attention import check_segment_ids, chunked_causal_attention
+from relaymoe_jax.models.attention import blockwise_attention, check_segment_ids
 from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
 
 F32 = jnp.float32
@@ -158,13 +160,19 @@ def apply_rope(x_bsnd, cos_bsd, sin_bsd):
     return x_bsnd * cos_bsd[:, :, None, :] + rot * sin_bsd[:, :, None, :]
 
 
-ATTENTION_IMPLS = ("xla", "chunked")  # `causal_attention`'s impl (ModelConfig.attention_impl)
+AttentionImpl = Literal["xla", "chunked"]  # `causal_attention`'s impl (ModelConfig.attention_impl)
+ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
 
 
 def causal_attention(
-    q_bsnd, k_bskd, v_bskd, impl: str = "xla", block_k: int = 512, segment_ids=None,
+    q_bsnd,
+    k_bskd,
+    v_bskd,
+    impl: str = "xla",
+    block_k: int = 512,
+    segment_ids=None,
     kv_segment_ids=None,
-):  # fmt: skip
+):
     """Causal grouped-query attention, softmax scale head_dim**-0.5, in the inputs' dtype.
 
     impl="xla": `jax.nn.dot_product_attention` with its default implementation, which in jax 0.12
@@ -179,17 +187,23 @@ def causal_attention(
     kv_segment_ids: the same ids on the keys' sharding where it differs from the queries'
     (context parallelism), default segment_ids.
     """
-    if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
-        return chunked_causal_attention(
-            q_bsnd, k_bskd, v_bskd, block_k=block_k, segment_ids=segment_ids,
-            kv_segment_ids=kv_segment_ids,
-        )  # fmt: skip
-    mask = None
+    seg_bs = seg_kv = None
     if segment_ids is not None:
         seg_bs = check_segment_ids(segment_ids, q_bsnd.shape[:2])
-        seg_kv = seg_bs if kv_segment_ids is None else kv_segment_ids
+        seg_kv = segment_ids if kv_segment_ids is None else kv_segment_ids
         seg_kv = check_segment_ids(seg_kv, k_bskd.shape[:2])
-        mask = (seg_bs[:, :, None] == seg_kv[:, None, :])[:, None]
+    return attend(q_bsnd, k_bskd, v_bskd, impl, block_k, seg_bs, seg_kv)
+
+
+def attend(q_bsnd, k_bskd, v_bskd, impl: str, block_k: int, seg_bs, seg_kv):
+    """`causal_attention` on segment ids already checked (`check_segment_ids`: int32 [B, S] for
+    the queries and the keys, or both None): what the model calls in every layer, having checked
+    its segment ids once at its entry."""
+    if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
+        return blockwise_attention(
+            q_bsnd, k_bskd, v_bskd, block_k=block_k, scale=None, seg_bs=seg_bs, seg_kv=seg_kv
+        )
+    mask = None if seg_bs is None else (seg_bs[:, :, None] == seg_kv[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(
         q_bsnd, k_bskd, v_bskd, mask=mask, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True
     )

@@ -1,8 +1,16 @@
-"""`MoEConfig`: the MoE block's sizes, its router and its experts, and how `moe_ffn` runs.
+"""`MoEConfig`: the MoE block's sizes, its router, its experts, its shared expert, and how
+`moe_ffn` runs. `ModelConfig.moe` holds one; `MoELayer` is built from one.
 
-One validator per field; a field that the chosen router or activation does not use must stay at
-its default (a value that would be ignored is refused, naming the field that uses it).
+Every field is checked on construction by one validator (`FIELD_CHECKS`, the shared helpers of
+`relaymoe_jax.util.checks`); an error names the field as the flat key it is in the YAML files and
+on the command line (`router='topk': expected one of (...)`). A field that the chosen router or
+activation does not use must stay at its default (a value that would be ignored is refused, naming
+the field that uses it).
 
+The sizes:
+    num_experts            E; 0 in a dense model's config (no layer holds the block)
+    num_experts_per_tok    k, in [1, E]
+    moe_intermediate_size  F, one expert's ffn
 The router (`routers.py` has the formulas):
     router                 "softmax_topk" (Qwen, default), "topk_softmax" (GPT-OSS, Mixtral),
                            "sigmoid_group" (DeepSeek-V3)
@@ -20,22 +28,30 @@ The shared expert:
     shared_expert_intermediate_size   its ffn (0: none)
     shared_expert_gated    Qwen2-MoE's sigmoid gate on it (default); False: added as it is
                            (DeepSeek-V3's shared experts, one MLP of n_shared * F)
+How `moe_ffn` runs:
+    options                one `MoEOptions` (flat keys dispatcher, routing, ring,
+                           capacity_factor, chunk_size, gmm_impl)
+
+The hidden size and the initializer's std are the model's (`ModelConfig`), given to `MoELayer`
+as arguments. The router losses' coefficients are the model's too: they weigh the layers' losses
+in the model's objective (`ModelConfig.router_aux_loss_coef`, `router_z_loss_coef`).
 """
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from relaymoe_jax.dispatch.activation import ACTIVATIONS, GPT_OSS_LIMIT, Activation
+from relaymoe_jax.dispatch.activation import (
+    ACTIVATIONS,
+    GPT_OSS_LIMIT,
+    Activation,
+    ActivationName,
+)
 from relaymoe_jax.models.routers import ROUTERS, RouterKind
 from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
 from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.util.checks import fail, finite_number, int_at_least, is_bool, is_int, one_of
 
-# field -> (the value it takes, the only router or activation that uses another one)
+# field -> (the value it takes, the only router that uses another one)
 ROUTER_ONLY = {
     "n_group": (1, "sigmoid_group"),
     "topk_group": (1, "sigmoid_group"),
@@ -43,135 +59,148 @@ ROUTER_ONLY = {
 }
 
 
-def check_rate(what, v) -> None:
-    """A finite number >= 0: a Python or numpy scalar, or a 0-d array (a traced one passes)."""
-    if isinstance(v, jax.core.Tracer):
-        return
-    number = isinstance(v, (int, float, np.number, jax.Array)) and not isinstance(
-        v, (bool, np.bool_)
-    )
-    if not (number and np.ndim(v) == 0 and not jnp.issubdtype(jnp.result_type(v), jnp.bool_)):
-        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
-    if not 0 <= float(v) < math.inf:
-        raise ValueError(f"{what}={v!r}: expected a finite number >= 0")
-
-
-def _positive_int(name, v, zero_ok=False):
-    low = 0 if zero_ok else 1
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"MoEConfig.{name}={v!r}: expected an int >= {low}")
-
-
-def _one_of(name, v, allowed):
-    if not isinstance(v, str) or v not in allowed:
-        raise ValueError(f"MoEConfig.{name}={v!r}: expected one of {allowed}")
-
-
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """The MoE block's sizes, router and experts, and how `moe_ffn` runs (`options`, one
-    `MoEOptions`; `MoEConfig.from_dict` takes its fields as flat keys, like the YAML files)."""
+    """The MoE block's sizes, router, experts and shared expert, and how `moe_ffn` runs
+    (`options`, one `MoEOptions`; `MoEConfig.from_dict` takes its fields as flat keys, like the
+    YAML files). See the module docstring for each field."""
 
-    hidden_size: int  # H
-    num_experts: int  # E
-    num_experts_per_tok: int  # k
-    moe_intermediate_size: int  # F, one expert's ffn
+    num_experts: int = 8  # E (0: a dense model's config)
+    num_experts_per_tok: int = 2  # k
+    moe_intermediate_size: int = 32  # F, one expert's ffn
+    router: RouterKind = "softmax_topk"
     norm_topk_prob: bool = True  # renormalise the top-k weights
+    router_bias: bool = False
     expert_bias: bool = False  # aux-loss-free bias (DeepSeek-V3), selection only
     expert_bias_rate: float = 0.001
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
-    options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
-    initializer_range: float = 0.02
-    router: RouterKind = "softmax_topk"
-    router_bias: bool = False
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    activation: str = "swiglu"
+    activation: ActivationName = "swiglu"
     swiglu_limit: float = GPT_OSS_LIMIT
     expert_biases: bool = False
+    shared_expert_intermediate_size: int = 0  # the shared expert's ffn (0: none)
     shared_expert_gated: bool = True
+    options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            _positive_int(name, getattr(self, name))
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(
-                f"MoEConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                f"num_experts={self.num_experts}"
-            )
-        bools = ("norm_topk_prob", "expert_bias", "router_bias", "expert_biases")
-        for name in (*bools, "shared_expert_gated"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r}: expected a bool")
-        _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, True)
-        for name in ("expert_bias_rate", "initializer_range"):
-            check_rate(f"MoEConfig.{name}", getattr(self, name))
-        if not isinstance(self.options, MoEOptions):
-            raise ValueError(f"MoEConfig.options={self.options!r}: expected a MoEOptions")
-        _one_of("router", self.router, ROUTERS)
-        _one_of("activation", self.activation, ACTIVATIONS)
-        self._check_unused()
-        if not self.shared_expert_gated and not self.shared_expert_intermediate_size:
-            raise ValueError(
-                "MoEConfig.shared_expert_gated=False applies to a shared expert only "
-                "(shared_expert_intermediate_size=0): it would be ignored"
-            )
-        self._check_groups()
-        self.expert_activation()  # alpha and limit: the activation's own checks
+        for name, check in FIELD_CHECKS.items():
+            check(name, getattr(self, name))
+        _check_top_k(self)
+        _check_unused(self)
+        _check_groups(self)
 
-    def _check_unused(self):
-        for name, (default, user) in ROUTER_ONLY.items():
-            if getattr(self, name) != default and self.router != user:
-                raise ValueError(
-                    f"MoEConfig.{name}={getattr(self, name)!r} applies to router={user!r} only "
-                    f"(got router={self.router!r}): it would be ignored; leave it at {default!r}"
-                )
-        if self.swiglu_limit != GPT_OSS_LIMIT and self.activation != "gpt_oss":
-            raise ValueError(
-                f"MoEConfig.swiglu_limit={self.swiglu_limit!r} applies to activation='gpt_oss' "
-                f"only (got {self.activation!r}): it would be ignored"
-            )
-
-    def _check_groups(self):
-        if self.router != "sigmoid_group":
-            return
-        e, g, tg, k = self.num_experts, self.n_group, self.topk_group, self.num_experts_per_tok
-        _positive_int("n_group", g)
-        _positive_int("topk_group", tg)
-        if e % g or tg > g or k > tg * (e // g):
-            raise ValueError(
-                f"MoEConfig: n_group={g}, topk_group={tg} with num_experts={e} and "
-                f"num_experts_per_tok={k}: expected n_group dividing num_experts, topk_group <= "
-                "n_group, and num_experts_per_tok <= topk_group * num_experts / n_group (the "
-                "experts the kept groups hold)"
-            )
-        f = self.routed_scaling_factor
-        ok = isinstance(f, (int, float, np.number)) and not isinstance(f, (bool, np.bool_))
-        if not (ok and 0 < f < math.inf):
-            raise ValueError(f"MoEConfig.routed_scaling_factor={f!r}: expected a finite number > 0")
+    @property
+    def is_dense(self) -> bool:
+        """No experts: the config of a model without the MoE block."""
+        return self.num_experts == 0
 
     def expert_activation(self) -> Activation:
-        """The experts' `Activation` (its own errors name `MoEConfig.`)."""
-        try:
-            if self.activation == "gpt_oss":
-                return Activation("gpt_oss", limit=self.swiglu_limit)
-            return Activation(self.activation)
-        except ValueError as e:
-            raise ValueError(f"MoEConfig.{e}") from None
+        """The experts' `Activation` (`swiglu_limit` is gpt_oss's clamp)."""
+        if self.activation == "gpt_oss":
+            return Activation("gpt_oss", limit=self.swiglu_limit)
+        return Activation(self.activation)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "MoEConfig":
-        """From flat keys: the fields, with `MoEOptions`' fields (dispatcher, routing, ...) in
-        place of `options`; an option's error names the key (`MoEConfig.dispatcher=...`)."""
-        options = MoEOptions.from_mapping(d, where="MoEConfig.")
+        """From flat keys (`MOE_KEYS`): the fields, with `MoEOptions`' fields (dispatcher,
+        routing, ...) in place of `options`; an unknown key is an error."""
+        unknown = sorted(set(d) - set(MOE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown MoEConfig key(s) {unknown}; known keys: {list(MOE_KEYS)}")
+        options = MoEOptions.from_mapping(d)
         return cls(**{k: v for k, v in d.items() if k not in OPTION_KEYS}, options=options)
 
-    @classmethod
-    def from_model(cls, cfg) -> "MoEConfig":
-        """The MoE block of a `ModelConfig` (a Qwen model: the fields it has; the router and
-        expert fields it lacks stay at their defaults)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
-        return cls(
-            **{n: getattr(cfg, n) for n in names if hasattr(cfg, n)}, options=cfg.moe_options
+    def as_dict(self) -> dict:
+        """The flat form: every key of `MOE_KEYS`, in order, with its value."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out.update(value.as_dict() if f.name == "options" else {f.name: value})
+        return out
+
+    def replace(self, **changes) -> "MoEConfig":
+        """A copy with `changes` (flat keys, or `options=` a whole record), checked."""
+        options = {k: changes.pop(k) for k in list(changes) if k in OPTION_KEYS}
+        if options:
+            changes["options"] = changes.get("options", self.options).replace(**options)
+        return dataclasses.replace(self, **changes)
+
+
+# The flat keys: MoEConfig's fields with `options` spelled out as MoEOptions' fields.
+MOE_KEYS: tuple[str, ...] = tuple(
+    k
+    for f in dataclasses.fields(MoEConfig)
+    for k in (OPTION_KEYS if f.name == "options" else (f.name,))
+)
+
+
+def _options(name, value):
+    if not isinstance(value, MoEOptions):
+        fail(name, value, f"a MoEOptions (in the flat form the keys {OPTION_KEYS})")
+
+
+def _int(name, value):
+    if not is_int(value):
+        fail(name, value, "an int")
+
+
+# One check per field; the rules that tie fields together are the `_check_*` functions below.
+FIELD_CHECKS = {
+    "num_experts": lambda n, v: int_at_least(n, v, 0),
+    "num_experts_per_tok": _int,
+    "moe_intermediate_size": lambda n, v: int_at_least(n, v, 1),
+    "router": lambda n, v: one_of(n, v, ROUTERS),
+    "norm_topk_prob": is_bool,
+    "router_bias": is_bool,
+    "expert_bias": is_bool,
+    "expert_bias_rate": lambda n, v: finite_number(n, v, low=0),
+    "n_group": lambda n, v: int_at_least(n, v, 1),
+    "topk_group": lambda n, v: int_at_least(n, v, 1),
+    "routed_scaling_factor": lambda n, v: finite_number(n, v, low=0, strict=True),
+    "activation": lambda n, v: one_of(n, v, ACTIVATIONS),
+    "swiglu_limit": lambda n, v: finite_number(n, v, low=0, strict=True),
+    "expert_biases": is_bool,
+    "shared_expert_intermediate_size": lambda n, v: int_at_least(n, v, 0),
+    "shared_expert_gated": is_bool,
+    "options": _options,
+}
+assert list(FIELD_CHECKS) == [f.name for f in dataclasses.fields(MoEConfig)]
+
+
+def _check_top_k(cfg: MoEConfig) -> None:
+    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        want = f"an int in [1, num_experts={cfg.num_experts}]"
+        fail("num_experts_per_tok", cfg.num_experts_per_tok, want)
+
+
+def _check_unused(cfg: MoEConfig) -> None:
+    for name, (default, user) in ROUTER_ONLY.items():
+        if getattr(cfg, name) != default and cfg.router != user:
+            raise ValueError(
+                f"{name}={getattr(cfg, name)!r} applies to router={user!r} only "
+                f"(got router={cfg.router!r}): it would be ignored; leave it at {default!r}"
+            )
+    if cfg.swiglu_limit != GPT_OSS_LIMIT and cfg.activation != "gpt_oss":
+        raise ValueError(
+            f"swiglu_limit={cfg.swiglu_limit!r} applies to activation='gpt_oss' only (got "
+            f"{cfg.activation!r}): it would be ignored"
+        )
+    if not cfg.shared_expert_gated and not cfg.shared_expert_intermediate_size:
+        raise ValueError(
+            "shared_expert_gated=False applies to a shared expert only "
+            "(shared_expert_intermediate_size=0): it would be ignored"
+        )
+
+
+def _check_groups(cfg: MoEConfig) -> None:
+    if cfg.router != "sigmoid_group" or cfg.is_dense:
+        return
+    e, g, tg, k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
+    if e % g or tg > g or k > tg * (e // g):
+        raise ValueError(
+            f"n_group={g}, topk_group={tg} with num_experts={e} and num_experts_per_tok={k}: "
+            "expected n_group dividing num_experts, topk_group <= n_group, and "
+            "num_experts_per_tok <= topk_group * num_experts / n_group (the experts the kept "
+            "groups hold)"
         )

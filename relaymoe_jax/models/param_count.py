@@ -47,9 +47,11 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
       for qwen2_moe when `qkv_bias`, q/k/v/o (nq + 2·nkv + H) for qwen3_moe when
       `attention_bias`; qwen3_moe also has the q and k RMSNorm weights (2·d);
     - `norms`: 2 RMSNorms of H per layer plus the final norm H;
-    - `router` (MoE layers): E·H, no bias;
-    - `experts` (MoE layers): E·3·H·F (SwiGLU gate/up/down, no bias);
-    - `shared_expert` (MoE layers, qwen2_moe with Fs > 0): 3·H·Fs plus its sigmoid gate H·1;
+    - `router` (MoE layers): E·H, plus its logits' bias E with `router_bias`;
+    - `experts` (MoE layers): E·3·H·F (gate/up/down), plus their biases E·(2·F + H) with
+      `expert_biases`;
+    - `shared_expert` (MoE layers, qwen2_moe with Fs > 0): 3·H·Fs plus its sigmoid gate H·1
+      (without the gate when `shared_expert_gated` is false);
     - `dense_mlp` (the non-MoE layers, `ModelConfig.is_moe_layer`): 3·H·I.
 
     `total` is the sum: the number of elements in a Hugging Face `Qwen3MoeForCausalLM` /
@@ -65,8 +67,10 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     L = cfg.num_hidden_layers
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
     n_dense = L - n_moe
-    E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    Fs = cfg.shared_expert_intermediate_size
+    moe = cfg.moe
+    E, k, F = moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size
+    Fs = moe.shared_expert_intermediate_size
+    per_expert = 3 * H * F + (2 * F + H if moe.expert_biases else 0)
 
     attn = H * nq + 2 * H * nkv + nq * H
     if cfg.arch == "qwen2_moe":
@@ -80,13 +84,13 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         "lm_head": 0 if cfg.tie_word_embeddings else V * H,
         "attention": L * attn,
         "norms": L * 2 * H + H,
-        "router": n_moe * E * H,
-        "experts": n_moe * E * 3 * H * F,
-        "shared_expert": n_moe * (3 * H * Fs + H) if Fs else 0,
+        "router": n_moe * E * (H + (1 if moe.router_bias else 0)),
+        "experts": n_moe * E * per_expert,
+        "shared_expert": n_moe * (3 * H * Fs + (H if moe.shared_expert_gated else 0)) if Fs else 0,
         "dense_mlp": n_dense * 3 * H * cfg.intermediate_size,
     }
     total = sum(counts.values())
-    active_experts = n_moe * k * 3 * H * F
+    active_experts = n_moe * k * per_expert
     counts.update(
         total=total,
         active=total - counts["experts"] + active_experts,
@@ -147,9 +151,9 @@ def table(names=None, **overrides) -> str:
                 cfg.arch,
                 str(cfg.num_hidden_layers),
                 str(cfg.hidden_size),
-                str(cfg.moe_intermediate_size),
-                str(cfg.num_experts),
-                str(cfg.num_experts_per_tok),
+                str(cfg.moe.moe_intermediate_size),
+                str(cfg.moe.num_experts),
+                str(cfg.moe.num_experts_per_tok),
                 _fmt(c["total"]),
                 _fmt(c["active"]),
                 _fmt(c["non_embedding"]),

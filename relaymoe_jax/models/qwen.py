@@ -14,16 +14,16 @@ Architecture (Hugging Face `modeling_qwen3_moe.py` / `modeling_qwen2_moe.py`):
   shared_expert(x) (paper §3.1).
 - Layer i holds the MoE block iff `config.is_moe_layer(i)` (`decoder_sparse_step`,
   `mlp_only_layers`), else a dense SwiGLU of `intermediate_size`.
-- MoE block: `moe.MoELayer` (router, see `router.py`, -> `moe_ffn` on the [B, S, H] activations
-  as they are sharded, with the dispatcher, routing, capacity, chunk and gmm_impl of the config;
-  the shared expert of qwen2_moe). Experts are stored stacked: w_gate, w_up [E, H, F],
-  w_down [E, F, H].
+- MoE block: `moe_layer.MoELayer` of `config.moe` (router, see `routers.py`, -> `moe_ffn` on the
+  [B, S, H] activations as they are sharded, with the options of the config's dispatcher; the
+  shared expert of qwen2_moe). Experts are stored stacked: w_gate, w_up [E, H, F], w_down [E, F, H].
 
 Attribute names follow Hugging Face's modules (`self_attn.q_proj`, `mlp.experts`...) so the
 checkpoint mapping in `hf_mapping.py` reads as a table. Weights are stored [in, out]:
 q_proj [H, N, D], k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dense [H, F] / [F, H].
 
-`model(input_ids)` returns `(logits [B, S, V], aux)`; `aux` (see `router.py` for the formulas):
+`model(input_ids)` returns `(logits [B, S, V], aux)`; `aux` is a `router_losses.ModelAux` record
+(a pytree, `aux.aux_loss`; formulas there):
     aux_loss            HF's load-balancing loss over all MoE layers (= HF `outputs.aux_loss`)
     aux_loss_per_layer  [L_moe] the same loss per MoE layer
     z_loss, z_loss_per_layer   router z-loss, mean over MoE layers and per layer
@@ -32,7 +32,7 @@ q_proj [H, N, D], k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dens
     expert_load         [L_moe, E] int32 pairs routed to each expert: feed it, summed over the
                         step, to `update_expert_bias`
     dropped_pairs       int32, pairs dropped by alltoall with a capacity factor (0 otherwise)
-    router_logits       [L_moe, B, S, E] float32, only with `return_router_logits=True`
+    router_logits       [L_moe, B, S, E] float32, only with `return_router_logits=True` (else None)
 
 Names for remat (`jax.ad_checkpoint.checkpoint_name`, per layer, for
 `jax.checkpoint_policies.save_only_these_names` and friends):
@@ -76,20 +76,20 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.models import router as rt
+from relaymoe_jax.models import router_losses as rt
 from relaymoe_jax.models.attention import check_segment_ids
 from relaymoe_jax.models.config import ModelConfig, check_mesh
 from relaymoe_jax.models.layers import (
     MLP,
     RMSNorm,
     apply_rope,
-    causal_attention,
+    attend,
     embed_lookup,
     param,
     rope_cos_sin,
     stack_modules,
 )
-from relaymoe_jax.models.moe import MoEConfig, MoELayer
+from relaymoe_jax.models.moe_layer import MoELayer, expert_load
 from relaymoe_jax.models.sharding import LAYERS, AxisRules, constrain, rules_for
 from relaymoe_jax.remat.options import policy as remat_policy
 
@@ -105,14 +105,11 @@ class Attention(nnx.Module):
         std = cfg.initializer_range
         qkv_bias = cfg.qkv_bias if cfg.arch == "qwen2_moe" else cfg.attention_bias
         self.o_has_bias = cfg.arch == "qwen3_moe" and cfg.attention_bias
-        self.q_proj = param(rules, rngs, (h, n, d), ("embed", "heads", "head_dim"), dtype, std=std)
-        self.k_proj = param(
-            rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype, std=std
-        )
-        self.v_proj = param(
-            rules, rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), dtype, std=std
-        )
-        self.o_proj = param(rules, rngs, (n, d, h), ("heads", "head_dim", "embed"), dtype, std=std)
+        proj = lambda shape, names: param(rules, rngs, shape, names, dtype, std=std)
+        self.q_proj = proj((h, n, d), ("embed", "heads", "head_dim"))
+        self.k_proj = proj((h, kv, d), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = proj((h, kv, d), ("embed", "kv_heads", "head_dim"))
+        self.o_proj = proj((n, d, h), ("heads", "head_dim", "embed"))
         zeros = lambda shape, names: param(rules, None, shape, names, dtype, init="zeros")
         if qkv_bias:
             self.q_bias = zeros((n, d), ("heads", "head_dim"))
@@ -123,12 +120,10 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.arch == "qwen3_moe"
         self.attention_impl, self.attention_block_k = cfg.attention_impl, cfg.attention_block_k
         if self.qk_norm:
-            self.q_norm = RMSNorm(
+            norm = lambda: RMSNorm(
                 d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype, axis="head_dim"
             )
-            self.k_norm = RMSNorm(
-                d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype, axis="head_dim"
-            )
+            self.q_norm, self.k_norm = norm(), norm()
         self.has_qkv_bias = qkv_bias
         self.rules = rules
 
@@ -149,7 +144,7 @@ class Attention(nnx.Module):
         with jax.named_scope("rope"):
             q_bsnd = apply_rope(q_bsnd, cos_bsd, sin_bsd)
             k_bskd = apply_rope(k_bskd, cos_bsd, sin_bsd)
-        kv_seg_bs = None
+        kv_seg_bs = seg_bs  # checked at the model's entry
         if self.rules.axes("seq"):  # context parallelism: every query shard needs all keys
             b, s = k_bskd.shape[:2]
             kv_spec = P(self.rules.fit((b, s), "batch", "seq")[0], None, None, None)
@@ -158,14 +153,14 @@ class Attention(nnx.Module):
             if seg_bs is not None:  # and the keys' segment ids
                 kv_seg_bs = constrain(seg_bs, self.rules.mesh, P(*kv_spec[:2]))
         with jax.named_scope("attention"):
-            o_bsnd = causal_attention(
+            o_bsnd = attend(
                 q_bsnd,
                 k_bskd,
                 v_bskd,
                 self.attention_impl,
                 self.attention_block_k,
-                segment_ids=seg_bs,
-                kv_segment_ids=kv_seg_bs,
+                seg_bs,
+                kv_seg_bs,
             )
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])
@@ -196,8 +191,11 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
-        if cfg.is_moe_layer(i):
-            self.mlp = MoELayer(MoEConfig.from_model(cfg), rules=rules, rngs=rngs, dtype=dtype)
+        if cfg.is_moe_layer(i):  # with the options its dispatcher uses (`applicable`)
+            moe = cfg.moe.replace(options=cfg.moe.options.applicable())
+            std, h = cfg.initializer_range, cfg.hidden_size
+            kw = dict(rules=rules, rngs=rngs, dtype=dtype)
+            self.mlp = MoELayer(moe, hidden_size=h, initializer_range=std, **kw)
         else:
             self.mlp = DenseMLP(
                 cfg.hidden_size,
@@ -241,11 +239,7 @@ def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, seg_bs, block_remat: bool):
 def _layer_stats(st, return_router_logits):
     """What the model keeps of one MoE layer's aux (`MoELayer`): the router logits [B, S, E]
     only when asked for."""
-    st = dict(st)
-    logits = st.pop("router_logits")
-    if return_router_logits:
-        st["router_logits"] = logits
-    return st
+    return st if return_router_logits else st._replace(router_logits=None)
 
 
 class QwenMoe(nnx.Module):
@@ -263,7 +257,7 @@ class QwenMoe(nnx.Module):
         rules: AxisRules | None = None,
     ):
         rules = rules or rules_for(mesh)
-        if config.num_experts:
+        if not config.moe.is_dense:
             check_mesh(config, rules.size("experts"))
         self.config, self.rules, self.dtype = config, rules, jnp.dtype(dtype)
         h, v = config.hidden_size, config.vocab_size
@@ -283,7 +277,7 @@ class QwenMoe(nnx.Module):
         return tuple(i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i))
 
     def __call__(self, input_ids, *, positions=None, segment_ids=None, return_router_logits=False):
-        """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux dict).
+        """input_ids [B, S] int -> (logits [B, S, V] in the model dtype, aux record).
 
         Packed documents: `segment_ids` [B, S] (attention stays within equal ids) with
         `positions` restarting at each document's start give each document the logits it has
@@ -308,7 +302,7 @@ class QwenMoe(nnx.Module):
         return self.lm_head[...]
 
     def hidden(self, input_ids, *, positions=None, segment_ids=None, return_router_logits=False):
-        """input_ids [B, S] int -> (the final-norm hidden states [B, S, H], aux dict): the model
+        """input_ids [B, S] int -> (the final-norm hidden states [B, S, H], aux record): the model
         without its LM head (the trainer's chunked loss, `loss.lm_loss`, applies the head)."""
         cfg, rules, mesh = self.config, self.rules, self.rules.mesh
         b, s = input_ids.shape
@@ -343,59 +337,24 @@ class QwenMoe(nnx.Module):
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
         with jax.named_scope("final_norm"):
             x_bsh = self.norm(x_bsh)
-        return x_bsh, self._aux(stats, b, s, return_router_logits)
-
-    def _aux(self, stats, b, s, return_router_logits):
-        """The aux dict from the MoE layers' stats stacked on a leading layer axis (None when
-        there is no MoE layer)."""
-        cfg = self.config
-        e = cfg.num_experts
-        if stats is None:
-            zero = jnp.float32(0)
-            aux = {
-                "aux_loss": zero,
-                "aux_loss_per_layer": jnp.zeros((0,)),
-                "z_loss": zero,
-                "z_loss_per_layer": jnp.zeros((0,)),
-                "router_loss": zero,
-                "expert_load": jnp.zeros((0, e), jnp.int32),
-                "dropped_pairs": jnp.int32(0),
-            }
-            if return_router_logits:
-                aux["router_logits"] = jnp.zeros((0, b, s, e))
-            return aux
-        f_le, p_le, z_l = stats["expert_fraction"], stats["mean_prob"], stats["z_loss"]
-        aux = {
-            "aux_loss": rt.load_balancing_loss(f_le, p_le),
-            "aux_loss_per_layer": rt.load_balancing_loss_per_layer(f_le, p_le),
-            "z_loss": jnp.mean(z_l),
-            "z_loss_per_layer": z_l,
-            "expert_load": stats["expert_load"],
-            "dropped_pairs": jnp.sum(stats["dropped_pairs"], dtype=jnp.int32),
-        }
-        aux["router_loss"] = (
-            cfg.router_aux_loss_coef * aux["aux_loss"] + cfg.router_z_loss_coef * aux["z_loss"]
-        )
-        if return_router_logits:
-            aux["router_logits"] = stats["router_logits"]
-        return aux
+        e, logits_shape = cfg.moe.num_experts, (b, s) if return_router_logits else None
+        aux = rt.model_aux(stats, e, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, logits_shape)
+        return x_bsh, aux
 
     def update_expert_bias(self, expert_load_le, rate: float | None = None):
         """Aux-loss-free balancing, outside the optimizer: for each MoE layer l,
-        bias += rate * sign(mean(load[l]) - load[l]) (`router.expert_bias_update`).
-        `expert_load_le` is aux["expert_load"] summed over the step's micro-batches."""
-        if not self.config.expert_bias:
+        bias += rate * sign(mean(load[l]) - load[l]) (`router_losses.expert_bias_update`).
+        `expert_load_le` is aux.expert_load summed over the step's micro-batches."""
+        if not self.config.moe.expert_bias:
             raise ValueError("update_expert_bias: the config has expert_bias=False")
-        load_le = jnp.asarray(expert_load_le)
-        want = (len(self.moe_layers), self.config.num_experts)
-        if not self.config.scan_layers and tuple(load_le.shape) != want:
-            raise ValueError(
-                f"update_expert_bias: expert_load is {load_le.dtype}{list(load_le.shape)}, "
-                f"expected {list(want)}: one row of expert counts per MoE layer "
-                "(aux['expert_load'] summed over the step)"
-            )
         if self.config.scan_layers:  # every layer is MoE: one [L, E] bias, updated row-wise
-            self.layers.mlp.update_expert_bias(load_le, rate)
+            self.layers.mlp.update_expert_bias(expert_load_le, rate)
         else:
+            shape = (len(self.moe_layers), self.config.moe.num_experts)
+            want = (
+                f"{list(shape)}: one row of expert counts per MoE layer (aux.expert_load "
+                "summed over the step)"
+            )
+            load_le = expert_load(expert_load_le, shape, want)
             for n, i in enumerate(self.moe_layers):
                 self.layers[i].mlp.update_expert_bias(load_le[n], rate)

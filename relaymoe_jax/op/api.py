@@ -9,6 +9,7 @@ description of the call through one front door, `op.resolve`.
 """
 
 from relaymoe_jax.dispatch.activation import as_activation
+from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.op import checks, global_call, local_call
 from relaymoe_jax.op import layout as lay
 from relaymoe_jax.op.options import MoEOptions
@@ -142,25 +143,25 @@ def moe_ffn(
         gmm_impl=gmm_impl,
     )
     act = as_activation(activation)
-    args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
+    tokens = (x, expert_ids, expert_weights)
+    experts = Experts(w_gate, w_up, w_down, b_gate, b_up, b_down)
     call = global_call.check(
-        args,
+        tokens,
+        experts,
         opts,
         mesh=mesh,
         expert_axis=expert_axis,
         expert_tensor_axis=expert_tensor_axis,
         token_axes=token_axes,
     )
-    biases = (b_gate, b_up, b_down)
-    checks.check_biases(call.sizes, w_gate, biases)
     y, stats = global_call.run(
         call,
-        args,
+        tokens,
+        experts,
         opts,
         out_sharding=out_sharding,
         return_stats=return_stats,
         activation=act,
-        biases=biases,
     )
     return (y, stats) if return_stats else y
 
@@ -243,7 +244,8 @@ def moe_ffn_local(
         gmm_impl=gmm_impl,
     )
     return local_call.run(
-        (x, expert_ids, expert_weights, w_gate, w_up, w_down, b_gate, b_up, b_down),
+        (x, expert_ids, expert_weights),
+        Experts(w_gate, w_up, w_down, b_gate, b_up, b_down),
         opts,
         expert_axis=expert_axis,
         expert_tensor_axis=expert_tensor_axis,
@@ -278,9 +280,9 @@ def routing_plan(
     gives the bytes per link class (`RoutingVolumes.link_bytes`) of the ring `ring` resolves to.
     """
     opts = MoEOptions(ring=ring)
-    args = (x, expert_ids, expert_weights, w_gate, w_up, w_down)
     call = global_call.check(
-        args,
+        (x, expert_ids, expert_weights),
+        Experts(w_gate, w_up, w_down),
         opts,
         mesh=mesh,
         expert_axis=expert_axis,

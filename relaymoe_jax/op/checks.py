@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.dispatch.pairs import vary_like
+from relaymoe_jax.dispatch.experts import BIAS_NAMES, Experts, check_experts_divide
 
 
 class Sizes(NamedTuple):
@@ -152,9 +152,11 @@ def _check_weights(h, w_gate, w_up, w_down) -> tuple[int, int]:
     return e, f
 
 
-def check_arrays(x, ids, wts, w_gate, w_up, w_down) -> Sizes:
+def check_arrays(x, ids, wts, experts: Experts) -> Sizes:
     """Ranks, shapes and dtypes: x [..., H], ids and weights [..., k], w_gate and w_up [E, H, F],
-    w_down [E, F, H] (E and F as passed: global or one device's shard)."""
+    w_down [E, F, H] (E and F as passed: global or one device's shard; the biases are
+    `check_biases`')."""
+    w_gate, w_up, w_down = experts.weights
     xs = _token_shape(x)
     _rank(w_gate, "w_gate", 3)
     _floating(x=x, expert_weights=wts, w_gate=w_gate, w_up=w_up, w_down=w_down)
@@ -166,40 +168,20 @@ def check_arrays(x, ids, wts, w_gate, w_up, w_down) -> Sizes:
     return Sizes(xs[:-1], t, xs[-1], k, e, f)
 
 
-BIAS_NAMES = ("b_gate", "b_up", "b_down")
-
-
-def check_biases(sizes: Sizes, w_gate, biases: tuple) -> bool:
-    """(b_gate, b_up [E, F], b_down [E, H]; E and F as the weights are passed: global, or one
-    device's; None where not given) checked; returns whether any is given."""
+def check_biases(sizes: Sizes, experts: Experts) -> None:
+    """The given biases: b_gate, b_up [E, F] and b_down [E, H] (E and F as the weights are passed:
+    global, or one device's)."""
     e, f, h = sizes.experts, sizes.ffn, sizes.hidden
-    want = {"b_gate": (e, f), "b_up": (e, f), "b_down": (e, h)}
-    for name, b in zip(BIAS_NAMES, biases):
+    wants = (((e, f), "[num_experts, ffn]"),) * 2 + (((e, h), "[num_experts, hidden]"),)
+    for name, b, (want, what) in zip(BIAS_NAMES, experts.biases, wants):
         if b is None:
             continue
-        if tuple(getattr(b, "shape", None) or ()) != want[name]:
-            what = "[num_experts, hidden]" if name == "b_down" else "[num_experts, ffn]"
+        if tuple(getattr(b, "shape", None) or ()) != want:
             raise ValueError(
-                f"{name}: shape {getattr(b, 'shape', None)}, expected {want[name]} = {what} "
-                f"(w_gate {tuple(w_gate.shape)})"
+                f"{name}: shape {getattr(b, 'shape', None)}, expected {want} = {what} "
+                f"(w_gate {tuple(experts.w_gate.shape)})"
             )
         _floating(**{name: b})
-    return any(b is not None for b in biases)
-
-
-def fill_biases(biases: tuple, sizes: Sizes, dtype, like=(None, None, None)) -> tuple:
-    """The biases with zeros (of `dtype`) where not given; each zero made to vary like the
-    array in `like` at its place (inside a shard_map: the weight it goes with)."""
-    e, f, h = sizes.experts, sizes.ffn, sizes.hidden
-    shapes = ((e, f), (e, f), (e, h))
-    out = []
-    for b, shape, ref in zip(biases, shapes, like):
-        if b is None:
-            b = jnp.zeros(shape, dtype)
-            if ref is not None:
-                b = vary_like(b, ref)
-        out.append(b)
-    return tuple(out)
 
 
 def dtypes(x, wts, w_gate) -> Dtypes:
@@ -214,11 +196,7 @@ def check_sizes(sizes: Sizes, *, ep, expert_axis, etp, etp_size, local=False) ->
         raise ValueError(
             f"top_k={sizes.top_k} (expert_ids.shape[-1]) exceeds num_experts={num_experts}"
         )
-    if num_experts % ep:
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by the size {ep} of "
-            f"expert_axis {expert_axis!r}"
-        )
+    check_experts_divide(num_experts, ep, axis=f"expert_axis {expert_axis!r}")
     if not local and sizes.ffn % etp_size:
         raise ValueError(
             f"w_gate: ffn size {sizes.ffn} is not divisible by the size {etp_size} of "

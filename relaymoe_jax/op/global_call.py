@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU
+from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.local import local_moe
 from relaymoe_jax.dispatch.reference import reference_moe
 from relaymoe_jax.op import checks, topology
@@ -38,8 +39,18 @@ class GlobalCall(NamedTuple):
     sizes: checks.Sizes
 
 
-def check(args, options: MoEOptions, *, mesh, expert_axis, expert_tensor_axis, token_axes):
-    """Every static check of a call on global arrays (the options already valid)."""
+def check(
+    tokens,
+    experts: Experts,
+    options: MoEOptions,
+    *,
+    mesh,
+    expert_axis,
+    expert_tensor_axis,
+    token_axes,
+):
+    """Every static check of a call on global arrays (the options already valid): `tokens` is
+    (x, expert_ids, expert_weights)."""
     checks.check_mesh(mesh)
     names = tuple(mesh.axis_names)
     ea = checks.check_axes(
@@ -50,7 +61,7 @@ def check(args, options: MoEOptions, *, mesh, expert_axis, expert_tensor_axis, t
         gmm_impl=options.gmm_impl,
     )
     token_axes = checks.check_token_axes(names, token_axes)
-    sizes = checks.check_arrays(*args)
+    sizes = checks.check_arrays(*tokens, experts)
     etp = expert_tensor_axis
     checks.check_sizes(
         sizes,
@@ -60,6 +71,7 @@ def check(args, options: MoEOptions, *, mesh, expert_axis, expert_tensor_axis, t
         etp_size=mesh.shape[etp] if etp is not None else 1,
     )
     topology.check_ring_axes(options.ring, ea)
+    checks.check_biases(sizes, experts)
     return GlobalCall(mesh, ea, etp, token_axes, sizes)
 
 
@@ -81,21 +93,22 @@ def placement(call: GlobalCall, layout: lay.TokenLayout, options: MoEOptions, wh
 
 def run(
     call: GlobalCall,
-    args,
+    tokens,
+    experts: Experts,
     options: MoEOptions,
     *,
     out_sharding,
     return_stats,
     activation=SWIGLU,
-    biases=(None, None, None),
 ):
-    """Run a checked call (`biases` checked too: None where not given); returns (y, stats)."""
+    """Run a checked call on (x, expert_ids, expert_weights) and the experts; returns
+    (y, stats)."""
     mesh = call.mesh
-    x = args[0]
+    x = tokens[0]
     out_sharding = out_sharding_of(out_sharding, mesh, x)
-    warn_gathered(mesh, call.expert_axes, call.etp, *args[3:])
+    warn_gathered(mesh, call.expert_axes, call.etp, experts)
     known = lay.known_sharding(x, mesh)
-    args = (*args, *biases)
+    args = (*tokens, experts)
     # One jitted program per static configuration: eager calls reuse their compile, and under
     # an outer jit (or jax.grad outside one) it is an ordinary nested call.
     jitted = program(
@@ -128,26 +141,25 @@ def program(call, options, **static):
     return jax.jit(functools.partial(_moe_ffn, call, options, **static))
 
 
-def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, activation):
+def _moe_ffn(
+    call, options, x, ids, wts, experts, *, out_sharding, x_spec, poison, return_stats, activation
+):
     """`moe_ffn`'s program, for checked arguments; returns (y, stats)."""
     mesh, ea, etp = call.mesh, call.expert_axes, call.etp
-    x, ids, wts, w_gate = args[:4]
-    args, biases = args[:6], args[6:]
-    sizes = checks.check_arrays(*args)
-    has_biases = any(b is not None for b in biases)
-    biases = checks.fill_biases(biases, sizes, w_gate.dtype) if has_biases else ()
+    sizes = checks.check_arrays(x, ids, wts, experts)
+    experts = experts.complete()
     stats = {"dropped_pairs": jnp.int32(0), "ignored_pairs": ignored_pairs(ids, sizes.experts)}
     known = None if x_spec is None else NamedSharding(mesh, x_spec)
     layout = lay.resolve(x, mesh, ea, etp, call.token_axes, known=known)
     tok = layout.spec(None)
     if options.dispatcher == "reference":  # every device computes everything, keeps its tokens
-        y = _reference(mesh, activation, *args, *biases)
+        y = _reference(mesh, activation, x, ids, wts, experts)
         return place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     spec, _ = resolve(
         options,
         sizes,
-        checks.dtypes(x, wts, w_gate),
+        checks.dtypes(x, wts, experts.w_gate),
         placement(call, layout, options, "moe_ffn"),
         mesh=mesh,
         poison=poison,
@@ -157,10 +169,13 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, a
         activation=activation,
     )
     w_in, w_out = P(ea, None, etp), P(ea, etp, None)
-    specs = (tok, tok, tok, w_in, w_in, w_out)
-    if biases:  # b_down is added once: replicated over the ETP axis
-        specs += (P(ea, etp), P(ea, etp), P(ea, None))
-    args = tuple(place(a, NamedSharding(mesh, s)) for a, s in zip((*args, *biases), specs))
+    w_specs = Experts(w_in, w_in, w_out)
+    if experts.has_biases:  # b_down is added once: replicated over the ETP axis
+        w_specs = w_specs._replace(b_gate=P(ea, etp), b_up=P(ea, etp), b_down=P(ea, None))
+    specs = (tok, tok, tok, w_specs)
+    args = jax.tree.map(
+        lambda a, s: place(a, NamedSharding(mesh, s)), (x, ids, wts, experts), specs
+    )
     body = functools.partial(_split_body, spec, layout)
     # jax 0.12's Pallas interpreter fails under check_vma (a JAX limitation, see kernels/gmm).
     y, dropped = jax.shard_map(
@@ -173,7 +188,7 @@ def _moe_ffn(call, options, *args, out_sharding, x_spec, poison, return_stats, a
     return y, stats
 
 
-def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, w_down, *biases):
+def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, experts):
     """`moe_ffn`'s per-device body: flatten the block, split it over the split axes (padded
     with ignored pairs), run `local_moe`, gather the shares back, unflatten."""
     t, h, k = layout.local_tokens, x.shape[-1], ids.shape[-1]
@@ -191,7 +206,7 @@ def _split_body(spec, layout: lay.TokenLayout, x, ids, wts, w_gate, w_up, w_down
         x_th, ids_tk, wts_tk = (
             jax.lax.dynamic_slice_in_dim(a, start, share, 0) for a in (x_th, ids_tk, wts_tk)
         )
-    y_th, dropped = local_moe(spec, x_th, ids_tk, wts_tk, w_gate, w_up, w_down, *biases)
+    y_th, dropped = local_moe(spec, x_th, ids_tk, wts_tk, experts)
     if split:
         y_th = jax.lax.all_gather(y_th, split, axis=0, tiled=True, to="invarying")[:t]
     return y_th.reshape(x.shape), dropped
@@ -202,27 +217,19 @@ def ignored_pairs(ids, num_experts):
     return jnp.sum((ids < 0) | (ids >= num_experts)).astype(jnp.int32)
 
 
-def _reference(mesh, activation, x, ids, wts, w_gate, w_up, w_down, *biases):
+def _reference(mesh, activation, x, ids, wts, experts):
     """The dense reference on every device (replicated in and out, in a shard_map, so that a
     jit over inputs not yet on the mesh has the mesh's devices)."""
-    arrays = (x, ids, wts, w_gate, w_up, w_down, *biases)
-    args = tuple(place(a, NamedSharding(mesh, P())) for a in arrays)
+    args = jax.tree.map(lambda a: place(a, NamedSharding(mesh, P())), (x, ids, wts, experts))
     t, h, k = math.prod(x.shape[:-1]), x.shape[-1], ids.shape[-1]
 
-    def body(x, ids, wts, w_gate, w_up, w_down, *biases):
+    def body(x, ids, wts, experts):
         y = reference_moe(
-            x.reshape(t, h),
-            ids.reshape(t, k),
-            wts.reshape(t, k),
-            w_gate,
-            w_up,
-            w_down,
-            activation,
-            biases or None,
+            x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *experts, activation=activation
         )
         return y.reshape(x.shape)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P())(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(*args)
 
 
 def _spec_axes(spec, ndim):
@@ -255,14 +262,14 @@ def _extra_axes(spec, wanted) -> tuple:
     )
 
 
-def warn_gathered(mesh, ea, etp, w_gate, w_up, w_down):
+def warn_gathered(mesh, ea, etp, experts: Experts):
     """One warning per layout of the weights that the op must all-gather (a weight sharded over
     an axis it does not use for that dimension), with the bytes each device then holds."""
-    want = {"w_gate": (ea, (), (etp,)), "w_up": (ea, (), (etp,)), "w_down": (ea, (etp,), ())}
+    w_in, w_out = (ea, (), (etp,)), (ea, (etp,), ())
     found, nbytes = [], 0
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    for (name, w), want in zip(experts._asdict().items(), (w_in, w_in, w_out)):
         s = lay.known_sharding(w, mesh)
-        extra = () if s is None else _extra_axes(s.spec, want[name])
+        extra = () if s is None else _extra_axes(s.spec, want)
         if extra:
             found.append((name, tuple(w.shape), tuple(s.spec), extra))
             kept = (

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 from jax import lax
 
+from relaymoe_jax.dispatch.experts import BIAS_NAMES, Experts
+
 
 def vma(a) -> frozenset:
     """The manual axes over which `a` varies (empty under `check_vma=False`)."""
@@ -125,9 +127,9 @@ def _untyped_gather(etp, tokens_sharded_over_etp) -> bool:
     return bool(tokens_sharded_over_etp)
 
 
-def _check_biases(biases, vw, etp) -> None:
+def _check_biases(experts: Experts, vw, etp) -> None:
     """Each given bias varies like w_gate (b_down: but over the expert-tensor axis)."""
-    for name, b in zip(("b_gate", "b_up", "b_down"), biases):
+    for name, b in zip(BIAS_NAMES, experts.biases):
         if b is None:
             continue
         want = vw - {etp} if name == "b_down" else vw
@@ -143,10 +145,11 @@ def _check_biases(biases, vw, etp) -> None:
             )
 
 
-def read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp, biases=()) -> LocalAxes:
-    """The call's `LocalAxes`, from the types of x and the weights under check_vma (refusing
-    contradictions), else from the arguments: under check_vma=False every manual axis other
-    than the expert and expert-tensor ones is taken to hold other tokens (for the stats)."""
+def read_axes(x, experts: Experts, expert_axis, ea, etp, manual, tokens_sharded_over_etp):
+    """The call's `LocalAxes`, from the types of x and the experts (their biases as given, None
+    where not) under check_vma (refusing contradictions), else from the arguments: under
+    check_vma=False every manual axis other than the expert and expert-tensor ones is taken to
+    hold other tokens (for the stats)."""
     if tokens_sharded_over_etp and etp is None:
         raise ValueError(
             "moe_ffn_local: tokens_sharded_over_etp=True needs expert_tensor_axis (the axis "
@@ -155,12 +158,11 @@ def read_axes(args, expert_axis, ea, etp, manual, tokens_sharded_over_etp, biase
     others = tuple(a for a in manual if a not in (*ea, etp))
     if not checks_vma(ea[0]):
         return LocalAxes(_untyped_gather(etp, tokens_sharded_over_etp), others, (), False)
-    x = args[0]
     vx = vma(x)
     _check_tokens(vx, ea)
-    vw = _check_alike(dict(zip(("w_gate", "w_up", "w_down"), args[3:])))
+    vw = _check_alike(dict(zip(Experts._fields, experts.weights)))
     _check_experts(vw, vx, expert_axis, ea, etp)
-    _check_biases(biases, vw, etp)
+    _check_biases(experts, vw, etp)
     gather = etp is not None and _check_etp(vw, vx, etp, tokens_sharded_over_etp)
     reduce_axes = tuple(a for a in others if a in vx and a not in vw)
     stat_only = tuple(a for a in others if a in vx and a in vw)

@@ -13,6 +13,7 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU
+from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.local import local_moe
 from relaymoe_jax.op import checks, local_axes, topology
 from relaymoe_jax.op import debug_checks as debug
@@ -84,7 +85,8 @@ def _placement(options, ea, etp, mesh, sizes, gather, reduce_axes):
 
 
 def run(
-    args,
+    tokens,
+    experts: Experts,
     options: MoEOptions,
     *,
     expert_axis,
@@ -94,7 +96,8 @@ def run(
     debug_checks=False,
     activation=SWIGLU,
 ):
-    """`moe_ffn_local` on checked options; returns y, or (y, stats)."""
+    """`moe_ffn_local` on checked options, (x, expert_ids, expert_weights) and the experts (the
+    biases None where not given); returns y, or (y, stats)."""
     if options.dispatcher == "reference":
         raise ValueError(
             "dispatcher='reference' is not available per device: use moe_ffn, or "
@@ -106,27 +109,22 @@ def run(
         expert_axis, etp, mesh, dispatcher=options.dispatcher, gmm_impl=options.gmm_impl
     )
     topology.check_ring_axes(options.ring, ea)
-    args, given = args[:6], args[6:]
-    local = checks.check_arrays(*args)
-    x, ids, wts, w_gate = args[:4]
-    biases = ()
-    if checks.check_biases(local, w_gate, given):
-        like = (w_gate, args[4], args[5][:, 0, :])
-        biases = checks.fill_biases(given, local, w_gate.dtype, like)
+    x, ids, wts = tokens
+    local = checks.check_arrays(x, ids, wts, experts)
+    checks.check_biases(local, experts)
+    given, experts = experts, experts.complete()
     ep = math.prod(mesh.shape[a] for a in ea)
     etp_size = mesh.shape[etp] if etp is not None else 1
     checks.check_sizes(
         local, ep=ep, expert_axis=expert_axis, etp=etp, etp_size=etp_size, local=True
     )
-    axes = local_axes.read_axes(
-        args, expert_axis, ea, etp, manual, tokens_sharded_over_etp, biases=given
-    )
+    axes = local_axes.read_axes(x, given, expert_axis, ea, etp, manual, tokens_sharded_over_etp)
     checks.check_interpret_vma(options.gmm_impl, axes.typed, who="moe_ffn_local")
     where = _placement(options, ea, etp, mesh, local, axes.gather_etp, axes.reduce_axes)
     spec, _ = resolve(
         options,
         local._replace(experts=local.experts * ep, ffn=local.ffn * etp_size),
-        checks.dtypes(x, wts, w_gate),
+        checks.dtypes(x, wts, experts.w_gate),
         where,
         mesh=mesh,
         poison=pairs.poisoning(),
@@ -137,9 +135,7 @@ def run(
     )
     spec = dataclasses.replace(spec, stat_only_axes=axes.stat_only_axes)
     t, h, k = local.tokens, local.hidden, local.top_k
-    y_th, dropped = local_moe(
-        spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *args[3:], *biases
-    )
+    y_th, dropped = local_moe(spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), experts)
     y = y_th.reshape(x.shape)
     if debug_checks:
         debug.run(
@@ -150,7 +146,7 @@ def run(
             expert_axis=expert_axis,
             x=x,
             ids=ids,
-            w_gate=w_gate,
+            w_gate=experts.w_gate,
         )
     if not return_stats:
         return y

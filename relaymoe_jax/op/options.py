@@ -2,8 +2,8 @@
 
 Every option has one tuple of allowed names (`DISPATCHERS`, `ROUTINGS`, `RINGS`, `GMM_IMPLS`),
 defined here and nowhere else, and one validator. `moe_ffn`'s keyword arguments build the record;
-the model's config (`ModelConfig.moe_options`), `MoEConfig` and the trainer hold it and reuse the
-same checks. A bad value raises a ValueError that names the field and what it accepts:
+the model's MoE block (`ModelConfig.moe.options`, a `MoEConfig` field) and the trainer hold it
+and reuse the same checks. A bad value raises a ValueError that names the field and what it accepts:
 
     MoEOptions(dispatcher="rign")
     ValueError: dispatcher='rign': expected one of ('ring', 'alltoall', 'reference')
@@ -15,14 +15,14 @@ dispatchers with one config), and `applicable()` gives the record the op is call
 """
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Mapping
 from typing import Literal
 
-import numpy as np
-
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
+from relaymoe_jax.util.checks import fail, int_at_least, is_number, one_of
 
 Dispatcher = Literal["ring", "alltoall", "reference"]
 Routing = Literal["expert", "token", "auto"]
@@ -38,45 +38,34 @@ assert GMM_IMPLS == MOE_IMPLS, (GMM_IMPLS, MOE_IMPLS)  # one list, the kernels' 
 INT32_MAX = 2**31 - 1
 
 
-def _one_of(name: str, allowed: tuple[str, ...]):
-    def check(value):
-        if not isinstance(value, str) or value not in allowed:
-            raise ValueError(f"{name}={value!r}: expected one of {allowed}")
-
-    return check
-
-
 def _capacity_factor(value):
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(
-            f"capacity_factor={value!r}: expected > 0, a number (or None for dropless), "
-            f"got a {type(value).__name__}"
-        )
+    if not is_number(value):
+        want = f"> 0, a number (or None for dropless), got a {type(value).__name__}"
+        fail("capacity_factor", value, want)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"capacity_factor={value!r}: expected > 0 and finite (or None)")
+        fail("capacity_factor", value, "> 0 and finite (or None)")
 
 
 def _chunk_size(value):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"chunk_size={value!r}: expected an int >= 1 (or None)")
-    if value > INT32_MAX:
-        raise ValueError(
-            f"chunk_size={value}: expected at most {INT32_MAX} (int32 indices); "
-            "a chunk never holds more than the pairs of one device anyway"
+    int_at_least("chunk_size", value, 1, none_ok=True)
+    if value is not None and value > INT32_MAX:
+        fail(
+            "chunk_size",
+            int(value),
+            f"at most {INT32_MAX} (int32 indices); a chunk never holds more than the pairs of "
+            "one device anyway",
         )
 
 
 VALIDATORS = {
-    "dispatcher": _one_of("dispatcher", DISPATCHERS),
-    "routing": _one_of("routing", ROUTINGS),
-    "ring": _one_of("ring", RINGS),
+    "dispatcher": functools.partial(one_of, "dispatcher", allowed=DISPATCHERS),
+    "routing": functools.partial(one_of, "routing", allowed=ROUTINGS),
+    "ring": functools.partial(one_of, "ring", allowed=RINGS),
     "capacity_factor": _capacity_factor,
     "chunk_size": _chunk_size,
-    "gmm_impl": _one_of("gmm_impl", GMM_IMPLS),
+    "gmm_impl": functools.partial(one_of, "gmm_impl", allowed=GMM_IMPLS),
 }
 
 
@@ -105,14 +94,10 @@ class MoEOptions:
             check(getattr(self, name))
 
     @classmethod
-    def from_mapping(cls, values: Mapping, *, where: str = "") -> "MoEOptions":
+    def from_mapping(cls, values: Mapping) -> "MoEOptions":
         """The record from the option keys of `values` (other keys are ignored); an error names
-        the key, prefixed by `where` (e.g. "MoEConfig.")."""
-        picked = {k: values[k] for k in FIELDS if k in values}
-        try:
-            return cls(**picked)
-        except ValueError as e:
-            raise ValueError(f"{where}{e}") from None
+        the key (`dispatcher='rign': expected ...`)."""
+        return cls(**{k: values[k] for k in FIELDS if k in values})
 
     def replace(self, **changes) -> "MoEOptions":
         return dataclasses.replace(self, **changes)

@@ -21,9 +21,13 @@ apply) there is no log-sum-exp, and the backward still recomputes the scores and
 and k, so only the P @ V product is avoided (see `costs.py`).
 """
 
+import typing
+from typing import Literal
+
 import jax
 
-OPTIONS = ("full", "save_qkv", "save_attn_out", "save_all")
+RematOption = Literal["full", "save_qkv", "save_attn_out", "save_all"]
+OPTIONS: tuple[str, ...] = typing.get_args(RematOption)
 
 SAVED_NAMES = {
     "full": (),

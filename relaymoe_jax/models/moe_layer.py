@@ -1,8 +1,12 @@
 """`MoELayer`: the drop-in Flax NNX MoE block (router, experts on `moe_ffn`, optional shared
 expert), the one the Qwen model uses.
 
-    layer = MoELayer(MoEConfig(hidden_size=1024, num_experts=64, num_experts_per_tok=8,
-                               moe_intermediate_size=512), mesh=mesh, rngs=nnx.Rngs(0))
+    layer = MoELayer(MoEConfig(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512),
+                     hidden_size=1024, mesh=mesh, rngs=nnx.Rngs(0))
+
+The hidden size and the initializer's std (`initializer_range`, default 0.02) are the model's,
+given as arguments. A config whose options `moe_ffn` would refuse (`MoEOptions.check_combination`:
+a capacity factor with the ring, ...) is refused here too; a dense config (num_experts=0) too.
 
 The router (`MoEConfig.router`: Qwen's softmax then top-k, GPT-OSS's top-k then softmax,
 DeepSeek-V3's grouped sigmoid; `routers.py`) and the experts' activation and biases are the
@@ -28,13 +32,13 @@ from the rules' "experts" and "expert_ffn"; on an Auto mesh the tokens go over t
 caller's next layer sees what it would without the MoE. Arguments that contradict each other
 (the rules, the sizes, x's hidden size or mesh) are refused before tracing, naming both sides.
 
-`aux` (this layer's, float32 unless said; formulas in `router.py`):
+`aux` (this layer's `router_losses.LayerAux` record, float32 unless said; formulas there):
     router_logits   [..., E]   the router's logits
     expert_fraction [E]        pairs per expert over tokens (sums to k), no gradient
     mean_prob       [E]        mean router probability per expert
     aux_loss                   E * sum(expert_fraction * mean_prob): the load-balancing loss
     z_loss                     mean logsumexp(logits)^2
-    seq_aux_loss               router="sigmoid_group" only: DeepSeek-V3's sequence-wise balance
+    seq_aux_loss               router="sigmoid_group" only (None otherwise): DeepSeek-V3's balance
                                loss without its alpha (per sequence along x's last token
                                dimension, averaged over the sequences; 1 when balanced)
     expert_load     [E] int32  pairs routed to each expert (feed it to `update_expert_bias`)
@@ -47,13 +51,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.models import router as rt
+from relaymoe_jax.dispatch.experts import check_experts_divide
+from relaymoe_jax.models import router_losses as rt
 from relaymoe_jax.models import routers
 from relaymoe_jax.models.layers import MLP, ExpertBias, param
-from relaymoe_jax.models.moe_config import MoEConfig, check_rate
+from relaymoe_jax.models.moe_config import MoEConfig
 from relaymoe_jax.models.sharding import AxisRules, is_explicit, rules_for
 from relaymoe_jax.op import moe_ffn
 from relaymoe_jax.op.layout import known_sharding
+from relaymoe_jax.util.checks import finite_number, int_at_least
 
 # the expert weights' logical axes: w_gate and w_up [E, H, F], w_down [E, F, H]; their biases
 W_IN, W_OUT = ("experts", "embed", "expert_ffn"), ("experts", "expert_ffn", "embed")
@@ -78,7 +84,7 @@ def _layer_rules(mesh, rules) -> AxisRules:
     return rules
 
 
-def _check_rules(cfg, rules, dtype) -> None:
+def _check_rules(cfg, h, rules, dtype) -> None:
     """What the experts need of the rules, and every parameter's sizes against its axes."""
     if not rules.axes("experts"):
         raise ValueError(
@@ -88,13 +94,9 @@ def _check_rules(cfg, rules, dtype) -> None:
     rules.expert_tensor_axis  # noqa: B018  (raises for more than one expert_ffn axis)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"MoELayer: dtype={jnp.dtype(dtype)}: expected a floating dtype")
-    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
     n = rules.size("experts")
-    if e % n:
-        raise ValueError(
-            f"MoELayer: num_experts={e} is not divisible by the {n} devices of "
-            f"the experts' mesh axes {rules.axes('experts')}"
-        )
+    check_experts_divide(e, n, axis=f"the experts' mesh axes {rules.axes('experts')}")
     for what, shape, names in (
         ("gate [hidden_size, num_experts]", (h, e), ("embed", "router")),
         ("w_gate [num_experts, hidden_size, moe_intermediate_size]", (e, h, f), W_IN),
@@ -124,20 +126,26 @@ class MoELayer(nnx.Module):
         self,
         cfg: MoEConfig,
         *,
+        hidden_size: int,
         rngs: nnx.Rngs,
+        initializer_range: float = 0.02,
         mesh=None,
         rules: AxisRules | None = None,
         dtype=jnp.float32,
     ):
         if not isinstance(cfg, MoEConfig):
             raise ValueError(f"MoELayer: cfg={type(cfg).__name__}: expected a MoEConfig")
+        int_at_least("MoELayer: num_experts", cfg.num_experts, 1)  # not a dense config
+        cfg.options.check_combination()  # what moe_ffn refuses
+        int_at_least("MoELayer: hidden_size", hidden_size, 1)
+        finite_number("MoELayer: initializer_range", initializer_range, low=0)
         if not isinstance(rngs, nnx.Rngs):
             raise ValueError(f"MoELayer: rngs={type(rngs).__name__}: expected an nnx.Rngs")
         rules = _layer_rules(mesh, rules)
-        _check_rules(cfg, rules, dtype)
-        h, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        std = cfg.initializer_range
-        self.cfg, self.rules = cfg, rules
+        _check_rules(cfg, hidden_size, rules, dtype)
+        h, e, f = hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        std = initializer_range
+        self.cfg, self.rules, self.hidden_size = cfg, rules, hidden_size
         self.gate = param(rules, rngs, (h, e), ("embed", "router"), dtype, std=std)
         if cfg.expert_bias:
             self.expert_bias = param(
@@ -166,11 +174,10 @@ class MoELayer(nnx.Module):
         """x [..., H] -> (y like x, aux dict; see the module docstring)."""
         cfg, rules = self.cfg, self.rules
         shape = getattr(x, "shape", None)
-        if shape is None or len(shape) < 2 or shape[-1] != cfg.hidden_size:
+        if shape is None or len(shape) < 2 or shape[-1] != self.hidden_size:
             raise ValueError(
                 f"MoELayer: x has shape {shape}, expected [..., hidden_size] with the layer's "
-                f"hidden_size={cfg.hidden_size} (MoEConfig.hidden_size) and at least one token "
-                "dimension"
+                f"hidden_size={self.hidden_size} and at least one token dimension"
             )
         out = y_sharding(x, rules.mesh)
         with jax.named_scope("router"):
@@ -205,17 +212,17 @@ class MoELayer(nnx.Module):
             if out is not None:
                 y = jax.sharding.reshard(y, out)
         f_e, p_e = rt.balance_stats(probs, ids)
-        aux = {
-            "router_logits": logits,
-            "expert_fraction": f_e,
-            "mean_prob": p_e,
-            "aux_loss": cfg.num_experts * jnp.sum(f_e * p_e),
-            "z_loss": rt.z_loss(logits),
-            "expert_load": rt.expert_load(ids, cfg.num_experts),
-            "dropped_pairs": st["dropped_pairs"],
-        }
-        if cfg.router == "sigmoid_group":
-            aux["seq_aux_loss"] = rt.sequence_balance_loss(probs, ids)
+        seq_aux = rt.sequence_balance_loss(probs, ids) if cfg.router == "sigmoid_group" else None
+        aux = rt.LayerAux(
+            router_logits=logits,
+            expert_fraction=f_e,
+            mean_prob=p_e,
+            aux_loss=cfg.num_experts * jnp.sum(f_e * p_e),
+            z_loss=rt.z_loss(logits),
+            expert_load=rt.expert_load(ids, cfg.num_experts),
+            dropped_pairs=st["dropped_pairs"],
+            seq_aux_loss=seq_aux,
+        )
         return y, aux
 
     def _route(self, x):
@@ -243,25 +250,42 @@ class MoELayer(nnx.Module):
         return logits, r.probs_te, r.ids_tk, r.weights_tk.astype(x.dtype)
 
     def update_expert_bias(self, expert_load_e, rate: float | None = None):
-        """bias += rate * sign(mean(load) - load) (`router.expert_bias_update`), outside the
-        optimizer; `expert_load_e` is aux["expert_load"] summed over the step, shaped like the
+        """bias += rate * sign(mean(load) - load) (`router_losses.expert_bias_update`), outside the
+        optimizer; `expert_load_e` is aux.expert_load summed over the step, shaped like the
         bias: [E], or [L, E] for a stacked layer."""
         if not self.cfg.expert_bias:
             raise ValueError("update_expert_bias: the layer has expert_bias=False")
         rate = self.cfg.expert_bias_rate if rate is None else rate
-        check_rate("update_expert_bias: rate", rate)
+        check_rate(rate)
         old = self.expert_bias.get_value()
-        load = jnp.asarray(expert_load_e)
-        numeric = jnp.issubdtype(load.dtype, jnp.integer) or jnp.issubdtype(
-            load.dtype, jnp.floating
+        want = (
+            f"int or float counts shaped like the bias, {list(old.shape)} ([L, E] for stacked "
+            "layers, [E] otherwise): aux.expert_load summed over the step"
         )
-        if tuple(load.shape) != tuple(old.shape) or not numeric:
-            raise ValueError(
-                f"update_expert_bias: expert_load is {load.dtype}{list(load.shape)}, expected "
-                f"int or float counts shaped like the bias, {list(old.shape)} ([L, E] for "
-                "stacked layers, [E] otherwise): aux['expert_load'] summed over the step"
-            )
+        load = expert_load(expert_load_e, old.shape, want)
         new = rt.expert_bias_update(old, load, rate)
         if not isinstance(old, jax.core.Tracer):  # eager: keep the placement (jit keeps it)
             new = jax.device_put(new, old.sharding)
         self.expert_bias.set_value(new)
+
+
+def check_rate(rate) -> None:
+    """`update_expert_bias`'s rate: a finite number >= 0 (a Python or numpy scalar, a 0-d array;
+    a traced one passes)."""
+    if isinstance(rate, jax.core.Tracer):
+        return
+    if isinstance(rate, jax.Array) and rate.ndim == 0 and not jnp.issubdtype(rate.dtype, jnp.bool_):
+        rate = rate.item()
+    finite_number("update_expert_bias: rate", rate, low=0)
+
+
+def expert_load(load, shape, want: str):
+    """`load` (aux.expert_load summed over the step) as an array; refused, saying `want`,
+    unless int or float counts of `shape` (the shape of the bias it updates)."""
+    load = jnp.asarray(load)
+    numeric = jnp.issubdtype(load.dtype, jnp.integer) or jnp.issubdtype(load.dtype, jnp.floating)
+    if tuple(load.shape) != tuple(shape) or not numeric:
+        raise ValueError(
+            f"update_expert_bias: expert_load is {load.dtype}{list(load.shape)}, expected {want}"
+        )
+    return load

@@ -1,5 +1,5 @@
-"""Packed rows of a prepared dataset (`train/prepare.py`), read through grain, each process
-reading only the rows its devices hold.
+"""Packed rows of a prepared dataset (`train.data.format`, written by `train.data.prepare`), read
+through grain, each process reading only the rows its devices hold.
 
 The corpus is its documents back to back in prepare's order (each ends with the end-of-document
 token): one stream of T tokens, cut into N = T // seq_len rows (the last T - N * seq_len < seq_len
@@ -27,84 +27,17 @@ past that, riegeli's checksums fail a damaged chunk when it is read (a `DatasetE
 shard).
 """
 
-import concurrent.futures
 import functools
-import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
-from .prepare import FORMAT, sha256_file
+from .format import MANIFEST, DatasetError, Manifest, load_manifest
+from .source import Batch
 
 SHUFFLE_SALT = 0x5EED  # grain's shuffle seeds epoch e with seed + e: spread the trainer's seeds
-
-
-class Batch(NamedTuple):
-    """One process's rows of a global batch: int32 [rows, seq_len] each."""
-
-    tokens: np.ndarray
-    segment_ids: np.ndarray
-    positions: np.ndarray
-
-
-class DatasetError(ValueError):
-    """A prepared dataset that cannot be read as asked: one line naming the file."""
-
-
-def _check_size(f: Path, size: int, manifest: Path) -> None:
-    if not f.is_file():
-        raise DatasetError(f"{f}: missing (listed in {manifest})")
-    if f.stat().st_size != size:
-        raise DatasetError(
-            f"{f}: {f.stat().st_size} bytes, the manifest records {size} (truncated or "
-            "rewritten: prepare it again)"
-        )
-
-
-def _check_hashes(files: list[tuple[Path, str]]) -> None:
-    """Each file's sha256 against the manifest's, hashed in parallel threads (hashlib releases
-    the GIL on large blocks); the first mismatch in manifest order is reported."""
-    workers = min(32, os.cpu_count() or 1, len(files) or 1)
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        got = list(pool.map(sha256_file, [f for f, _ in files]))
-    for (f, want), h in zip(files, got):
-        if h != want:
-            raise DatasetError(
-                f"{f}: its sha256 differs from the manifest's (corrupt: prepare it again)"
-            )
-
-
-def load_manifest(directory, verify_hashes: bool = False) -> dict:
-    """The manifest, with every shard and lengths file checked to be there at its recorded size,
-    and with `verify_hashes` its sha256 too (in parallel threads: about a second per GB and
-    core, or what the disk reads)."""
-    directory = Path(directory)
-    path = directory / "manifest.json"
-    if not path.is_file():
-        raise DatasetError(
-            f"{directory}: no manifest.json (not a prepared dataset: python -m train.prepare)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: not valid JSON ({e}); prepare it again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
-        raise DatasetError(f"{path}: format {got!r}, this trainer reads {FORMAT!r}: prepare again")
-    files = []
-    for s in manifest["shards"]:
-        for name, size, sha in (
-            (s["file"], s["bytes"], s["sha256"]),
-            (s["lengths_file"], s["lengths_bytes"], s["lengths_sha256"]),
-        ):
-            _check_size(directory / name, size, path)
-            files.append((directory / name, sha))
-    if verify_hashes:
-        _check_hashes(files)
-    return manifest
+PACKING = "packed-documents-v1"  # how rows are packed (the run identity's "loader")
 
 
 class Corpus:
@@ -115,13 +48,13 @@ class Corpus:
 
     OPEN_SHARDS = 64
 
-    def __init__(self, directory, manifest: dict, grain):
+    def __init__(self, directory, manifest: Manifest, grain):
         self.directory, self._grain = Path(directory), grain
-        shards = manifest["shards"]
-        self._files = [self.directory / s["file"] for s in shards]
-        self._lengths_files = [self.directory / s["lengths_file"] for s in shards]
-        self.shard_token_starts = np.cumsum([0] + [s["tokens"] for s in shards], dtype=np.int64)
-        self.shard_doc_starts = np.cumsum([0] + [s["documents"] for s in shards], dtype=np.int64)
+        shards = manifest.shards
+        self._files = [self.directory / s.file for s in shards]
+        self._lengths_files = [self.directory / s.lengths_file for s in shards]
+        self.shard_token_starts = np.cumsum([0] + [s.tokens for s in shards], dtype=np.int64)
+        self.shard_doc_starts = np.cumsum([0] + [s.documents for s in shards], dtype=np.int64)
         self.tokens = int(self.shard_token_starts[-1])
 
     @functools.lru_cache(maxsize=OPEN_SHARDS)  # noqa: B019 (the loader lives as long as its cache)
@@ -162,7 +95,7 @@ class Corpus:
             t += stop - first
         return out
 
-    def read(self, start: int, n: int) -> dict:
+    def read(self, start: int, n: int) -> Batch:
         """Tokens [start, start + n) with their segment ids and positions (module docstring)."""
         pieces = self.pieces(start, n)
         # one record at a time: ArrayRecord's batch read (__getitems__) costs ~1 ms of
@@ -172,11 +105,11 @@ class Corpus:
             [np.frombuffer(r, "<i4")[a:b] for r, (_, a, b) in zip(records, pieces)]
         )
         lengths = [b - a for _, a, b in pieces]
-        return {
-            "tokens": tokens.astype(np.int32),
-            "segment_ids": np.repeat(np.arange(1, len(pieces) + 1, dtype=np.int32), lengths),
-            "positions": np.concatenate([np.arange(m, dtype=np.int32) for m in lengths]),
-        }
+        return Batch(
+            tokens=tokens.astype(np.int32),
+            segment_ids=np.repeat(np.arange(1, len(pieces) + 1, dtype=np.int32), lengths),
+            positions=np.concatenate([np.arange(m, dtype=np.int32) for m in lengths]),
+        )
 
 
 def row_ranges(rows) -> str:
@@ -205,9 +138,16 @@ class PackedRows:
     the module docstring); an iterator of `Batch`."""
 
     def __init__(
-        self, directory, *, seq_len: int, global_batch: int, seed: int,
-        rows: Sequence[int] | None = None, verify_hashes=True, threads: int = 2,
-    ):  # fmt: skip
+        self,
+        directory,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        rows: Sequence[int] | None = None,
+        verify_hashes=True,
+        threads: int = 2,
+    ):
         import grain
 
         self.manifest = load_manifest(directory, verify_hashes)
@@ -217,7 +157,7 @@ class PackedRows:
         self.num_rows = self.corpus.tokens // seq_len
         if self.num_rows < 1:
             raise DatasetError(
-                f"{Path(directory) / 'manifest.json'}: seq_len={seq_len} is longer than the "
+                f"{Path(directory) / MANIFEST}: seq_len={seq_len} is longer than the "
                 f"whole corpus ({self.corpus.tokens:,} tokens): no row can be filled"
             )
         self.unused_tokens = self.corpus.tokens - self.num_rows * seq_len
@@ -247,11 +187,11 @@ class PackedRows:
     def _shuffle_seed(self) -> int:
         return int(np.random.Generator(np.random.PCG64([self.seed, SHUFFLE_SALT])).integers(2**31))
 
-    def sample(self, i: int) -> dict:
+    def sample(self, i: int) -> Batch:
         """Global sample `i` (batch i // B, row i % B)."""
         return self.corpus.read(int(self._order[i]) * self.seq_len, self.seq_len)
 
-    def sample_of_local(self, j: int) -> dict:
+    def sample_of_local(self, j: int) -> Batch:
         """This process's `j`-th sample: row rows[j % R] of batch j // R."""
         local = len(self.rows)
         return self.sample((j // local) * self.global_batch + self.rows[j % local])
@@ -260,8 +200,7 @@ class PackedRows:
         return self
 
     def __next__(self) -> Batch:
-        b = next(self._it)
-        return Batch(b["tokens"], b["segment_ids"], b["positions"])
+        return next(self._it)
 
     def state(self) -> dict:
         """grain's iterator state (JSON), for the checkpoint."""

@@ -32,6 +32,7 @@ Notation for one MoE layer: `T` tokens, `E` experts, top-`k`, `x_th` the normali
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +108,65 @@ def sequence_balance_loss(probs_bse, ids_bsk):
     f_be = counts_be * e / (k * s)
     p_be = jnp.mean(probs_bse.astype(jnp.float32), axis=1)
     return jnp.mean(jnp.sum(f_be * p_be, axis=-1))
+
+
+class LayerAux(NamedTuple):
+    """One MoE layer's router statistics (`MoELayer`'s `aux`; formulas in the module docstring).
+
+    `router_logits` [T, E] f32 (None where the model keeps them out of its scan), the balance
+    statistics f_e and P_e, the Switch/Qwen `aux_loss` (E * sum f_e P_e), `z_loss`, `expert_load`
+    [E] (pairs per expert), the op's `dropped_pairs`, and for `router="sigmoid_group"` DeepSeek-V3's
+    `seq_aux_loss` (None for the other routers)."""
+
+    router_logits: jax.Array | None
+    expert_fraction: jax.Array
+    mean_prob: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    expert_load: jax.Array
+    dropped_pairs: jax.Array
+    seq_aux_loss: jax.Array | None = None
+
+
+class ModelAux(NamedTuple):
+    """The model's router statistics over its MoE layers (`QwenMoe`'s `aux`; `qwen.py`'s module
+    docstring has each field, the module docstring here the formulas)."""
+
+    aux_loss: jax.Array
+    aux_loss_per_layer: jax.Array
+    z_loss: jax.Array
+    z_loss_per_layer: jax.Array
+    router_loss: jax.Array
+    expert_load: jax.Array
+    dropped_pairs: jax.Array
+    router_logits: jax.Array | None = None
+
+
+def model_aux(stats, num_experts: int, aux_coef: float, z_coef: float, logits_bs=None):
+    """The `ModelAux` of the MoE layers' stats stacked on a leading layer axis (None when there
+    is no MoE layer: zero losses over no layers); the router logits only with their (B, S)
+    `logits_bs` given."""
+    if stats is None:
+        zero, no_layers = jnp.float32(0), jnp.zeros((0,))
+        return ModelAux(
+            aux_loss=zero,
+            aux_loss_per_layer=no_layers,
+            z_loss=zero,
+            z_loss_per_layer=no_layers,
+            router_loss=zero,
+            expert_load=jnp.zeros((0, num_experts), jnp.int32),
+            dropped_pairs=jnp.int32(0),
+            router_logits=None if logits_bs is None else jnp.zeros((0, *logits_bs, num_experts)),
+        )
+    f_le, p_le, z_l = stats.expert_fraction, stats.mean_prob, stats.z_loss
+    aux_loss, z = load_balancing_loss(f_le, p_le), jnp.mean(z_l)
+    return ModelAux(
+        aux_loss=aux_loss,
+        aux_loss_per_layer=load_balancing_loss_per_layer(f_le, p_le),
+        z_loss=z,
+        z_loss_per_layer=z_l,
+        router_loss=aux_coef * aux_loss + z_coef * z,
+        expert_load=stats.expert_load,
+        dropped_pairs=jnp.sum(stats.dropped_pairs, dtype=jnp.int32),
+        router_logits=None if logits_bs is None else stats.router_logits,
+    )

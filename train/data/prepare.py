@@ -1,10 +1,11 @@
-"""`relaymoe-train prepare` (`python -m train.prepare`): a text corpus tokenized once into shards.
+"""`relaymoe-train prepare` (`python -m train prepare`): a text corpus tokenized once into shards.
 
-    python -m train.prepare INPUT... --out DIR [--tokenizer tokenizer.json] [--field text]
+    python -m train prepare INPUT... --out DIR [--tokenizer tokenizer.json] [--field text]
                             [--workers N] [--docs-per-shard N]
 
 INPUT: text files (each file one document), JSONL files (`*.jsonl`: each line one document, its
-`--field`), or globs of either. Out: DIR/shard-NNNNN.array_record, one record per document (its
+`--field`), or globs of either. Out: the prepared dataset of `train.data.format` (its docstring
+has the files and the manifest): DIR/shard-NNNNN.array_record, one record per document (its
 token ids, int32 little-endian, followed by the end-of-document token), beside it
 DIR/shard-NNNNN.lengths.npy (each document's token count, int32: the loader's index, so it finds
 token t of the corpus without reading the documents before it), and DIR/manifest.json.
@@ -21,19 +22,15 @@ rerun of an interrupted prepare with the same inputs and tokenizer skips the sha
 `--out` holding a prepare of other inputs is refused.
 
 The end-of-document token: "\\n" (10) for the byte-level tokenizer (as the trainer's text
-path), the first of `train.tokens.EOS_TOKENS` in a HF tokenizer's vocabulary (none if it has none:
-the manifest says so). Empty documents (an empty file, a JSONL field "") and blank JSONL lines are
-skipped and counted in the manifest; a JSONL line that is not JSON, or has no `--field` string, is
-an error naming the file and line.
-
-manifest.json: the format version, the tokenizer (kind, path, sha256), its vocab size, the
-end-of-document id, the totals (documents, tokens, skipped), the inputs (path, bytes, sha256),
-and each shard (file, documents, tokens, bytes, sha256; its lengths file, bytes, sha256).
+path), the first of `train.data.tokenizers.EOS_TOKENS` in a HF tokenizer's vocabulary (none if it
+has none: the manifest says so). Empty documents (an empty file, a JSONL field "") and blank JSONL
+lines are skipped and counted in the manifest; a JSONL line that is not JSON, or has no `--field`
+string, is an error naming the file and line.
 """
 
 import argparse
+import dataclasses
 import glob
-import hashlib
 import json
 import multiprocessing
 import os
@@ -44,10 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import tokens
-
-FORMAT = "relaymoe-tokens-v2"
-BYTE_EOD = 10  # "\n", the byte-level tokenizer's document separator (train.tokens)
+from .format import FORMAT, InputFile, Manifest, Shard, Skipped, TokenizerInfo, sha256_file
+from .tokenizers import Tokenizer
 
 
 class Doc(NamedTuple):
@@ -65,14 +60,6 @@ class PrepareError(ValueError):
 
 class MissingFieldError(PrepareError):
     """A JSONL line without the `--field` string."""
-
-
-def sha256_file(path, chunk=1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def expand_inputs(inputs) -> list[str]:
@@ -129,31 +116,6 @@ def read_text(doc: Doc, field: str) -> str:
     return text
 
 
-class Tokenizer:
-    """The byte-level tokenizer (path None) or a HF tokenizer.json, with its end-of-document id."""
-
-    def __init__(self, path):
-        self.path = path
-        if path is None:
-            self.hf, self.vocab_size, self.eod = None, 256, BYTE_EOD
-            return
-        self.hf = tokens.load_hf_tokenizer(path, vocab_size=2**31 - 1)
-        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        self.eod = tokens.eos_id(self.hf)
-
-    def ids(self, text: str) -> np.ndarray:
-        if self.hf is None:
-            body = tokens.byte_tokenize(text)
-        else:
-            body = np.asarray(self.hf.encode(text, add_special_tokens=False).ids, np.int32)
-        return body if self.eod is None else np.append(body, np.int32(self.eod))
-
-    def describe(self) -> dict:
-        if self.path is None:
-            return {"kind": "bytes", "path": None, "sha256": None}
-        return {"kind": "hf", "path": str(self.path), "sha256": sha256_file(self.path)}
-
-
 _TOKENIZER = None
 
 
@@ -162,7 +124,7 @@ def _init_worker(path):
     _TOKENIZER = Tokenizer(path)
 
 
-def write_shard(task) -> dict:
+def write_shard(task) -> Shard:
     """Tokenize one shard's documents into DIR/NAME (written to a temporary name, then renamed)
     and record it in DIR/done/; returns its manifest entry."""
     out, index, docs, field = task
@@ -187,18 +149,18 @@ def write_shard(task) -> dict:
     with open(Path(out) / lengths_name, "wb") as f:
         np.save(f, np.asarray(lengths, "<i4"))
     os.replace(tmp, Path(out) / name)
-    entry = {
-        "file": name,
-        "documents": len(lengths),
-        "tokens": int(sum(lengths)),
-        "empty_skipped": empty,
-        "bytes": (Path(out) / name).stat().st_size,
-        "sha256": sha256_file(Path(out) / name),
-        "lengths_file": lengths_name,
-        "lengths_bytes": (Path(out) / lengths_name).stat().st_size,
-        "lengths_sha256": sha256_file(Path(out) / lengths_name),
-    }
-    (Path(out) / "done" / f"{name}.json").write_text(json.dumps(entry))
+    entry = Shard(
+        file=name,
+        documents=len(lengths),
+        tokens=int(sum(lengths)),
+        empty_skipped=empty,
+        bytes=(Path(out) / name).stat().st_size,
+        sha256=sha256_file(Path(out) / name),
+        lengths_file=lengths_name,
+        lengths_bytes=(Path(out) / lengths_name).stat().st_size,
+        lengths_sha256=sha256_file(Path(out) / lengths_name),
+    )
+    (Path(out) / "done" / f"{name}.json").write_text(json.dumps(entry.as_json()))
     return entry
 
 
@@ -214,22 +176,30 @@ def _write_shards(todo, tokenizer, workers):
         yield from pool.imap_unordered(write_shard, todo)
 
 
-def _plan(paths, tokenizer: Tokenizer, field, per_shard) -> dict:
-    inputs = [{"path": p, "bytes": Path(p).stat().st_size, "sha256": sha256_file(p)} for p in paths]
-    return {
-        "format": FORMAT,
-        "inputs": inputs,
-        "tokenizer": tokenizer.describe(),
-        "field": field,
-        "docs_per_shard": per_shard,
-    }
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a prepare makes of what (DIR/plan.json): the manifest's first fields."""
+
+    format: str
+    inputs: tuple[InputFile, ...]
+    tokenizer: TokenizerInfo
+    field: str
+    docs_per_shard: int
+
+    def as_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-def _check_out(out: Path, plan: dict) -> None:
+def _plan(paths, tokenizer: Tokenizer, field, per_shard) -> Plan:
+    inputs = tuple(InputFile(p, Path(p).stat().st_size, sha256_file(p)) for p in paths)
+    return Plan(FORMAT, inputs, tokenizer.describe(), field, per_shard)
+
+
+def _check_out(out: Path, plan: Plan) -> None:
     """--out is new, or holds a prepare of the same plan (then it resumes)."""
     plan_file = out / "plan.json"
     if plan_file.exists():
-        if json.loads(plan_file.read_text()) != plan:
+        if json.loads(plan_file.read_text()) != plan.as_json():
             raise PrepareError(
                 f"prepare: --out {out} holds a prepare of other inputs, tokenizer or settings "
                 f"({plan_file}); use another --out, or delete it"
@@ -238,21 +208,22 @@ def _check_out(out: Path, plan: dict) -> None:
     if out.exists() and any(out.iterdir()):
         raise PrepareError(f"prepare: --out {out} exists and is not a prepare's directory")
     (out / "done").mkdir(parents=True, exist_ok=True)
-    plan_file.write_text(json.dumps(plan, indent=1))
+    plan_file.write_text(json.dumps(plan.as_json(), indent=1))
 
 
-class Progress:
-    """One line on stderr per finished shard, at most every `every` seconds, and at the end."""
+class ShardProgress:
+    """Prepare's progress: one line on stderr per finished shard, at most every `every` seconds,
+    and at the end (the trainer's per-step line is `train.progress.StepProgress`)."""
 
     def __init__(self, shards: int, done_before: int, every=1.0, quiet=False):
         self.shards, self.done_before, self.every, self.quiet = shards, done_before, every, quiet
         self.start = self.last = time.monotonic()
         self.finished = self.docs = self.tokens = 0
 
-    def add(self, entry, final=False):
+    def add(self, entry: Shard, final=False):
         self.finished += 1
-        self.docs += entry["documents"]
-        self.tokens += entry["tokens"]
+        self.docs += entry.documents
+        self.tokens += entry.tokens
         now = time.monotonic()
         if self.quiet or (not final and now - self.last < self.every):
             return
@@ -268,10 +239,26 @@ class Progress:
         )
 
 
+def _shards_done(out: Path, tasks) -> dict[int, Shard]:
+    """The shards an earlier prepare of the same plan finished (their DIR/done/ records)."""
+    done = {}
+    for t in tasks:
+        marker = out / "done" / f"shard-{t[1]:05d}.array_record.json"
+        if marker.exists():
+            done[t[1]] = Shard(**json.loads(marker.read_text()))
+    return done
+
+
 def prepare(
-    inputs, out, *, tokenizer=None, field="text", workers=None, docs_per_shard=10_000,
+    inputs,
+    out,
+    *,
+    tokenizer=None,
+    field="text",
+    workers=None,
+    docs_per_shard=10_000,
     progress=True,
-):  # fmt: skip
+) -> Manifest:
     """Prepare `inputs` into `out`; returns the manifest (also written to out/manifest.json).
     `progress=False`: no progress lines (the trainer's own small preparations)."""
     out = Path(out)
@@ -286,36 +273,29 @@ def prepare(
         (str(out), i, docs[s : s + docs_per_shard], field)
         for i, s in enumerate(range(0, len(docs), docs_per_shard))
     ]
-    done = {}
-    for t in tasks:
-        marker = out / "done" / f"shard-{t[1]:05d}.array_record.json"
-        if marker.exists():
-            done[t[1]] = json.loads(marker.read_text())
+    done = _shards_done(out, tasks)
     todo = [t for t in tasks if t[1] not in done]
     if done and progress:
         print(f"prepare: resuming: {len(done)} of {len(tasks)} shards done", file=sys.stderr)
-    progress = Progress(len(tasks), len(done), quiet=not progress)
+    line = ShardProgress(len(tasks), len(done), quiet=not progress)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     for i, entry in enumerate(_write_shards(todo, tokenizer, workers)):
-        done[int(entry["file"][6:11])] = entry
-        progress.add(entry, final=i == len(todo) - 1)
-    shards = [done[i] for i in range(len(tasks))]
-    docs_n = sum(e["documents"] for e in shards)
+        done[int(entry.file[6:11])] = entry
+        line.add(entry, final=i == len(todo) - 1)
+    shards = tuple(done[i] for i in range(len(tasks)))
+    docs_n = sum(e.documents for e in shards)
     if not docs_n:
         raise PrepareError(f"prepare: every document of {inputs} is empty (empty corpus)")
-    manifest = {
-        **plan,
-        "vocab_size": tok.vocab_size,
-        "eod_id": tok.eod,
-        "documents": docs_n,
-        "tokens": sum(e["tokens"] for e in shards),
-        "skipped": {
-            "empty_documents": sum(e["empty_skipped"] for e in shards),
-            "blank_lines": blank,
-        },
-        "shards": shards,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    manifest = Manifest(
+        **{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
+        vocab_size=tok.vocab_size,
+        eod_id=tok.eod,
+        documents=docs_n,
+        tokens=sum(e.tokens for e in shards),
+        skipped=Skipped(sum(e.empty_skipped for e in shards), blank),
+        shards=shards,
+    )
+    manifest.write(out)
     return manifest
 
 
@@ -323,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relaymoe-train prepare",
         description="Tokenize a text corpus once into ArrayRecord shards and a manifest.json "
-        "(train/prepare.py's docstring has the format).",
+        "(train/data/format.py's docstring has the format).",
     )
     p.add_argument("inputs", nargs="+", help="text files, JSONL files (*.jsonl) or globs")
     p.add_argument("--out", required=True, help="the dataset directory to write")
@@ -352,11 +332,10 @@ def main(argv=None) -> int:
     except (PrepareError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    skipped = m["skipped"]
     print(
-        f"prepared {m['documents']:,} documents, {m['tokens']:,} tokens in "
-        f"{len(m['shards'])} shards into {a.out} (skipped: {skipped['empty_documents']} empty "
-        f"documents, {skipped['blank_lines']} blank lines)"
+        f"prepared {m.documents:,} documents, {m.tokens:,} tokens in {len(m.shards)} shards "
+        f"into {a.out} (skipped: {m.skipped.empty_documents} empty documents, "
+        f"{m.skipped.blank_lines} blank lines)"
     )
     return 0
 

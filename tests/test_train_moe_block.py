@@ -1,0 +1,82 @@
+"""The MoE block's router, activation and bias keys in the trainer (`ModelConfig.moe`, flat
+keys on the command line): the tiny model trains with DeepSeek-V3's grouped sigmoid router,
+GPT-OSS's top-k-softmax router with its bias, and GPT-OSS's experts with their biases; the loss
+falls and a resumed run is bitwise an uninterrupted one. Checkpoints written before these keys
+existed (their identity lacks them) resume, and a change of one is refused naming it."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from relaymoe_jax.models.config import ModelConfig
+from relaymoe_jax.models.moe_config import MoEConfig
+from train import cli, identity
+
+SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
+VARIANTS = {
+    "deepseek_v3_router": ["router=sigmoid_group", "n_group=2", "topk_group=1"],
+    "gpt_oss_router": ["router=topk_softmax", "router_bias=true"],
+    "gpt_oss_experts": ["activation=gpt_oss", "expert_biases=true"],
+}
+# the tiny config's flat form before the MoE block's keys were model-config keys
+OLD_TINY = json.loads(
+    (Path(__file__).parent / "fixtures" / "configs_before_moe_block.json").read_text()
+)["tiny"]
+NEW_KEYS = frozenset(MoEConfig().as_dict()) - frozenset(OLD_TINY)
+
+
+def _losses(out):
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_model_trains_and_resumes_bitwise(tmp_path, variant):
+    args = [*SMALL, *VARIANTS[variant]]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0
+    assert cli.main([*args, "--steps", "6", "--out", str(a)]) == 0
+    assert cli.main([*args, "--steps", "6", "--out", str(b)]) == 0
+    resumed, straight = _losses(a), _losses(b)
+    assert len(resumed) == 6 and resumed == straight  # bitwise on CPU
+    assert resumed[-1] < resumed[0]
+    meta = json.loads((a / "checkpoints" / "6" / "meta" / "metadata").read_text())
+    for item in VARIANTS[variant]:
+        key, value = item.split("=")
+        assert str(meta["model_config"][key]).lower() == value
+    # back to the defaults: the identity names the MoE block's key that changes
+    key = VARIANTS[variant][0].split("=")[0]
+    with pytest.raises(identity.ResumeRefusedError, match=rf"{key} \S+ -> \S+.*change the math"):
+        cli.main([*SMALL, "--steps", "7", "--out", str(a)])
+
+
+def test_a_checkpoint_without_the_new_keys_resumes(tmp_path):
+    """A checkpoint's identity written before the MoE block's keys were model-config keys has
+    none of them: each reads as its default (what that run trained with), so the run resumes
+    with the defaults and a run that sets one is refused, naming it."""
+    a = tmp_path / "a"
+    assert cli.main([*SMALL, "--steps", "2", "--out", str(a)]) == 0
+    meta_file = a / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert NEW_KEYS <= set(meta["model_config"])
+    meta["model_config"] = {k: v for k, v in meta["model_config"].items() if k not in NEW_KEYS}
+    meta_file.write_text(json.dumps(meta))
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    with pytest.raises(identity.ResumeRefusedError, match=r"router_bias false -> true"):
+        cli.main(
+            [*SMALL, "--steps", "3", "--out", str(a), "router=topk_softmax", "router_bias=true"]
+        )
+    assert cli.main([*SMALL, "--steps", "3", "--out", str(b)]) == 0
+    assert len(_losses(b)) == 3
+
+
+def test_identity_compares_a_missing_new_key_as_its_default():
+    old = OLD_TINY
+    now = identity.json_value(ModelConfig.from_dict(old).as_dict())
+    assert set(now) - set(old) == NEW_KEYS
+    assert identity.compare({"model_config": old}, now, {}, {}) == []
+    (c,) = identity.compare({"model_config": old}, dict(now, activation="geglu"), {}, {})
+    assert (c.key, c.old, c.new, c.same_math) == ("activation", "swiglu", "geglu", False)
