@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -186,6 +187,68 @@ def test_the_activation_changes_the_result():
     for i, n1 in enumerate(names):
         for n2 in names[i + 1 :]:
             assert np.max(np.abs(ys[n1] - ys[n2])) > 1e-4, (n1, n2)
+
+
+# GPT-OSS's clamps at L = 1 (exact in float32): g at the bound, u at both bounds, and beyond
+AT_BOUND = Activation("gpt_oss", limit=1.0)
+G_AT = np.array([1.0, 1.0, 1.0, 0.25, 2.0, -3.0])
+U_AT = np.array([1.0, -1.0, 0.25, 1.0, -1.0, 3.0])
+
+
+def clamped_grads_f64(a: Activation, g, u, c):
+    """d/dg and d/du of sum(c * act(g, u)) for gpt_oss, derived by hand in float64 with
+    torch.clamp's gradient: 1 where g <= L and where -L <= u <= L, the bounds included."""
+    lim = a.limit
+    gc, uc = np.minimum(g, lim), np.clip(u, -lim, lim)
+    s = 1 / (1 + np.exp(-a.alpha * gc))
+    dg = c * (uc + 1) * (s + a.alpha * gc * s * (1 - s)) * (g <= lim)
+    du = c * gc * s * ((u >= -lim) & (u <= lim))
+    return dg, du
+
+
+def test_gpt_oss_clamp_passes_the_whole_gradient_at_the_bound():
+    """At g == L and u == +-L the gradient is torch.clamp's (jnp.minimum/jnp.clip gave half)."""
+    c = np.array([0.7, -1.3, 0.4, 1.1, 0.9, -0.6])
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    loss = lambda g, u: jnp.sum(f32(c) * AT_BOUND(g, u))
+    got = jax.grad(loss, argnums=(0, 1))(f32(G_AT), f32(U_AT))
+    for name, g, w in zip(("d/dg", "d/du"), got, clamped_grads_f64(AT_BOUND, G_AT, U_AT, c)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(
+        np.asarray(AT_BOUND(f32(G_AT), f32(U_AT))), act_f64(AT_BOUND, G_AT, U_AT), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("dispatcher", ["reference", "ring"])
+def test_the_op_passes_the_whole_gradient_at_the_clamp_bound(dispatcher):
+    """Through moe_ffn: one-hot tokens make each gate/up projection a row of w_gate/w_up exactly,
+    set at the bounds; dx, dw_gate and dw_up against the hand-derived float64 gradient."""
+    e, h, f = 8, 4, G_AT.size
+    rng = np.random.default_rng(3)
+    ids = np.arange(e, dtype=np.int32)[:, None]  # token t to expert t, k = 1
+    x = np.zeros((e, h))
+    x[:, 0] = 1.0
+    wts = rng.uniform(0.5, 1.0, (e, 1))
+    wg, wu = rng.standard_normal((2, e, h, f))
+    wg[:, 0], wu[:, 0] = G_AT, U_AT
+    wd, r = rng.standard_normal((e, f, h)), rng.standard_normal((e, h))
+    dh = wts * np.einsum("efh,eh->ef", wd, r)  # d loss / d act, per token (= expert)
+    dg, du = clamped_grads_f64(AT_BOUND, G_AT[None], U_AT[None], dh)
+    want = {
+        "x": np.einsum("ehf,ef->eh", wg, dg) + np.einsum("ehf,ef->eh", wu, du),
+        "w_gate": np.einsum("eh,ef->ehf", x, dg),
+        "w_up": np.einsum("eh,ef->ehf", x, du),
+    }
+    f32 = [jnp.asarray(v, jnp.float32) for v in (x, wts, wg, wu, wd, r)]
+    op = functools.partial(moe_ffn, mesh=mesh("ep8"), dispatcher=dispatcher, activation=AT_BOUND)
+
+    def loss(x, wg, wu):
+        return jnp.sum(op(x, jnp.asarray(ids), f32[1], wg, wu, f32[4]) * f32[5])
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(f32[0], f32[2], f32[3])
+    for (name, w), g in zip(want.items(), got):
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-5 * scale, err_msg=name)
 
 
 @pytest.mark.parametrize(

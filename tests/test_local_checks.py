@@ -14,10 +14,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_drop_in import E, inputs, reference
+from test_expert_biases import biases
 
 from moe_cases import mesh
 from relaymoe_jax import moe_ffn, moe_ffn_local, testing
 from relaymoe_jax.dispatch.alltoall import expert_capacity
+from relaymoe_jax.dispatch.experts import BIAS_NAMES
 
 TOKENS = P(("data", "expert"))
 EXPERTS = P("expert")
@@ -76,8 +78,17 @@ REFUSED = {
         TOKENS,
         dict(expert_axis="expert"),
         r"w_gate varies over \('data',\), which is neither an expert axis \(expert_axis="
-        r"'expert'\) nor expert_tensor_axis=None, while x does not: the experts look sharded "
-        r"over \('data', 'expert'\); pass expert_axis as the tuple of those axes in the order",
+        r"'expert'\) nor expert_tensor_axis=None: the experts look sharded over \('data', "
+        r"'expert'\).*pass expert_axis as the tuple of those axes in the order",
+    ),
+    # x varies over data too (the weights' type alone says it): y's relative error was 0.7
+    "experts sharded over (data, expert) with expert_axis='expert'": (
+        DP_EP,
+        TOKENS,
+        dict(expert_axis="expert"),
+        r"w_gate varies over \('data',\), which is neither an expert axis \(expert_axis="
+        r"'expert'\) nor expert_tensor_axis=None: the experts look sharded over \('data', "
+        r"'expert'\)",
     ),
     "an ffn not split over expert_tensor_axis": (
         EP_ETP,
@@ -202,20 +213,14 @@ def test_moe_ffn_refuses_the_compiled_kernel_on_the_cpu():
 
 DEBUG = {
     # name: (where, weight specs, check_vma, keywords, the warning, or None for none)
-    "experts over (data, expert), expert_axis='expert'": (
-        DP_EP,
-        TOKENS,
-        True,
-        dict(expert_axis="expert"),
-        r"(\d+) \(token, expert\) pairs have ids >= 8 \(up to 15\), the experts this call sees "
-        r"\(2 per device in w_gate x 4 over expert_axis='expert'\)",
-    ),
-    "the same, check_vma=False": (
+    # (under check_vma=True refused before tracing: test_contradictions_are_refused)
+    "experts over (data, expert), expert_axis='expert', check_vma=False": (
         DP_EP,
         TOKENS,
         False,
         dict(expert_axis="expert"),
-        r"(\d+) \(token, expert\) pairs have ids >= 8",
+        r"(\d+) \(token, expert\) pairs have ids >= 8 \(up to 15\), the experts this call sees "
+        r"\(2 per device in w_gate x 4 over expert_axis='expert'\)",
     ),
     "replicated experts, check_vma=False": (
         DP_EP,
@@ -286,6 +291,74 @@ def test_debug_checks_report_what_the_types_cannot_show(case, caplog):
     hit = hits[0]
     if hit.groups():
         assert int(hit.group(1)) == int(np.sum(np.asarray(args[1]) >= 8))
+
+
+BIAS_DEBUG = {
+    # name: (the biases' spec, their scale, the warning or None)
+    "biases replicated over the expert axis": (
+        P(),
+        0.5,
+        "b_gate, b_up, b_down are the same on every device along expert_axis='expert': the "
+        "biases are replicated there",
+    ),
+    "biases sharded like the weights": (EXPERTS, 0.5, None),
+    "zero biases replicated (no different from sharded zeros)": (P(), 0.0, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIAS_DEBUG))
+def test_debug_checks_cover_the_biases(case, caplog):
+    """check_vma=False: biases of one device's shape [E / EP, ...] given replicated over the
+    expert axis (each device adds the same rows to other experts: y's relative error 0.28) are
+    reported like replicated weights, once; sharded ones are not."""
+    b_spec, scale, match = BIAS_DEBUG[case]
+    m = mesh("dp2_ep4")
+    args = inputs((64,), m, TOKENS)
+    ep = 4
+    bb = [np.asarray(b) for b in biases(E, 16, 24, seed=5, scale=scale)]
+    if b_spec == P():
+        bb = [b[: E // ep] for b in bb]  # one device's rows, on every device
+    specs = (TOKENS,) * 3 + (EXPERTS,) * 3 + (b_spec,) * 3
+    run = jax.shard_map(
+        lambda *a: moe_ffn_local(
+            *a[:6], **dict(zip(BIAS_NAMES, a[6:])), expert_axis="expert", debug_checks=True
+        ),
+        mesh=m,
+        in_specs=specs,
+        out_specs=TOKENS,
+        check_vma=False,
+    )
+    placed = [jax.device_put(a, NamedSharding(m, s)) for a, s in zip((*args, *bb), specs)]
+    with caplog.at_level(logging.WARNING, logger="relaymoe_jax"):
+        jax.block_until_ready(jax.jit(run)(*placed))
+        jax.effects_barrier()
+    found = [r.getMessage() for r in caplog.records if "debug_checks=True" in r.getMessage()]
+    if match is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and match in found[0], found
+
+
+def test_fsdp_weights_gathered_invarying_match_the_reference():
+    """What the refusal of weights varying over a non-expert axis says to do: FSDP storage
+    sharded over data, gathered in the body with all_gather(to='invarying'); values and every
+    gradient against the reference (the weight gradients summed over data by the op)."""
+    m = mesh("dp2_ep4")
+    args = inputs((64,), m, TOKENS)
+    w_in, w_out = P("expert", "data", None), P("expert", None, "data")
+    gather = functools.partial(jax.lax.all_gather, axis_name="data", tiled=True, to="invarying")
+
+    def body(x, ids, wts, wg, wu, wd):
+        wg, wu, wd = gather(wg, axis=1), gather(wu, axis=1), gather(wd, axis=2)
+        return moe_ffn_local(x, ids, wts, wg, wu, wd, expert_axis="expert")
+
+    specs = (TOKENS,) * 3 + (w_in, w_in, w_out)
+    run = jax.shard_map(body, mesh=m, in_specs=specs, out_specs=TOKENS)
+
+    def ours(*a):
+        return run(*(jax.sharding.reshard(v, NamedSharding(m, s)) for v, s in zip(a, specs)))
+
+    testing.assert_moe_parity(ours, reference(m), *args)
 
 
 # ------------------------------------------------ partial-manual shard_map

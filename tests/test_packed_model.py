@@ -48,3 +48,41 @@ def test_each_packed_document_gets_its_own_logits(kw):
         if start:  # a control: without the segment ids the later documents read earlier ones
             assert np.abs(unmasked[:, start : start + length] - alone).max() > 1e-3 * scale
         start += length
+
+
+BAD_INPUTS = {
+    # name: (keyword, value for ids [1, 32], the message)
+    "positions of another shape": (
+        "positions",
+        jnp.zeros((1, 31), jnp.int32),
+        r"positions: shape \(1, 31\), expected \[batch, seq\] = \(1, 32\)",
+    ),
+    "positions without a batch dimension": (
+        "positions",
+        jnp.arange(32),
+        r"positions: shape \(32,\), expected \[batch, seq\] = \(1, 32\)",
+    ),
+    "float positions (truncated before)": (
+        "positions",
+        jnp.arange(32, dtype=jnp.float32)[None] + 0.5,
+        "positions: expected an integer dtype, got float32",
+    ),
+    "float segment ids": (
+        "segment_ids",
+        jnp.ones((1, 32), jnp.float32),
+        "segment_ids: expected an integer dtype, got float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_positions_and_segment_ids_are_refused_before_rope(case, monkeypatch):
+    """One ValueError naming the argument, the shape or dtype and what was expected, raised
+    before RoPE is traced (a wrong shape used to fail inside RoPE with a broadcasting TypeError;
+    float positions were truncated to integers silently)."""
+    key, value, match = BAD_INPUTS[case]
+    model = QwenMoe(tiny(), mesh=mesh(), rngs=nnx.Rngs(0))
+    ids = input_ids(seed=4, b=1, s=32)
+    monkeypatch.setattr("relaymoe_jax.models.qwen.rope_cos_sin", lambda *a: 1 / 0)
+    with pytest.raises(ValueError, match=match):
+        nnx.jit(lambda m, i, v: m(i, **{key: v})[0])(model, ids, value)

@@ -374,3 +374,60 @@ def test_trainer_keys_are_checked_before_compiling(monkeypatch, extra, said):
     with pytest.raises(ValueError) as e:
         planner.main([*PLAN, "--seq", "128", *extra])
     assert str(e.value).startswith(said) and calls == [], str(e.value)
+
+
+# --------------------------------------------------------------------------- the dispatchers
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [  # planned without a word before
+        (
+            ["--dispatchers", "ring", "capacity_factor=1.0"],
+            "capacity_factor=1.0 applies to dispatcher='alltoall' only, and the planner plans "
+            "ring only: it would be ignored; drop it or plan alltoall too (--dispatchers "
+            "ring,alltoall)",
+        ),
+        (
+            ["--dispatchers", "alltoall", "routing=token"],
+            "routing='token' applies to dispatcher='ring' only, and the planner plans alltoall",
+        ),
+        (
+            ["dispatcher=reference", "gmm_impl=xla"],
+            "gmm_impl='xla' applies to dispatcher='ring' or dispatcher='alltoall' only",
+        ),
+        # a TypeError traceback before (load_config got `dispatcher` twice)
+        (
+            ["dispatcher=alltoall", "--dispatchers", "ring"],
+            "dispatcher='alltoall' and --dispatchers ring: give the dispatchers once",
+        ),
+        (["--dispatchers", "ring,a2a"], "--dispatchers='a2a': expected one of ('ring', "),
+        (["dispatcher=a2a"], "dispatcher='a2a': expected one of ('ring', "),
+    ],
+)
+def test_what_no_planned_dispatcher_uses_is_refused_before_compiling(monkeypatch, extra, said):
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    with pytest.raises(ValueError) as e:
+        planner.main([*PLAN, "--seq", "128", *extra])
+    assert str(e.value).startswith(said) and calls == [], str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra, rows",
+    [
+        ([], ["ring", "alltoall (dropless)"]),
+        (["capacity_factor=1.0"], ["ring", "alltoall (capacity 1.0)"]),
+        (["dispatcher=alltoall", "capacity_factor=0.5"], ["alltoall (capacity 0.5)"]),
+        (["dispatcher=ring", "--dispatchers", "ring", "chunk_size=64"], ["ring"]),
+    ],
+)
+def test_the_plan_table_names_each_rows_capacity(monkeypatch, capsys, extra, rows):
+    """`dispatcher=` is taken like the other keys (it plans that dispatcher alone), and each
+    all-to-all row says the capacity it was planned at."""
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    assert planner.main([*PLAN, "--seq", "128", *extra]) == 0
+    out = capsys.readouterr().out
+    table = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert table == ["dispatcher", *rows], out

@@ -202,7 +202,8 @@ def _residual_bytes(cfg, option, b, s, dtype):
     ],
 )
 def test_memory_formula_matches_saved_residuals(config, dtype, impl):
-    cfg = load_config(f"configs/{config}.yaml", attention_impl=impl, attention_block_k=64)
+    block = dict(attention_block_k=64) if impl == "chunked" else {}
+    cfg = load_config(f"configs/{config}.yaml", attention_impl=impl, **block)
     b, s = 2, 256
     costs = remat.option_costs(remat.AttentionShape.of(cfg, b, s, {}, dtype))
     for opt in ("save_qkv", "save_attn_out"):
@@ -244,9 +245,8 @@ def test_option_bytes_are_what_the_model_keeps_beyond_full(moe_remat, dtype, imp
     `layer_costs` counts (it did not: a plan within its budget was over it by one [b, s, H]
     activation per planned layer). Exact for save_qkv and save_attn_out, within 5% for
     save_all, one option in layer 0 at a time."""
-    cfg = load_config(
-        "configs/tiny.yaml", moe_remat=moe_remat, attention_impl=impl, attention_block_k=32
-    )
+    block = dict(attention_block_k=32) if impl == "chunked" else {}
+    cfg = load_config("configs/tiny.yaml", moe_remat=moe_remat, attention_impl=impl, **block)
     b, s = 2, 64
     base = _model_residual_bytes(dataclasses.replace(cfg, attention_remat="full"), b, s, dtype)
     costs = remat.layer_costs(cfg, b, s, {"expert": 1}, dtype)

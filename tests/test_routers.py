@@ -282,3 +282,19 @@ def test_bad_router_and_expert_settings_are_refused(kw, match):
     base = dict(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=12)
     with pytest.raises(ValueError, match=match):
         MoEConfig(**base, **kw)
+
+
+@pytest.mark.parametrize("nan_at", [0, 3, E - 1])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_nan_score_makes_its_tokens_weights_nan_under_every_router(case, nan_at):
+    """Every router propagates a NaN logit to its token's weights and probs, other tokens
+    untouched (sigmoid_group used to route around the NaN expert and return finite weights: its
+    sigmoid's NaN sorts below every number in top_k)."""
+    kind = case.removesuffix("_unnormalised").removesuffix("_4_per_group")
+    kind = kind.replace("sigmoid_no_groups", "sigmoid_group")
+    logits = _logits(seed=5)
+    logits[0, nan_at] = np.nan
+    got = _run(kind, logits, None, CASES[case])
+    w, p = np.asarray(got.weights_tk), np.asarray(got.probs_te)
+    assert np.isnan(w[0]).all() and np.isnan(p[0]).all(), (w[0], p[0])
+    assert np.isfinite(w[1:]).all() and np.isfinite(p[1:]).all()

@@ -233,6 +233,18 @@ def test_empty_config_file_is_an_error(tmp_path, no_build):
             None,  # the memory table's ring row uses routing; the all-to-all uses the capacity
         ),
         (["dispatcher=alltoall", "chunk_size=64"], "chunk_size=64 applies to dispatcher='ring'"),
+        (  # trained without a word before: the dense reference has no grouped matmul
+            ["dispatcher=reference", "gmm_impl=ragged_dot"],
+            "gmm_impl='ragged_dot' applies to dispatcher='ring' or dispatcher='alltoall' only, "
+            "and this run trains dispatcher='reference': it would be ignored; drop it or add "
+            "dispatcher=ring",
+        ),
+        (["dispatcher=reference", "routing=token", "--memory-table"], None),  # the ring row's
+        (
+            ["capacity_factor=0.5", "--memory-table"],  # the table's all-to-all rows set theirs
+            "capacity_factor=0.5 applies to dispatcher='alltoall' only, and this run trains "
+            "dispatcher='ring'",
+        ),
         # a value outside its range (warmup_steps=-1 was clamped to 0)
         (["warmup_steps=-1"], "trainer option warmup_steps=-1: expected >= 0"),
         (["lr=-0.001"], "trainer option lr=-0.001: expected a finite number >= 0"),

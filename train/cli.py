@@ -25,14 +25,14 @@ import jax
 from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config import KEYS as MODEL_FIELDS
 from relaymoe_jax.models.config_files import load_config, parse_overrides, unknown_keys
-from relaymoe_jax.op.options import DISPATCHERS
 
-from . import distributed, guards, interrupt  # these need no package of the train extra
+from . import distributed, guards, interrupt, report  # these need no package of the train extra
 from . import mesh as train_mesh
 from .settings import (
     TRAIN_FIELDS,
     RunSettings,
     TrainConfig,
+    check_options_used,
     checked_train_config,
     field_type,
 )
@@ -263,28 +263,16 @@ def _check_data_flags(args, tc: TrainConfig) -> None:
 
 
 def _check_ignored_options(over: dict, cfg, memory_table: bool) -> None:
-    """ValueError for an op option set on the command line that nothing of this run uses: the
-    trained dispatcher ignores it (`MoEOptions.applicable`), and so does the --memory-table (its
-    ring row takes the ring's options; its all-to-all rows set their own capacity_factor). A
-    config file may hold them all (one file for several dispatchers)."""
-    opts = cfg.moe.options
-    used = opts.applicable()
-    for key in over:
-        if not hasattr(used, key) or getattr(used, key) == getattr(opts, key):
-            continue
-        # the dispatcher that uses it: MoEOptions' own rule (`applicable`)
-        owner = next(
-            d
-            for d in DISPATCHERS
-            if getattr(opts.replace(dispatcher=d).applicable(), key) == getattr(opts, key)
-        )
-        if memory_table and owner == "ring":
-            continue  # the table's ring row uses it
-        raise ValueError(
-            f"{key}={over[key]!r} applies to dispatcher={owner!r} only, and this run trains "
-            f"dispatcher={opts.dispatcher!r}: it would be ignored; drop it or add "
-            f"dispatcher={owner}"
-        )
+    """ValueError for an op option set on the command line that nothing of this run uses
+    (`settings.check_options_used`): not the trained dispatcher, nor the --memory-table's rows
+    (its ring row takes the ring's options; its all-to-all rows set their own
+    capacity_factor)."""
+    trained = cfg.moe.options.dispatcher
+    steps = {trained: ()}
+    if memory_table:
+        for _, row in report.MEMORY_TABLE_ROWS:
+            steps.setdefault(row["dispatcher"], tuple(row))
+    check_options_used(over, steps, f"this run trains dispatcher={trained!r}", "add dispatcher={}")
 
 
 def parse(argv) -> RunSettings:

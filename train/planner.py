@@ -20,6 +20,11 @@ dispatcher:
    recomputed step fits (`train.search`: doubling then bisection, one compile per probe) and plan
    the remat at that size.
 
+The dispatchers: `--dispatchers` (default ring,alltoall) or `dispatcher=X` alone
+(`planner_args.planned_dispatchers`); each table row names its options (`report.options_label`:
+"alltoall (capacity 1.0)"), and an op option on the command line that none of them uses is
+refused before compiling, as the trainer refuses it (`settings.check_options_used`).
+
 The header says, per dispatcher, over which mesh axes the experts are spread and, for the ring,
 which ring runs (`ring=`: flat or hierarchical, with the reason when `ring=auto` picks flat;
 `relaymoe_jax.op.topology`). Without `--target` every emulated device is process 0, so `auto` is
@@ -47,7 +52,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import sys
 
 if __name__ == "__main__" and "--target" in sys.argv:  # before jax: see relaymoe_jax.gpu_mesh
@@ -63,32 +67,12 @@ from relaymoe_jax.models.config_files import load_config, parse_overrides
 
 from . import mesh as train_mesh
 from . import search, train_step
+from .planner_args import parse_memory, planned_dispatchers
 from .planner_report import Findings, LargestSize, expert_parallelism, replan_notes, summary
-from .report import footprint
+from .report import footprint, options_label
 from .settings import TRAIN_FIELDS, TrainConfig, sized_train_config
 
 SEQ_STEP = 128  # --seq-step's default
-# device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
-DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
-_UNITS = {"": 1, "B": 1} | {
-    f"{p}{i}B": (2**10 if i else 10**3) ** n for n, p in enumerate("KMGT", 1) for i in ("", "I")
-}
-
-
-def parse_memory(text: str) -> int:
-    """Bytes of `--memory`: a device name (DEVICES) or a number with an optional unit."""
-    if text.upper() in DEVICES:
-        return DEVICES[text.upper()]
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m[2].upper() not in _UNITS:
-        raise ValueError(
-            f"--memory {text!r}: expected one of {sorted(DEVICES)} or a size like "
-            "80GiB, 12.5MB, 1e9"
-        )
-    value = float(m[1]) * _UNITS[m[2].upper()]
-    if value <= 0:
-        raise ValueError(f"--memory {text!r}: must be > 0")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +117,7 @@ def largest_size(
 
 @dataclasses.dataclass(frozen=True)
 class RematReport:
-    dispatcher: str
+    dispatcher: str  # as the tables name it: report.options_label ("alltoall (dropless)")
     capacity: int
     full: StepCost
     plan: remat.Plan
@@ -184,7 +168,7 @@ def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
             else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
         )
         if planned.peak <= capacity:
-            d = cfg.moe.options.dispatcher
+            d = options_label(cfg.moe.options.applicable())
             return RematReport(d, capacity, full, plan, planned, tuple(misses))
         misses.append((plan, planned.peak))
         budget = max(0, plan.bytes - (planned.peak - capacity))
@@ -244,14 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --max-seq: the sequence lengths searched are multiples of this (default "
         f"{SEQ_STEP})",
     )
-    p.add_argument("--dispatchers", default="ring,alltoall")
+    p.add_argument(
+        "--dispatchers",
+        default=None,
+        help="comma-separated, default ring,alltoall (dispatcher=X alone: X)",
+    )
     p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
     return p
 
 
 def _parse(argv) -> argparse.Namespace:
     """The checked arguments; `memory` defaults to the target's."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if not 0 < args.usable <= 1:
         raise ValueError(f"--usable {args.usable}: expected a fraction in (0, 1]")
     if args.memory is None and args.target is None:
@@ -352,10 +340,11 @@ def main(argv=None) -> int:
     over = parse_overrides(args.overrides)
     sizes = {"batch_size": ("--batch", args.batch), "seq_len": ("--seq", args.seq)}
     tc = sized_train_config(over, sizes)  # takes the trainer keys out of `over`
+    dispatchers = planned_dispatchers(args.dispatchers, over)
     sizes, mesh, where = _mesh(args, tc)
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
     found = Findings()
-    for i, d in enumerate(args.dispatchers.split(",")):
+    for i, d in enumerate(dispatchers):
         cfg = load_config(
             args.config,
             expert_size=train_mesh.expert_size(sizes),
@@ -374,7 +363,8 @@ def main(argv=None) -> int:
                 "once, so its column sees one key block of the attention; the formula "
                 "column counts them all",
             )
-        _plan_dispatcher(d, cfg, tc, mesh, capacity, args, batch_step, found)
+        label = options_label(cfg.moe.options.applicable())
+        _plan_dispatcher(label, cfg, tc, mesh, capacity, args, batch_step, found)
     head = (
         f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
         f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}"

@@ -7,35 +7,49 @@ compiled against the abstract state (`train_step.compile_abstract`: shapes and s
 allocated), so nothing runs.
 """
 
-from . import train_step
+from relaymoe_jax.op.options import MoEOptions
 
-# the table's rows: (label, ModelConfig overrides), in order
-MEMORY_TABLE_ROWS = (
-    ("ring", {"dispatcher": "ring"}),
-    ("alltoall (dropless)", {"dispatcher": "alltoall", "capacity_factor": None}),
-    ("alltoall (capacity 1.0)", {"dispatcher": "alltoall", "capacity_factor": 1.0}),
+
+def options_label(options: MoEOptions) -> str:
+    """How a table row names the dispatcher that `options` runs: "ring", "reference",
+    "alltoall (dropless)" or "alltoall (capacity 0.5)"."""
+    if options.dispatcher != "alltoall":
+        return options.dispatcher
+    cf = options.capacity_factor
+    return "alltoall (dropless)" if cf is None else f"alltoall (capacity {float(cf)!r})"
+
+
+# the table's rows: (label, ModelConfig overrides), in order; the trained run's own row is added
+# after them when it is none of them (another capacity factor, the reference)
+MEMORY_TABLE_ROWS = tuple(
+    (options_label(MoEOptions(**over)), over)
+    for over in (
+        {"dispatcher": "ring"},
+        {"dispatcher": "alltoall", "capacity_factor": None},
+        {"dispatcher": "alltoall", "capacity_factor": 1.0},
+    )
 )
 
 
 def memory_rows(cfg, tc, mesh, trained=None, log=print, packed: bool = False):
-    """[(label, memory_analysis, how)] for every entry of MEMORY_TABLE_ROWS; `trained` is the
-    compiled step that ran (reused for the config's own dispatcher), the others are compiled
-    against the abstract state (`train_step.compile_abstract`, with segment ids if `packed`)."""
+    """[(label, memory_analysis, how)] for every entry of MEMORY_TABLE_ROWS, then `cfg`'s own
+    when it is none of them; `trained` is the compiled step that ran (reused for the config's
+    own options), the others are compiled against the abstract state
+    (`train_step.compile_abstract`, with segment ids if `packed`)."""
+    from . import train_step  # the train extra's packages: `train.cli` imports this module
+
+    own = cfg.moe.options.applicable()
+    configs = [(label, cfg.replace(**over)) for label, over in MEMORY_TABLE_ROWS]
+    if not any(c.moe.options.applicable() == own for _, c in configs):
+        configs.append((options_label(own), cfg))
     rows = []
-    for label, over in MEMORY_TABLE_ROWS:
-        c = cfg.replace(**over)
-        same = c.moe.options == cfg.moe.options
-        if same and trained is not None:
+    for label, c in configs:
+        if c.moe.options.applicable() == own and trained is not None:
             rows.append((label, trained.memory_analysis(), "trained"))
             continue
         log(f"compiling the train step with {label} (compile only) ...")
-        rows.append(
-            (
-                label,
-                train_step.compile_abstract(c, tc, mesh, packed=packed).memory_analysis(),
-                "compile-only",
-            )
-        )
+        compiled = train_step.compile_abstract(c, tc, mesh, packed=packed)
+        rows.append((label, compiled.memory_analysis(), "compile-only"))
     return rows
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.loss import DEFAULT_CHUNK
+from relaymoe_jax.op.options import DEFAULTS as OPTION_DEFAULTS
+from relaymoe_jax.op.options import USED_BY
 from relaymoe_jax.util.checks import one_of
 
 ComputeDtype = typing.Literal["float32", "bfloat16"]
@@ -107,6 +109,26 @@ def sized_train_config(over: dict, sizes: Mapping[str, tuple[str, int]]) -> Trai
             raise ValueError(f"{field}={values[field]!r}: set it with {flag} (here {value})")
         values[field] = value
     return checked_train_config(values)
+
+
+def check_options_used(over: Mapping, steps: Mapping[str, tuple], runs: str, fix: str) -> None:
+    """ValueError for an op option given on the command line (a key of `over`, away from its
+    default) that no step the command compiles uses. `steps`: {dispatcher: the option keys that
+    step sets itself} of each step compiled (the trained one, the --memory-table's rows, the
+    planner's dispatchers); an option is used by a dispatcher by `MoEOptions`' one table
+    (`USED_BY`). `runs` says what the command compiles, `fix` how to add a dispatcher that uses
+    it. A config file may still hold every option (one file for several dispatchers)."""
+    for key, value in over.items():
+        if key not in USED_BY or value == OPTION_DEFAULTS[key]:
+            continue
+        if any(d in USED_BY[key] and key not in own for d, own in steps.items()):
+            continue
+        users = USED_BY[key]
+        who = " or ".join(f"dispatcher={u!r}" for u in users)
+        raise ValueError(
+            f"{key}={value!r} applies to {who} only, and {runs}: it would be ignored; drop it "
+            f"or {fix.format(users[0])}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@
 - `"geglu"`: gelu(g) * u with GELU's tanh approximation (`jax.nn.gelu`'s default; Grok-1).
 - `"geglu_exact"`: gelu(g) * u with the exact (erf) GELU (HF `hidden_act="gelu"`).
 - `"gpt_oss"`: GPT-OSS's clamped SwiGLU, with g' = min(g, L):
-  (clip(u, -L, L) + 1) * g' * sigmoid(alpha * g'), alpha 1.702, L = `swiglu_limit` 7.0.
+  (clip(u, -L, L) + 1) * g' * sigmoid(alpha * g'), alpha 1.702, L = `swiglu_limit` 7.0. The
+  clamps are `torch.clamp`'s, gradient included: 1 at the bound itself.
 
 Computed in float32 on the projections' float32 outputs, then cast to the activations' dtype for
 the down projection, in every dispatcher. The ring's backward recomputes the projections per hop
@@ -60,12 +61,22 @@ class Activation:
             return jax.nn.gelu(gate, approximate=True) * up
         if self.name == "geglu_exact":
             return gelu_erf(gate) * up
-        g = jnp.minimum(gate, self.limit)
-        u = jnp.clip(up, -self.limit, self.limit)
+        g = clamp(gate, high=self.limit)
+        u = clamp(up, low=-self.limit, high=self.limit)
         return (u + 1.0) * g * jax.nn.sigmoid(self.alpha * g)
 
 
 SWIGLU = Activation()
+
+
+def clamp(a, low=None, high=None):
+    """`torch.clamp(a, low, high)`: the bound beyond it, `a` elsewhere, the gradient 1 at the
+    bound itself (`jnp.minimum`/`jnp.clip` split a tie's gradient, 0.5 there); NaN stays NaN."""
+    if high is not None:
+        a = jnp.where(a > high, high, a)
+    if low is not None:
+        a = jnp.where(a < low, low, a)
+    return a
 
 
 @jax.custom_jvp

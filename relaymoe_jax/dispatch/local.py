@@ -39,9 +39,6 @@ class LocalSpec:
     return_stats: bool
     check_vma: bool = True  # False: shard_map's transpose sums the weight gradients itself
     hierarchical: bool = False  # the ring: rounds of an inner ring over expert_axes[-1]
-    # other axes whose devices hold other tokens but whose weights vary there too (gathered
-    # in the caller's shard_map, whose transpose sums their gradients): counted in the stats only
-    stat_only_axes: tuple = ()
     activation: Activation = SWIGLU  # the experts' gated activation
 
     @property
@@ -50,7 +47,6 @@ class LocalSpec:
         return (
             *self.expert_axes,
             *self.reduce_axes,
-            *self.stat_only_axes,
             *((self.etp,) if self.gather_etp else ()),
         )
 

@@ -101,14 +101,20 @@ def blockwise_attention(q_bsnd, k_bskd, v_bskd, *, block_k: int, scale, seg_bs, 
     return _attention(q_bsnd, k_bskd, v_bskd, seg_bs, seg_kv, min(block_k, s), scale)
 
 
-def check_segment_ids(segment_ids, shape):
-    """`segment_ids` as int32 [B, S] (a ValueError names another shape or a float dtype)."""
-    got = getattr(segment_ids, "shape", None)
+def check_per_token(name: str, a, shape):
+    """`a`, one integer per token (segment ids, positions), as int32 [B, S]: a ValueError names
+    another shape or a non-integer dtype (a float would be truncated)."""
+    got = getattr(a, "shape", None)
     if got is None or tuple(got) != tuple(shape):
-        raise ValueError(f"segment_ids: shape {got}, expected [batch, seq] = {tuple(shape)}")
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids: expected an integer dtype, got {segment_ids.dtype}")
-    return segment_ids.astype(jnp.int32)
+        raise ValueError(f"{name}: shape {got}, expected [batch, seq] = {tuple(shape)}")
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected an integer dtype, got {a.dtype}")
+    return a.astype(jnp.int32)
+
+
+def check_segment_ids(segment_ids, shape):
+    """`segment_ids` as int32 [B, S] (`check_per_token`)."""
+    return check_per_token("segment_ids", segment_ids, shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

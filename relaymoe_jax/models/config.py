@@ -24,7 +24,7 @@ from typing import Literal
 from relaymoe_jax.dispatch.experts import check_experts_divide
 from relaymoe_jax.models.layers import ATTENTION_IMPLS, AttentionImpl
 from relaymoe_jax.models.moe_config import MOE_KEYS, MoEConfig
-from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.op.options import MoEOptions, unused_error
 from relaymoe_jax.remat.options import OPTIONS as REMAT_OPTIONS
 from relaymoe_jax.remat.options import RematOption
 from relaymoe_jax.util.checks import fail, finite_number, int_at_least, is_bool, is_int, one_of
@@ -239,7 +239,25 @@ def _layer_lists(cfg):
         fail("attention_remat", remat, want)
 
 
-_CONSISTENCY = (_heads, _shared_expert, _layer_lists)
+# field -> (the setting that decides whether it is used, the values of it that use it): the
+# model's own table of "used or refused" (the MoE block's is `moe_config.USED_WHEN`); a field away
+# from its default that the setting ignores is refused.
+USED_WHEN = {
+    "attention_bias": ("arch", ("qwen3_moe",)),  # qwen2_moe: q/k/v biases are qkv_bias
+    "qkv_bias": ("arch", ("qwen2_moe",)),
+    "attention_block_k": ("attention_impl", ("chunked",)),  # xla: one [S, S] block
+}
+
+
+def _unused(cfg):
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for name, (setting, users) in USED_WHEN.items():
+        value, chosen = getattr(cfg, name), getattr(cfg, setting)
+        if value != defaults[name] and chosen not in users:
+            raise unused_error(name, value, setting, users, chosen, defaults[name])
+
+
+_CONSISTENCY = (_heads, _shared_expert, _layer_lists, _unused)
 
 
 def check(cfg: ModelConfig) -> None:

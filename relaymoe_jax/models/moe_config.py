@@ -5,7 +5,11 @@ Every field is checked on construction by one validator (`FIELD_CHECKS`, the sha
 `relaymoe_jax.util.checks`); an error names the field as the flat key it is in the YAML files and
 on the command line (`router='topk': expected one of (...)`). A field that the chosen router or
 activation does not use must stay at its default (a value that would be ignored is refused, naming
-the field that uses it).
+what uses it): `USED_WHEN` is the one table of which field each router, activation or setting
+uses. The `options` record may hold several dispatchers' options (one config for several
+dispatchers, as the trainer's --memory-table and the planner use it); what runs them applies
+`MoEOptions`' own table (`MoELayer` refuses what its dispatcher ignores, the Qwen model runs
+`options.applicable()`).
 
 The sizes:
     num_experts            E; 0 in a dense model's config (no layer holds the block)
@@ -14,10 +18,11 @@ The sizes:
 The router (`routers.py` has the formulas):
     router                 "softmax_topk" (Qwen, default), "topk_softmax" (GPT-OSS, Mixtral),
                            "sigmoid_group" (DeepSeek-V3)
-    norm_topk_prob         renormalise the k weights (softmax_topk, sigmoid_group)
+    norm_topk_prob         renormalise the k weights (softmax_topk, sigmoid_group; topk_softmax's
+                           softmax over the k sums to 1 already)
     router_bias            a learned bias in the router's logits (GPT-OSS)
     expert_bias            the aux-loss-free selection bias (DeepSeek-V3), updated outside the
-                           optimizer at `expert_bias_rate`
+                           optimizer at `expert_bias_rate` (set only with expert_bias)
     n_group, topk_group    sigmoid_group: expert groups, and how many are kept per token
     routed_scaling_factor  sigmoid_group: the weights' scale
 The experts (`relaymoe_jax.dispatch.activation`):
@@ -48,14 +53,22 @@ from relaymoe_jax.dispatch.activation import (
 )
 from relaymoe_jax.models.routers import ROUTERS, RouterKind
 from relaymoe_jax.op.options import FIELDS as OPTION_KEYS
-from relaymoe_jax.op.options import MoEOptions
+from relaymoe_jax.op.options import MoEOptions, unused_error
 from relaymoe_jax.util.checks import fail, finite_number, int_at_least, is_bool, is_int, one_of
 
-# field -> (the value it takes, the only router that uses another one)
-ROUTER_ONLY = {
-    "n_group": (1, "sigmoid_group"),
-    "topk_group": (1, "sigmoid_group"),
-    "routed_scaling_factor": (1.0, "sigmoid_group"),
+# field -> (the setting that decides whether the field is used, the values of it that use it):
+# the one table of "used or refused" of the block's fields (the op's options have theirs,
+# `op.options.USED_BY`). A field away from its default while the setting has another value would
+# be ignored, and is refused naming the setting. Fields not listed are used by every router and
+# activation (router_bias, expert_bias, expert_biases).
+USED_WHEN = {
+    "norm_topk_prob": ("router", ("softmax_topk", "sigmoid_group")),  # topk_softmax: a softmax
+    "n_group": ("router", ("sigmoid_group",)),
+    "topk_group": ("router", ("sigmoid_group",)),
+    "routed_scaling_factor": ("router", ("sigmoid_group",)),
+    "swiglu_limit": ("activation", ("gpt_oss",)),
+    "expert_bias_rate": ("expert_bias", (True,)),
+    "shared_expert_gated": ("has_shared_expert", (True,)),
 }
 
 
@@ -89,6 +102,11 @@ class MoEConfig:
         _check_top_k(self)
         _check_unused(self)
         _check_groups(self)
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """A shared expert (shared_expert_intermediate_size > 0)."""
+        return self.shared_expert_intermediate_size > 0
 
     @property
     def is_dense(self) -> bool:
@@ -175,22 +193,18 @@ def _check_top_k(cfg: MoEConfig) -> None:
 
 
 def _check_unused(cfg: MoEConfig) -> None:
-    for name, (default, user) in ROUTER_ONLY.items():
-        if getattr(cfg, name) != default and cfg.router != user:
-            raise ValueError(
-                f"{name}={getattr(cfg, name)!r} applies to router={user!r} only "
-                f"(got router={cfg.router!r}): it would be ignored; leave it at {default!r}"
-            )
-    if cfg.swiglu_limit != GPT_OSS_LIMIT and cfg.activation != "gpt_oss":
-        raise ValueError(
-            f"swiglu_limit={cfg.swiglu_limit!r} applies to activation='gpt_oss' only (got "
-            f"{cfg.activation!r}): it would be ignored"
-        )
-    if not cfg.shared_expert_gated and not cfg.shared_expert_intermediate_size:
-        raise ValueError(
-            "shared_expert_gated=False applies to a shared expert only "
-            "(shared_expert_intermediate_size=0): it would be ignored"
-        )
+    """`USED_WHEN`: a field away from its default that the config's router, activation or
+    other setting would ignore is refused, naming what uses it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    for name, (setting, users) in USED_WHEN.items():
+        value, chosen = getattr(cfg, name), getattr(cfg, setting)
+        if value != defaults[name] and chosen not in users:
+            if setting == "has_shared_expert":
+                raise ValueError(
+                    f"{name}={value!r} applies to a shared expert only "
+                    "(shared_expert_intermediate_size=0): it would be ignored"
+                )
+            raise unused_error(name, value, setting, users, chosen, defaults[name])
 
 
 def _check_groups(cfg: MoEConfig) -> None:

@@ -5,8 +5,11 @@ expert), the one the Qwen model uses.
                      hidden_size=1024, mesh=mesh, rngs=nnx.Rngs(0))
 
 The hidden size and the initializer's std (`initializer_range`, default 0.02) are the model's,
-given as arguments. A config whose options `moe_ffn` would refuse (`MoEOptions.check_combination`:
-a capacity factor with the ring, ...) is refused here too; a dense config (num_experts=0) too.
+given as arguments. The layer runs one dispatcher, so a config whose options `moe_ffn` would
+refuse (`MoEOptions.check_combination`, by the one table `op.options.USED_BY`: a capacity factor
+with the ring, a chunk size with the all-to-all, a grouped matmul with the reference) is refused
+here too, although a `MoEConfig` may hold them (the Qwen model hands its layers
+`options.applicable()`); a dense config (num_experts=0) too.
 
 The router (`MoEConfig.router`: Qwen's softmax then top-k, GPT-OSS's top-k then softmax,
 DeepSeek-V3's grouped sigmoid; `routers.py`) and the experts' activation and biases are the

@@ -77,7 +77,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import router_losses as rt
-from relaymoe_jax.models.attention import check_segment_ids
+from relaymoe_jax.models.attention import check_per_token, check_segment_ids
 from relaymoe_jax.models.config import ModelConfig, check_mesh
 from relaymoe_jax.models.layers import (
     MLP,
@@ -310,7 +310,9 @@ class QwenMoe(nnx.Module):
         ids_bs = constrain(jnp.asarray(input_ids, jnp.int32), mesh, act)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        positions = constrain(jnp.asarray(positions, jnp.int32), mesh, act)
+        positions = constrain(
+            check_per_token("positions", jnp.asarray(positions), (b, s)), mesh, act
+        )
         seg_bs = None
         if segment_ids is not None:
             seg_bs = constrain(check_segment_ids(jnp.asarray(segment_ids), (b, s)), mesh, act)

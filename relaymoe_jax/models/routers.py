@@ -18,7 +18,9 @@ losses. `top_k_ids` keeps the top-k where the tokens live.
 (Hugging Face's `load_balancing_loss_func` takes the softmax of the logits, whatever the router),
 and the affinities normalised per token, s / sum_e s, for the sigmoid router (DeepSeek-V3's
 sequence-wise balance loss, eq. 17-20, `router.sequence_balance_loss`). Ties in top-k pick the lower
-expert id (`lax.top_k`).
+expert id (`lax.top_k`). A NaN logit makes its token's weights NaN under every router (it cannot
+be refused: it is a value inside the trace), so a diverged run shows NaN rather than routing
+around the expert.
 """
 
 import typing
@@ -108,5 +110,9 @@ def sigmoid_group(
     weights_tk = jnp.take_along_axis(scores_te, ids_tk, axis=-1)
     if norm_topk_prob:
         weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + 1e-20)
+    # a NaN score (sigmoid's NaN sorts below every number in top_k, so the selection would route
+    # around it) makes the token's weights NaN, as the softmax routers' do
+    nan_t = jnp.any(jnp.isnan(scores_te), axis=-1, keepdims=True)
+    weights_tk = jnp.where(nan_t, jnp.nan, weights_tk)
     probs_te = scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
     return Routed(probs_te, ids_tk.astype(jnp.int32), weights_tk * routed_scaling_factor)

@@ -16,20 +16,32 @@ from relaymoe_jax.op.options import MoEOptions
 from relaymoe_jax.op.resolve import ring_choice
 
 
+class _Unset:
+    """The default of the op's option keywords (dispatcher, routing, ring, capacity_factor,
+    chunk_size, gmm_impl): not given, so `MoEOptions`' default, or `options=`'s field."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+_UNSET = _Unset()
+
+
 def _options(options, **keywords) -> MoEOptions:
-    """The call's options record: `options` when given (the keywords at their defaults), else
-    built from the keywords; checked as a combination."""
+    """The call's options record: `options` when given (no option keyword may be passed with
+    it, whatever its value), else built from the keywords passed; checked as a combination."""
+    given = {k: v for k, v in keywords.items() if v is not _UNSET}
     if options is None:
-        return MoEOptions(**keywords).check_combination()
+        return MoEOptions(**given).check_combination()
     if not isinstance(options, MoEOptions):
         raise ValueError(
             f"options: expected a relaymoe_jax.MoEOptions, got {type(options).__name__}"
         )
-    changed = [k for k, v in keywords.items() if v != getattr(MoEOptions(), k)]
-    if changed:
+    if given:
+        passed = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ValueError(
-            f"options= is given, and so are {changed}: pass the options in one place "
-            "(options.replace(...) changes a field)"
+            f"options= is given, and so are {list(given)} ({passed}): pass the options in one "
+            "place (options.replace(...) changes a field)"
         )
     return options.check_combination()
 
@@ -45,13 +57,13 @@ def moe_ffn(
     mesh,
     expert_axis="expert",
     expert_tensor_axis=None,
-    dispatcher="ring",
-    routing="auto",
-    ring="auto",
-    capacity_factor=None,
-    chunk_size=None,
+    dispatcher=_UNSET,
+    routing=_UNSET,
+    ring=_UNSET,
+    capacity_factor=_UNSET,
+    chunk_size=_UNSET,
     token_axes=None,
-    gmm_impl="auto",
+    gmm_impl=_UNSET,
     out_sharding=None,
     return_stats=False,
     options=None,
@@ -86,31 +98,40 @@ def moe_ffn(
       expert_tensor_axis: optional mesh axis splitting each expert's ffn dimension (ETP). Tokens
         sharded over it are all-gathered before the experts and the down projection's partial
         sums are reduce-scattered back; tokens replicated over it get a psum instead.
-      dispatcher: "ring" (RelayMoE), "alltoall" (Megatron-style baseline) or "reference" (dense).
-      routing: ring only. "expert" (weights travel), "token" (tokens travel) or "auto": the mode
-        that sends fewer bytes per hop (paper Table 2 plus the accumulators that travel; see
-        `routing_plan`), logged at INFO on the "relaymoe_jax" logger.
+      dispatcher, routing, ring, capacity_factor, chunk_size, gmm_impl: the execution options
+        (`relaymoe_jax.MoEOptions`). Each defaults to UNSET, "not given": the record's default,
+        given below. An option the chosen dispatcher does not use, given away from its default,
+        is refused (`MoEOptions.check_combination`), never ignored.
+      dispatcher: "ring" (RelayMoE, default), "alltoall" (Megatron-style baseline) or
+        "reference" (dense: every device computes every token; no routing options, no grouped
+        matmul).
+      routing: ring only. "expert" (weights travel), "token" (tokens travel) or "auto"
+        (default): the mode that sends fewer bytes per hop (paper Table 2 plus the accumulators
+        that travel; see `routing_plan`), logged at INFO on the "relaymoe_jax" logger.
       ring: ring only. "flat" (one ring over all expert axes), "hierarchical" (expert_axis a
         tuple (outer..., inner): an inner ring over the last axis, e.g. a host's GPUs, once per
         round, and one transfer per round over the outer axes, overlapped with the round), or
-        "auto": hierarchical when the last expert axis stays on one host and the others reach
-        other hosts (the devices' process_index; `relaymoe_jax.op.topology`), else flat.
-      capacity_factor: alltoall only. None = dropless; c > 0 = at most ceil(c*T*k/E) pairs per
-        expert from each device; the rest are dropped and counted in stats["dropped_pairs"].
+        "auto" (default): hierarchical when the last expert axis stays on one host and the
+        others reach other hosts (the devices' process_index; `relaymoe_jax.op.topology`), else
+        flat.
+      capacity_factor: alltoall only. None (default) = dropless; c > 0 = at most ceil(c*T*k/E)
+        pairs per expert from each device; the rest are dropped and counted in
+        stats["dropped_pairs"].
       chunk_size: ring only: pairs per chunk (default: the balanced share ceil(T_local*k / EP);
         capped at the T_local*k pairs a hop can hold).
       token_axes: the mesh axes to shard the tokens over, laid over x's leading dimensions in
         order. Default: x's own sharding when it is known (an Explicit mesh, or an array placed
         on the mesh), else every axis of the mesh.
-      gmm_impl: grouped matmul, see `relaymoe_jax.kernels.gmm`: "auto" (the Pallas kernel when
-        `mesh`'s devices are GPUs, abstract ones included; the blocked XLA one elsewhere),
-        "xla", "ragged_dot", "pallas", or "pallas-interpret" (the Pallas kernel in its CPU
-        interpreter: slow, for tests).
+      gmm_impl: ring and alltoall only: the grouped matmul, see `relaymoe_jax.kernels.gmm`:
+        "auto" (default: the Pallas kernel when `mesh`'s devices are GPUs, abstract ones
+        included; the blocked XLA one elsewhere), "xla", "ragged_dot", "pallas", or
+        "pallas-interpret" (the Pallas kernel in its CPU interpreter: slow, for tests).
       out_sharding: where to put y (a NamedSharding, or a PartitionSpec on `mesh`). Default: x's
         own sharding when known, else the layout the op computed in.
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).
       options: a `relaymoe_jax.MoEOptions` record instead of the keywords dispatcher, routing,
-        ring, capacity_factor, chunk_size and gmm_impl (which must then stay at their defaults).
+        ring, capacity_factor, chunk_size and gmm_impl (none of which may then be passed, even
+        at its default value).
       activation: the experts' gated activation act(g, u) (`relaymoe_jax.ACTIVATIONS`):
         "swiglu" silu(g) * u (default), "geglu" gelu(g) * u with GELU's tanh approximation,
         "geglu_exact" with the exact (erf) GELU, "gpt_oss" GPT-OSS's clamped SwiGLU
@@ -177,12 +198,12 @@ def moe_ffn_local(
     expert_axis,
     expert_tensor_axis=None,
     tokens_sharded_over_etp=None,
-    dispatcher="ring",
-    routing="auto",
-    ring="auto",
-    capacity_factor=None,
-    chunk_size=None,
-    gmm_impl="auto",
+    dispatcher=_UNSET,
+    routing=_UNSET,
+    ring=_UNSET,
+    capacity_factor=_UNSET,
+    chunk_size=_UNSET,
+    gmm_impl=_UNSET,
     return_stats=False,
     options=None,
     debug_checks=False,
@@ -212,7 +233,8 @@ def moe_ffn_local(
         that hold other tokens: under check_vma the axes x varies over; under check_vma=False
         every manual axis but an expert-tensor axis the tokens are replicated over.
 
-    options: a `MoEOptions` record instead of those six keywords, as in `moe_ffn`.
+    options: a `MoEOptions` record instead of those six keywords (none of them passed then), as
+      in `moe_ffn`.
     activation: the experts' gated activation, as in `moe_ffn`.
     b_gate, b_up: [E / EP, ffn / ETP]; b_down: [E / EP, hidden], the same on every expert-tensor
       rank: this device's experts' biases, as in `moe_ffn`, sharded like w_gate (b_down not over
@@ -221,10 +243,10 @@ def moe_ffn_local(
     Contradictions between the shard_map and the arguments are refused before tracing where the
     types show them (check_vma=True): experts that do not vary over every expert axis
     (replicated, or `expert_axis` naming another axis), weights varying over an axis that is
-    neither an expert axis nor `expert_tensor_axis` while x does not, an ffn that does not vary
-    over `expert_tensor_axis`, a `tokens_sharded_over_etp` that x's type contradicts.
+    neither an expert axis nor `expert_tensor_axis` (whatever x varies over), an ffn that does
+    not vary over `expert_tensor_axis`, a `tokens_sharded_over_etp` that x's type contradicts.
     debug_checks: also check at run time what the types cannot show (ids beyond the experts the
-    call sees, replicated experts, and the ETP tokens under check_vma=False); each finding is one
+    call sees, replicated experts or biases, and the ETP tokens under check_vma=False); each is one
     logged warning (`relaymoe_jax.op.debug_checks`), for tests and first runs.
 
     The weight gradients are summed over the axes whose devices hold other tokens for the same

@@ -5,7 +5,8 @@ say over which manual axes each array differs between devices. The op reads from
 hold other tokens (summed over for the weight gradients and the stats), whether the tokens are
 sharded over the expert-tensor axis, and refuses, before tracing the ring, a sharding that
 contradicts its arguments: experts that do not vary over `expert_axis` (replicated, or sharded
-over other axes), an ffn that does not vary over `expert_tensor_axis`, a
+over other axes), experts that vary over an axis other than the expert and expert-tensor ones
+(whatever x varies over), an ffn that does not vary over `expert_tensor_axis`, a
 `tokens_sharded_over_etp` that x's type contradicts. Under `check_vma=False` nothing is typed:
 the caller's arguments are taken as they are (`debug_checks=True` checks them at run time).
 """
@@ -34,7 +35,6 @@ class LocalAxes(NamedTuple):
 
     gather_etp: bool  # tokens sharded over the expert-tensor axis
     reduce_axes: tuple[str, ...]  # other axes whose devices hold other tokens, same weights
-    stat_only_axes: tuple[str, ...]  # other axes with other tokens and other (gathered) weights
     typed: bool  # check_vma=True
 
 
@@ -63,8 +63,10 @@ def _check_alike(weights: dict) -> frozenset:
     return v0
 
 
-def _check_experts(vw, vx, expert_axis, ea, etp) -> None:
-    """The experts vary over every expert axis, and over no other axis x does not vary over."""
+def _check_experts(vw, expert_axis, ea, etp) -> None:
+    """The experts vary over every expert axis, and over no other axis but the expert-tensor
+    one (whatever x varies over: weights that differ along a token axis are experts the op
+    does not count)."""
     missing = [a for a in ea if a not in vw]
     if missing:
         sharded = tuple(a for a in _names(vw) if a != etp)
@@ -84,14 +86,16 @@ def _check_experts(vw, vx, expert_axis, ea, etp) -> None:
             f"(expert_axis={expert_axis!r}; w_gate varies over {_names(vw)}): each device along "
             f"the expert axes must hold its own E / EP experts; {hint}"
         )
-    extra = vw - set(ea) - {etp} - vx
+    extra = vw - set(ea) - {etp}
     if extra:
         raise ValueError(
             f"moe_ffn_local: w_gate varies over {_names(extra)}, which is neither an expert "
-            f"axis (expert_axis={expert_axis!r}) nor expert_tensor_axis={etp!r}, while x does "
-            f"not: the experts look sharded over {_names((*ea, *extra))}; pass expert_axis as "
-            "the tuple of those axes in the order of the experts' PartitionSpec (e.g. "
-            "('data', 'expert') for P(('data', 'expert'))), or gather the experts there first"
+            f"axis (expert_axis={expert_axis!r}) nor expert_tensor_axis={etp!r}: the experts "
+            f"look sharded over {_names((*ea, *extra))}, and the op would see only the "
+            "experts along expert_axis (ids beyond them ignored); pass expert_axis as the "
+            "tuple of those axes in the order of the experts' PartitionSpec (e.g. ('data', "
+            "'expert') for P(('data', 'expert'))), or gather the experts there first with "
+            "jax.lax.all_gather(..., to='invarying') (FSDP: the same weights on every device)"
         )
 
 
@@ -157,13 +161,12 @@ def read_axes(x, experts: Experts, expert_axis, ea, etp, manual, tokens_sharded_
         )
     others = tuple(a for a in manual if a not in (*ea, etp))
     if not checks_vma(ea[0]):
-        return LocalAxes(_untyped_gather(etp, tokens_sharded_over_etp), others, (), False)
+        return LocalAxes(_untyped_gather(etp, tokens_sharded_over_etp), others, False)
     vx = vma(x)
     _check_tokens(vx, ea)
     vw = _check_alike(dict(zip(Experts._fields, experts.weights)))
-    _check_experts(vw, vx, expert_axis, ea, etp)
+    _check_experts(vw, expert_axis, ea, etp)
     _check_biases(experts, vw, etp)
     gather = etp is not None and _check_etp(vw, vx, etp, tokens_sharded_over_etp)
-    reduce_axes = tuple(a for a in others if a in vx and a not in vw)
-    stat_only = tuple(a for a in others if a in vx and a in vw)
-    return LocalAxes(gather, reduce_axes, stat_only, True)
+    reduce_axes = tuple(a for a in others if a in vx)
+    return LocalAxes(gather, reduce_axes, True)

@@ -5,7 +5,6 @@ and the weights (under `check_vma`); then the same front door as `moe_ffn` (`op.
 same per-device step (`dispatch.local`).
 """
 
-import dataclasses
 import math
 
 import jax
@@ -133,7 +132,6 @@ def run(
         who="moe_ffn_local",
         activation=activation,
     )
-    spec = dataclasses.replace(spec, stat_only_axes=axes.stat_only_axes)
     t, h, k = local.tokens, local.hidden, local.top_k
     y_th, dropped = local_moe(spec, x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), experts)
     y = y_th.reshape(x.shape)
@@ -146,7 +144,7 @@ def run(
             expert_axis=expert_axis,
             x=x,
             ids=ids,
-            w_gate=experts.w_gate,
+            experts=given,
         )
     if not return_stats:
         return y

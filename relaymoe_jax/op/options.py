@@ -8,10 +8,14 @@ and reuse the same checks. A bad value raises a ValueError that names the field 
     MoEOptions(dispatcher="rign")
     ValueError: dispatcher='rign': expected one of ('ring', 'alltoall', 'reference')
 
-Fields are checked one by one at construction. Whether they fit together (routing, ring and
-chunk_size are the ring's; capacity_factor the all-to-all's) is `check_combination`, which the
-op runs on what it is called with. A config may hold every field at once (the trainer compares
-dispatchers with one config), and `applicable()` gives the record the op is called with.
+Fields are checked one by one at construction. Which dispatcher uses which option is one table,
+`USED_BY` (routing, ring and chunk_size are the ring's; capacity_factor the all-to-all's;
+gmm_impl the ring's and the all-to-all's, the dense reference has no grouped matmul), and
+everything that checks or strips options reads it: `check_combination` (what the op, `MoELayer`,
+the trainer's command line and the planner refuse: an option away from its default that the
+dispatcher would ignore) and `applicable()` (the record the op is called with). A config may
+hold every field at once (one file for several dispatchers: the trainer's --memory-table, the
+planner), so the record itself refuses nothing of the kind.
 """
 
 import dataclasses
@@ -36,6 +40,28 @@ GMM_IMPLS: tuple[str, ...] = typing.get_args(GmmImpl)
 assert GMM_IMPLS == MOE_IMPLS, (GMM_IMPLS, MOE_IMPLS)  # one list, the kernels' own
 
 INT32_MAX = 2**31 - 1
+
+# option -> the dispatchers that use it (the one table of "used or refused"; `dispatcher` itself
+# is every dispatcher's)
+USED_BY: dict[str, tuple[str, ...]] = {
+    "dispatcher": DISPATCHERS,
+    "routing": ("ring",),
+    "ring": ("ring",),
+    "capacity_factor": ("alltoall",),
+    "chunk_size": ("ring",),
+    "gmm_impl": ("ring", "alltoall"),
+}
+
+
+def unused_error(name: str, value, setting: str, users, chosen, default) -> ValueError:
+    """The one sentence for a field set away from its default that the chosen `setting` ignores:
+    `routing='token' applies to dispatcher='ring' only (got dispatcher='alltoall'): it would be
+    ignored; leave it at 'auto'`. `users`: the values of `setting` that use the field."""
+    who = " or ".join(f"{setting}={u!r}" for u in users)
+    return ValueError(
+        f"{name}={value!r} applies to {who} only (got {setting}={chosen!r}): it would be "
+        f"ignored; leave it at {default!r}"
+    )
 
 
 def _capacity_factor(value):
@@ -105,34 +131,31 @@ class MoEOptions:
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in FIELDS}
 
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields away from their defaults that the chosen dispatcher does not use
+        (`USED_BY`), in field order."""
+        return tuple(
+            name
+            for name, users in USED_BY.items()
+            if self.dispatcher not in users and getattr(self, name) != DEFAULTS[name]
+        )
+
     def check_combination(self) -> "MoEOptions":
-        """Refuse options that the chosen dispatcher does not use (a value the op would ignore
-        is a mistake the caller should hear about). Returns self."""
-        d = self.dispatcher
-        for name, default in (("routing", "auto"), ("ring", "auto")):
-            value = getattr(self, name)
-            if value != default and d != "ring":
-                raise ValueError(
-                    f"{name}={value!r} applies to dispatcher='ring' only (got {d!r}); "
-                    f"leave it at {default!r}"
-                )
-        if self.capacity_factor is not None and d != "alltoall":
-            raise ValueError(
-                f"capacity_factor={self.capacity_factor!r} applies to dispatcher='alltoall' "
-                f"only (got {d!r}): the ring is dropless by construction"
-            )
+        """Refuse an option that the chosen dispatcher does not use (`USED_BY`; a value the op
+        would ignore is a mistake the caller should hear about). Returns self."""
+        unused = self.unused_fields()
+        if unused:
+            name = unused[0]
+            value, users = getattr(self, name), USED_BY[name]
+            raise unused_error(name, value, "dispatcher", users, self.dispatcher, DEFAULTS[name])
         return self
 
     def applicable(self) -> "MoEOptions":
-        """The options the dispatcher uses, the others at their defaults (a config may hold the
-        ring's and the all-to-all's options at once)."""
-        ring, a2a = self.dispatcher == "ring", self.dispatcher == "alltoall"
-        return self.replace(
-            routing=self.routing if ring else "auto",
-            ring=self.ring if ring else "auto",
-            chunk_size=self.chunk_size if ring else None,
-            capacity_factor=self.capacity_factor if a2a else None,
-        )
+        """The options the dispatcher uses, the others at their defaults (`USED_BY`; a config
+        may hold the ring's and the all-to-all's options at once)."""
+        return self.replace(**{name: DEFAULTS[name] for name in self.unused_fields()})
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MoEOptions))
+DEFAULTS: dict = {f.name: f.default for f in dataclasses.fields(MoEOptions)}
+assert set(USED_BY) == set(FIELDS) == set(VALIDATORS), (USED_BY, FIELDS)

@@ -4,10 +4,12 @@ sources the trainer reads, behind one protocol.
 Modules, writer and reader apart (neither imports the other; both use `format`):
 
 * `format`: the prepared dataset on disk, the `Manifest` record read from manifest.json in one
-  place and checked on load (`load_manifest`), `sha256_file`, `DatasetError`;
+  place and checked on load (`load_manifest`: keys, types, files, and the counts against the
+  lengths files), `sha256_file`, `DatasetError`;
 * `tokenizers`: the byte-level tokenizer and a local Hugging Face tokenizer.json, with the
   end-of-document token (`Tokenizer`);
-* `prepare`: `relaymoe-train prepare`, a corpus tokenized once into shards (the writer);
+* `prepare`: `relaymoe-train prepare`, a corpus tokenized once into shards (the writer), and
+  `inputs`, its input files, documents and texts (every bad input one line naming the file);
 * `loader`: the packed rows of a prepared dataset, read through grain (the reader);
 * `source`: the `Batch` record and the `Source` protocol (next batch, `state` / `restore` /
   `seek`, `identity`: what the checkpoint records of the data);

@@ -17,9 +17,12 @@ index) and `manifest.json`, the `Manifest` record as JSON:
     shards          [{file, documents, tokens, empty_skipped, bytes, sha256, lengths_file,
                       lengths_bytes, lengths_sha256}]
 
-`load_manifest` is the one reader: the JSON, its format, its fields, and every shard and lengths
-file at its recorded size (and with `verify_hashes` its sha256), each failure a one-line
-`DatasetError` naming the file. `Manifest.write` writes the same JSON back (keys in this order).
+`load_manifest` is the one reader: the JSON, its format, every key there with a value of its type
+(strings, counts >= 0, null where the field allows), every shard and lengths file at its recorded
+size (and with `verify_hashes` its sha256), each shard's documents and tokens its lengths file's
+size and sum, the totals the shards' sums (the loader finds rows by these counts), each failure a
+one-line `DatasetError` naming the file (and the key). `Manifest.write` writes the same JSON back
+(keys in this order).
 """
 
 import concurrent.futures
@@ -27,7 +30,11 @@ import dataclasses
 import hashlib
 import json
 import os
+import types
+import typing
 from pathlib import Path
+
+import numpy as np
 
 FORMAT = "relaymoe-tokens-v2"
 MANIFEST = "manifest.json"
@@ -114,17 +121,19 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d) -> "Manifest":
-        """The record of manifest.json's value; ValueError naming a missing field."""
-        top = _fields(cls, d, "the manifest")
+        """The record of manifest.json's value; ValueError naming a missing or mistyped key."""
+        top = _fields(cls, d, "")
         items = lambda key, rec: tuple(
-            rec(**_fields(rec, x, f"{key}[{i}]")) for i, x in enumerate(_items(top[key], key))
+            rec(**_fields(rec, x, f"{key}[{i}].")) for i, x in enumerate(_items(top[key], key))
         )
         return cls(
             **{
                 **top,
                 "inputs": items("inputs", InputFile),
-                "tokenizer": TokenizerInfo(**_fields(TokenizerInfo, top["tokenizer"], "tokenizer")),
-                "skipped": Skipped(**_fields(Skipped, top["skipped"], "skipped")),
+                "tokenizer": TokenizerInfo(
+                    **_fields(TokenizerInfo, top["tokenizer"], "tokenizer.")
+                ),
+                "skipped": Skipped(**_fields(Skipped, top["skipped"], "skipped.")),
                 "shards": items("shards", Shard),
             }
         )
@@ -137,20 +146,82 @@ class Manifest:
         (Path(directory) / MANIFEST).write_text(json.dumps(self.as_json(), indent=1))
 
 
-def _fields(cls, d, where: str) -> dict:
-    """The values of `cls`'s fields in the JSON object `d` (`where` in the manifest)."""
+_SCALARS = {str: "a string", int: "an integer >= 0"}
+
+
+def _fields(cls, d, prefix: str) -> dict:
+    """The values of `cls`'s fields in the JSON object `d` (at key `prefix` of the manifest),
+    each string or count of the type its annotation says (records are checked by their own)."""
     if not isinstance(d, dict):
-        raise ValueError(f"{where} is not an object")
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in d]
-    if missing:
-        raise ValueError(f"no {missing[0]!r} in {where}")
+        raise ValueError(f"{prefix.rstrip('.') or 'the manifest'} is not an object")
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            raise ValueError(f"no key {prefix + f.name!r}")
+        allowed = typing.get_args(f.type) if isinstance(f.type, types.UnionType) else (f.type,)
+        if not all(t in _SCALARS or t is type(None) for t in allowed):
+            continue
+        if not any(_is(d[f.name], t) for t in allowed):
+            want = " or ".join("null" if t is type(None) else _SCALARS[t] for t in allowed)
+            got = json.dumps(d[f.name])
+            raise ValueError(f"key {prefix + f.name!r} is {got[:40]}, expected {want}")
     return {f.name: d[f.name] for f in dataclasses.fields(cls)}
 
 
-def _items(v, where: str) -> list:
+def _is(v, t) -> bool:
+    if t is type(None):
+        return v is None
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return isinstance(v, t)
+
+
+def _items(v, key: str) -> list:
     if not isinstance(v, list):
-        raise ValueError(f"{where} is not a list")
+        raise ValueError(f"key {key!r} is not a list")
     return v
+
+
+def read_lengths(f: Path) -> np.ndarray:
+    """A lengths file: each document's token count (one dimension, integers >= 0)."""
+    try:
+        lengths = np.load(f, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise DatasetError(f"{f}: unreadable ({e}); prepare it again") from None
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
+        raise DatasetError(
+            f"{f}: not a lengths file (shape {lengths.shape}, dtype {lengths.dtype}, expected "
+            "counts >= 0 in one dimension); prepare it again"
+        )
+    return lengths
+
+
+def _check_counts(directory: Path, manifest: "Manifest", path: Path) -> None:
+    """Each shard's documents and tokens are its lengths file's size and sum, and the totals
+    the shards' sums: the loader finds rows by these counts, so none is taken on trust."""
+    for i, s in enumerate(manifest.shards):
+        lengths = read_lengths(directory / s.lengths_file)
+        got = (len(lengths), int(lengths.sum(dtype=np.int64)))
+        if got != (s.documents, s.tokens):
+            raise DatasetError(
+                f"{path}: shards[{i}] ({s.file}) records {s.documents} documents and {s.tokens} "
+                f"tokens, its lengths file {s.lengths_file} holds {got[0]} and {got[1]} "
+                "(edited or mixed up: prepare it again)"
+            )
+    shards = manifest.shards
+    totals = {
+        "documents": (manifest.documents, sum(s.documents for s in shards)),
+        "tokens": (manifest.tokens, sum(s.tokens for s in shards)),
+        "skipped.empty_documents": (
+            manifest.skipped.empty_documents,
+            sum(s.empty_skipped for s in shards),
+        ),
+    }
+    for key, (have, want) in totals.items():
+        if have != want:
+            raise DatasetError(
+                f"{path}: key {key!r} is {have}, its shards' sum is {want} (edited or mixed up: "
+                "prepare it again)"
+            )
 
 
 def _check_size(f: Path, size: int, manifest: Path) -> None:
@@ -195,7 +266,8 @@ def _read_json(directory: Path) -> dict:
 def load_manifest(directory, verify_hashes: bool = False) -> Manifest:
     """The manifest of the dataset in `directory`, with every shard and lengths file checked to
     be there at its recorded size, and with `verify_hashes` its sha256 too (in parallel threads:
-    about a second per GB and core, or what the disk reads)."""
+    about a second per GB and core, or what the disk reads); then the counts against the lengths
+    files (read whole: 4 bytes a document)."""
     directory = Path(directory)
     path = directory / MANIFEST
     try:
@@ -203,10 +275,13 @@ def load_manifest(directory, verify_hashes: bool = False) -> Manifest:
     except ValueError as e:
         raise DatasetError(f"{path}: not a {FORMAT} manifest ({e}); prepare it again") from None
     files = []
-    for shard in manifest.shards:
+    for i, shard in enumerate(manifest.shards):
         for name, size, sha in shard.files():
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise DatasetError(f"{path}: shards[{i}] names {name!r}, not a file in {directory}")
             _check_size(directory / name, size, path)
             files.append((directory / name, sha))
     if verify_hashes:
         _check_hashes(files)
+    _check_counts(directory, manifest, path)
     return manifest

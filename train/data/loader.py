@@ -22,9 +22,10 @@ row holds does not depend on how many processes read the batch.
 The state is grain's iterator state (`{"next_index": batches read}`), saved with each checkpoint;
 `restore(state)` continues there at once (every row is computed from its index). Background
 threads (`threads`) read the next batches while a step runs. The shards are checked against the
-manifest first: present, the recorded size and (unless `verify_hashes=False`) the recorded sha256;
-past that, riegeli's checksums fail a damaged chunk when it is read (a `DatasetError` naming the
-shard).
+manifest first (`format.load_manifest`): present, the recorded size, (unless
+`verify_hashes=False`) the recorded sha256, and the counts by which rows are found against the
+lengths files; past that, riegeli's checksums fail a damaged chunk when it is read (a
+`DatasetError` naming the shard).
 """
 
 import functools
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import MANIFEST, DatasetError, Manifest, load_manifest
+from .format import MANIFEST, DatasetError, Manifest, load_manifest, read_lengths
 from .source import Batch
 
 SHUFFLE_SALT = 0x5EED  # grain's shuffle seeds epoch e with seed + e: spread the trainer's seeds
@@ -67,18 +68,13 @@ class Corpus:
         shard = int(np.searchsorted(self.shard_doc_starts, i, side="right")) - 1
         try:
             return self._source(shard)[i - int(self.shard_doc_starts[shard])]
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:  # IndexError: fewer records than documents
             raise DatasetError(f"{self._files[shard]}: corrupt ({e}); prepare it again") from None
 
     @functools.lru_cache(maxsize=OPEN_SHARDS)  # noqa: B019 (80 KB each at 10,000 documents)
     def _doc_ends(self, shard: int) -> np.ndarray:
         """The token offsets (within shard `shard`) at which its documents end."""
-        f = self._lengths_files[shard]
-        try:
-            lengths = np.load(f)
-        except (ValueError, OSError) as e:
-            raise DatasetError(f"{f}: unreadable ({e}); prepare it again") from None
-        return np.cumsum(lengths, dtype=np.int64)
+        return np.cumsum(read_lengths(self._lengths_files[shard]), dtype=np.int64)
 
     def pieces(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """(record, first, stop) token ranges of the documents covering tokens [start, start+n)."""
@@ -101,6 +97,13 @@ class Corpus:
         # one record at a time: ArrayRecord's batch read (__getitems__) costs ~1 ms of
         # thread-pool setup per call, single reads ~20 us; a row spans few documents
         records = [self.record(p[0]) for p in pieces]
+        for r, (i, _, stop) in zip(records, pieces):
+            if len(r) < 4 * stop:  # a record shorter than its lengths file says (unhashed)
+                shard = int(np.searchsorted(self.shard_doc_starts, i, side="right")) - 1
+                raise DatasetError(
+                    f"{self._files[shard]}: a record of {len(r)} bytes, shorter than its lengths "
+                    "file says (corrupt: prepare it again)"
+                )
         tokens = np.concatenate(
             [np.frombuffer(r, "<i4")[a:b] for r, (_, a, b) in zip(records, pieces)]
         )

@@ -16,104 +16,47 @@ written once and never rewritten.
 
 The documents are numbered in input order (the files as given, globs sorted, JSONL lines in
 order) and shard i holds documents [i * D, (i + 1) * D). Worker processes tokenize one shard each
-(`--workers`, default the CPU count), with a progress line on stderr (shards, documents, tokens,
-tokens/s, ETA). Each finished shard is renamed into place and then recorded in DIR/done/, so a
-rerun of an interrupted prepare with the same inputs and tokenizer skips the shards already done;
-`--out` holding a prepare of other inputs is refused.
+(`--workers`, default the CPU count), with a progress line on stderr (shards, documents and
+tokens so far, resumed shards included; this run's tokens/s; ETA). Each finished shard is renamed
+into place and then recorded in DIR/done/, so a rerun of an interrupted prepare with the same
+inputs and tokenizer (by resolved path and content: `./a.txt` is `a.txt`) skips the shards
+already done; `--out` holding a prepare of other inputs is refused. SIGINT / SIGTERM stop the
+workers and print one line (exit status 130 / 143); the rerun resumes.
 
 The end-of-document token: "\\n" (10) for the byte-level tokenizer (as the trainer's text
 path), the first of `train.data.tokenizers.EOS_TOKENS` in a HF tokenizer's vocabulary (none if it
 has none: the manifest says so). Empty documents (an empty file, a JSONL field "") and blank JSONL
-lines are skipped and counted in the manifest; a JSONL line that is not JSON, or has no `--field`
-string, is an error naming the file and line.
+lines are skipped and counted in the manifest. Bad input (`train.data.inputs`: not UTF-8, a lone
+surrogate, a JSONL line that is not JSON or has no `--field` string, a directory, a file that
+vanished) is a one-line error naming the file (and line).
 """
 
 import argparse
+import contextlib
 import dataclasses
-import glob
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from .format import FORMAT, InputFile, Manifest, Shard, Skipped, TokenizerInfo, sha256_file
+from .inputs import (  # noqa: F401 (Doc, MissingFieldError, PrepareError: prepare's names too)
+    Doc,
+    MissingFieldError,
+    PrepareError,
+    expand_inputs,
+    input_file,
+    read_text,
+    scan,
+)
 from .tokenizers import Tokenizer
 
-
-class Doc(NamedTuple):
-    """Where one document's text is: a whole text file, or a byte range of a JSONL line."""
-
-    path: str
-    offset: int
-    length: int  # -1: the whole file
-    line: int  # 1-based JSONL line number (0: a text file)
-
-
-class PrepareError(ValueError):
-    """Bad input to prepare: one line naming the file and what is wrong."""
-
-
-class MissingFieldError(PrepareError):
-    """A JSONL line without the `--field` string."""
-
-
-def expand_inputs(inputs) -> list[str]:
-    """The input files: each argument a file, or a glob (sorted matches)."""
-    out = []
-    for arg in inputs:
-        if any(c in arg for c in "*?["):
-            matches = sorted(glob.glob(arg, recursive=True))
-            if not matches:
-                raise PrepareError(f"prepare: no file matches {arg!r}")
-            out.extend(m for m in matches if Path(m).is_file())
-        elif not Path(arg).is_file():
-            raise PrepareError(f"prepare: input not found: {arg}")
-        else:
-            out.append(arg)
-    return out
-
-
-def scan(paths, field: str) -> tuple[list[Doc], int]:
-    """The documents of the inputs in order, and the blank JSONL lines skipped."""
-    docs, blank = [], 0
-    for p in paths:
-        if not p.endswith(".jsonl"):
-            docs.append(Doc(p, 0, -1, 0))
-            continue
-        offset = 0
-        with open(p, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if raw.strip():
-                    docs.append(Doc(p, offset, len(raw), n))
-                else:
-                    blank += 1
-                offset += len(raw)
-    return docs, blank
-
-
-def read_text(doc: Doc, field: str) -> str:
-    with open(doc.path, "rb") as f:
-        f.seek(doc.offset)
-        raw = f.read() if doc.length < 0 else f.read(doc.length)
-    if doc.line == 0:
-        return raw.decode("utf-8")
-    where = f"{doc.path}:{doc.line}"
-    try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise PrepareError(f"prepare: {where}: not a JSON line ({e.msg})") from None
-    text = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise MissingFieldError(
-            f"prepare: {where}: no string field {field!r} (keys: "
-            f"{sorted(record) if isinstance(record, dict) else type(record).__name__})"
-        )
-    return text
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 _TOKENIZER = None
@@ -166,13 +109,22 @@ def write_shard(task) -> Shard:
 
 def _write_shards(todo, tokenizer, workers):
     """The finished shards' entries as they finish: in worker processes (spawned: no state of
-    this process is forked into them), or in this process for one worker."""
+    this process is forked into them), or in this process for one worker. Closing the generator
+    (an error, or `main`'s `Interrupted`) terminates the workers."""
     if workers == 1:
         _init_worker(tokenizer)
         yield from map(write_shard, todo)
         return
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    # SIGINT ignored while the workers start: they inherit that from their first instruction,
+    # so Ctrl-C (sent to the whole process group) stops only this process, which stops them (a
+    # Ctrl-C in these few milliseconds is lost: press it again)
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
+    finally:
+        signal.signal(signal.SIGINT, old)
+    with pool:
         yield from pool.imap_unordered(write_shard, todo)
 
 
@@ -189,17 +141,48 @@ class Plan:
     def as_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
+    def identity(self, resolved=None) -> dict:
+        """What makes two plans the same prepare: every field, each input file (and the
+        tokenizer file) by resolved path and content, not by the path as given (`./a.txt` and
+        `a.txt`, or a symlinked directory, are one file). `resolved`: the recorded paths."""
+        d = self.as_json()
+        paths = [i.path for i in self.inputs] + [self.tokenizer.path]
+        resolved = resolved or [p and str(Path(p).resolve()) for p in paths]
+        for i, r in zip([*d["inputs"], d["tokenizer"]], resolved):
+            i["path"] = r
+        return d
+
 
 def _plan(paths, tokenizer: Tokenizer, field, per_shard) -> Plan:
-    inputs = tuple(InputFile(p, Path(p).stat().st_size, sha256_file(p)) for p in paths)
+    inputs = tuple(input_file(p) for p in paths)
     return Plan(FORMAT, inputs, tokenizer.describe(), field, per_shard)
+
+
+def _recorded_plan(plan_file: Path) -> dict:
+    """The identity of the plan DIR/plan.json records (an earlier prepare into DIR)."""
+    try:
+        d = json.loads(plan_file.read_text())
+        resolved = d.pop("resolved_paths", None)
+        recorded = Plan(
+            **{
+                **d,
+                "inputs": tuple(InputFile(**i) for i in d["inputs"]),
+                "tokenizer": TokenizerInfo(**d["tokenizer"]),
+            }
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise PrepareError(
+            f"prepare: {plan_file}: unreadable ({type(e).__name__}: {e}); use another --out, "
+            "or delete it"
+        ) from None
+    return recorded.identity(resolved)
 
 
 def _check_out(out: Path, plan: Plan) -> None:
     """--out is new, or holds a prepare of the same plan (then it resumes)."""
     plan_file = out / "plan.json"
     if plan_file.exists():
-        if json.loads(plan_file.read_text()) != plan.as_json():
+        if _recorded_plan(plan_file) != plan.identity():
             raise PrepareError(
                 f"prepare: --out {out} holds a prepare of other inputs, tokenizer or settings "
                 f"({plan_file}); use another --out, or delete it"
@@ -208,22 +191,28 @@ def _check_out(out: Path, plan: Plan) -> None:
     if out.exists() and any(out.iterdir()):
         raise PrepareError(f"prepare: --out {out} exists and is not a prepare's directory")
     (out / "done").mkdir(parents=True, exist_ok=True)
-    plan_file.write_text(json.dumps(plan.as_json(), indent=1))
+    ident = plan.identity()
+    resolved = [i["path"] for i in ident["inputs"]] + [ident["tokenizer"]["path"]]
+    plan_file.write_text(json.dumps({**plan.as_json(), "resolved_paths": resolved}, indent=1))
 
 
 class ShardProgress:
     """Prepare's progress: one line on stderr per finished shard, at most every `every` seconds,
-    and at the end (the trainer's per-step line is `train.progress.StepProgress`)."""
+    and at the end (the trainer's per-step line is `train.progress.StepProgress`). The counts
+    include the shards `done` before (a resumed prepare); the rate and the ETA only this run's."""
 
-    def __init__(self, shards: int, done_before: int, every=1.0, quiet=False):
-        self.shards, self.done_before, self.every, self.quiet = shards, done_before, every, quiet
+    def __init__(self, shards: int, done: list[Shard], every=1.0, quiet=False):
+        self.shards, self.done_before, self.every, self.quiet = shards, len(done), every, quiet
         self.start = self.last = time.monotonic()
-        self.finished = self.docs = self.tokens = 0
+        self.finished = self.new_tokens = 0
+        self.docs = sum(e.documents for e in done)
+        self.tokens = sum(e.tokens for e in done)
 
     def add(self, entry: Shard, final=False):
         self.finished += 1
         self.docs += entry.documents
         self.tokens += entry.tokens
+        self.new_tokens += entry.tokens
         now = time.monotonic()
         if self.quiet or (not final and now - self.last < self.every):
             return
@@ -232,7 +221,7 @@ class ShardProgress:
         eta = elapsed / self.finished * (self.shards - done)
         print(
             f"prepare: {done}/{self.shards} shards, {self.docs:,} documents, "
-            f"{self.tokens:,} tokens, {self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, "
+            f"{self.tokens:,} tokens, {self.new_tokens / max(elapsed, 1e-9):,.0f} tokens/s, "
             f"ETA {eta:,.0f} s",
             file=sys.stderr,
             flush=True,
@@ -264,7 +253,7 @@ def prepare(
     out = Path(out)
     paths = expand_inputs(inputs)
     tok = Tokenizer(tokenizer)
-    docs, blank = scan(paths, field)
+    docs, blank = scan(paths)
     if not docs:
         raise PrepareError(f"prepare: no documents in {inputs} (empty corpus)")
     plan = _plan(paths, tok, field, docs_per_shard)
@@ -277,11 +266,12 @@ def prepare(
     todo = [t for t in tasks if t[1] not in done]
     if done and progress:
         print(f"prepare: resuming: {len(done)} of {len(tasks)} shards done", file=sys.stderr)
-    line = ShardProgress(len(tasks), len(done), quiet=not progress)
+    line = ShardProgress(len(tasks), list(done.values()), quiet=not progress)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-    for i, entry in enumerate(_write_shards(todo, tokenizer, workers)):
-        done[int(entry.file[6:11])] = entry
-        line.add(entry, final=i == len(todo) - 1)
+    with contextlib.closing(_write_shards(todo, tokenizer, workers)) as entries:
+        for i, entry in enumerate(entries):
+            done[int(entry.file[6:11])] = entry
+            line.add(entry, final=i == len(todo) - 1)
     shards = tuple(done[i] for i in range(len(tasks)))
     docs_n = sum(e.documents for e in shards)
     if not docs_n:
@@ -314,12 +304,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM during `main`; `exit_code` 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def _stop_on_signal(signum, frame):
+    """Raise `Interrupted` in the main thread (once: a second signal is ignored, so the
+    workers' shutdown is not cut short)."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _stopped_line(out: Path, e: Interrupted) -> str:
+    finished = len(list((out / "done").glob("*.json"))) if (out / "done").is_dir() else 0
+    for tmp in out.glob(".shard-*.tmp"):  # what a stopped worker was writing
+        tmp.unlink(missing_ok=True)
+    return (
+        f"prepare: stopped by {e} ({finished} shard(s) finished in {out}); the same command "
+        "resumes there"
+    )
+
+
 def main(argv=None) -> int:
+    """The command line: exit status 0, 1 for bad input (one `error:` line), 2 for bad
+    arguments, 130 / 143 on SIGINT / SIGTERM (the workers stopped; one line; a rerun resumes)."""
     a = build_parser().parse_args(argv)
     for name in ("workers", "docs_per_shard"):
         v = getattr(a, name)
         if v is not None and v < 1:
             build_parser().error(f"--{name.replace('_', '-')} {v}: expected an integer >= 1")
+    old = {s: signal.signal(s, _stop_on_signal) for s in SIGNALS}
     try:
         m = prepare(
             a.inputs,
@@ -329,9 +348,15 @@ def main(argv=None) -> int:
             workers=a.workers,
             docs_per_shard=a.docs_per_shard,
         )
-    except (PrepareError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
+    except Interrupted as e:
+        print(_stopped_line(Path(a.out), e), file=sys.stderr, flush=True)
+        return e.exit_code
+    except (ValueError, OSError) as e:  # PrepareError; a write to --out failing
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     print(
         f"prepared {m.documents:,} documents, {m.tokens:,} tokens in {len(m.shards)} shards "
         f"into {a.out} (skipped: {m.skipped.empty_documents} empty documents, "

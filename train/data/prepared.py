@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from .format import FORMAT, MANIFEST, DatasetError, sha256_file
+from .inputs import input_file
 from .loader import PACKING, PackedRows
 from .source import Batch
 
@@ -108,7 +109,7 @@ def prepared_text(paths, tokenizer=None, field: str = "text", log=print) -> Path
             raise FileNotFoundError(f"data file not found: {p}")
     key = {
         "format": FORMAT,
-        "files": [sha256_file(p) for p in paths],
+        "files": [input_file(p).sha256 for p in paths],  # one vanished: an error naming it
         "tokenizer": None if tokenizer is None else sha256_file(tokenizer),
         "field": field,
     }
@@ -125,8 +126,10 @@ def prepared_text(paths, tokenizer=None, field: str = "text", log=print) -> Path
     files = [str(p) for p in paths]
     try:
         prepare.prepare(files, tmp, tokenizer=tokenizer, field=field, workers=1, progress=False)
-    except prepare.MissingFieldError as e:
+    except BaseException as e:  # a bad input, a full disk, a signal: nothing left behind
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, prepare.MissingFieldError):
+            raise
         raise DatasetError(
             f"{e}; --data reads the {field!r} field of JSONL files: prepare them with "
             f"`relaymoe-train prepare FILE --field NAME --out DIR`, then train with --data DIR"
