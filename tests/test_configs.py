@@ -15,7 +15,6 @@ from relaymoe_jax.models.config_files import (
     parse_overrides,
 )
 from relaymoe_jax.models.hf_config import from_hf_dict
-from relaymoe_jax.models.moe_config import MoEConfig
 from relaymoe_jax.models.param_count import PAPER_PARAMS, main, param_count
 
 # The paper's Table 3, transcribed from the paper text: name -> (L, Hidden, FFN_moe, E, K, Params).
@@ -493,13 +492,14 @@ BEFORE = Path(__file__).parent / "fixtures" / "configs_before_moe_block.json"
 def test_shipped_yaml_loads_as_before(name):
     """Every shipped YAML file loads to the config it loaded to before `ModelConfig.moe` (the flat
     form written by the old code, `fixtures/configs_before_moe_block.json`), and the keys added
-    since (the router, activation and bias keys of the MoE block) are at their defaults."""
+    since (the router, activation and bias keys of the MoE block, offload_layer_inputs) are at
+    their defaults."""
     old = json.loads(BEFORE.read_text())[name]
     flat = {
         k: list(v) if isinstance(v, tuple) else v for k, v in load_config(name).as_dict().items()
     }
     assert {k: flat[k] for k in old} == old
-    defaults = MoEConfig().as_dict()
+    defaults = ModelConfig().as_dict()
     assert {k: flat[k] for k in set(flat) - set(old)} == {
         k: defaults[k] for k in set(flat) - set(old)
     }

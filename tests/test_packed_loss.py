@@ -63,7 +63,7 @@ def test_packed_lm_loss_is_the_documents_loss_alone():
     tc = TrainConfig(batch_size=B, seq_len=S, warmup_steps=0)
     mesh = tm.make_mesh(tc.mesh)
     graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh)
-    model = nnx.merge(graphdef, jax.tree.map(train_step.gather_fsdp, state.params), state.rest)
+    model = nnx.merge(graphdef, jax.tree.map(train_step.gather_stored, state.params), state.rest)
     tokens, seg, pos, docs = _packed_batch(1)
     total, count = 0.0, 0
     alone = nnx.jit(lambda m, i: m(i)[0])

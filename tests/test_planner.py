@@ -4,12 +4,15 @@ step is compiled and fits, and its recompute FLOPs (cost_analysis) fall as the b
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.analysis import gpu_mesh
 from relaymoe_jax.models.config_files import load_config
 from train import mesh as tm
-from train import planner, train_step
+from train import planner, planner_args, planner_report, report, train_step
 from train.settings import TrainConfig
 
 TC = TrainConfig(batch_size=8, seq_len=256)
@@ -82,7 +85,7 @@ def test_parse_memory(text, want):
     assert planner.parse_memory(text) == want
 
 
-@pytest.mark.parametrize("text", ["A100x", "-5GB", "12 parsecs", "0"])
+@pytest.mark.parametrize("text", ["A100x", "-5GB", "12 parsecs", "0", "1e", "1e999"])
 def test_parse_memory_errors(text):
     with pytest.raises(ValueError, match="--memory"):
         planner.parse_memory(text)
@@ -171,11 +174,16 @@ def test_target_plans_on_the_gpu_compiler(capsys):
     out = capsys.readouterr().out
     assert "XLA:GPU buffer assignment for 8 abstract NVIDIA H100 80GB HBM3" in out
     assert f"usable memory {0.5 * gpu_mesh.device_memory('h100') / 2**20:,.1f} MiB" in out
+    assert (
+        f"{0.5 * 2**38 / 2**20:,.1f} MiB of host memory per device (0.5 x 256 GiB: an 8-GPU H100 "
+        "node's 2 TiB of RAM per GPU, --host-memory's default)"
+    ) in out
     row = next(line for line in out.splitlines() if line.startswith("| ring |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[6] == "yes" and cells[7] == "n/a" and float(cells[8]) > 0
+    assert cells[8] == "yes" and cells[9] == "n/a" and float(cells[10]) > 0
     mib = lambda c: float(c.replace(",", ""))
-    assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[5]) + 1e3  # state < peak
+    assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[7]) + 1e3  # state < peak
+    assert cells[3] == cells[4] == "0.0"  # nothing offloaded: no host bytes
 
 
 @pytest.mark.parametrize(
@@ -229,15 +237,16 @@ def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(capsys):
         "(8 devices, within a host), outer over 'node' (2, across hosts)"
     ) in out
     row = next(line for line in out.splitlines() if line.startswith("| ring |"))
-    assert [c.strip() for c in row.strip("|").split("|")][6] == "yes"
+    assert [c.strip() for c in row.strip("|").split("|")][8] == "yes"
 
 
 # --------------------------------------------------------------------------- sizes the model takes
 
 
-def _fake_step_cost(calls, over=0.0):
+def _fake_step_cost(calls, over=0.0, host_per_token=0):
     """A stand-in for `planner.step_cost` that compiles nothing: 1 MiB per 1,024 tokens when
-    fully recomputed, plus (1 + over) x the bytes the solver counts for the plan's options."""
+    fully recomputed, plus (1 + over) x the bytes the solver counts for the plan's options, and
+    `host_per_token` host bytes per token (offloaded)."""
 
     def step_cost(cfg, tc, mesh, memo=True):
         calls.append((tc.batch_size, tc.seq_len, cfg.attention_remat))
@@ -247,7 +256,9 @@ def _fake_step_cost(calls, over=0.0):
             cfg, tc.batch_size, tc.seq_len, dict(mesh.shape), tc.compute_dtype
         )
         kept = sum(costs[i][o].bytes for i, o in enumerate(options) if o != "full")
-        return planner.StepCost(tc.batch_size * tc.seq_len * 2**10 + int((1 + over) * kept), 0.0)
+        tokens = tc.batch_size * tc.seq_len
+        peak = tokens * 2**10 + int((1 + over) * kept)
+        return planner.StepCost(peak, 0.0, host=tokens * host_per_token)
 
     return step_cost
 
@@ -431,3 +442,157 @@ def test_the_plan_table_names_each_rows_capacity(monkeypatch, capsys, extra, row
     out = capsys.readouterr().out
     table = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert table == ["dispatcher", *rows], out
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
+def test_host_bytes_of_a_deviceless_gpu_compile():
+    """An argument in pinned host memory, moved to the device, updated and put back (donated):
+    XLA:GPU's buffer assignment counts it apart from the device's (host arguments and outputs,
+    aliased), so the host footprint holds it once and the device only the moved copy; the train
+    state columns read the device and the host arguments. A step that offloads nothing has no
+    host bytes. (On abstract GPUs a pinned_host sharding given from outside is dropped, memory
+    kind None: the argument is in host memory because it is donated to a host output.)"""
+    mesh = gpu_mesh.mesh((8,), ("expert",), target="h100")
+    sharding = NamedSharding(mesh, P("expert")).with_memory_kind("pinned_host")
+    x = jax.ShapeDtypeStruct((8 * 1024, 256), jnp.float32, sharding=sharding)  # 1 MiB a device
+
+    def offloaded(a):
+        on_device = jax.device_put(a, jax.memory.Space.Device)
+        return jax.device_put(on_device * 2, jax.memory.Space.Host)
+
+    with jax.set_mesh(mesh):
+        off = jax.jit(offloaded, donate_argnums=0).trace(x).lower().compile()
+        plain = jax.jit(lambda a: a * 2, donate_argnums=0).trace(x).lower().compile()
+    m = off.memory_analysis()
+    assert m.host_argument_size_in_bytes == m.host_output_size_in_bytes == 2**20
+    assert report.host_footprint(m) == 2**20  # argument + output - the alias
+    cost = planner.StepCost.of(off)
+    assert (cost.state, cost.host_state, cost.host) == (0, 2**20, 2**20)
+    assert cost.peak == report.footprint(m) >= 2**20  # the copy on the device
+    cost = planner.StepCost.of(plain)
+    assert (cost.state, cost.host_state, cost.host, cost.peak) == (2**20, 0, 0, 2**20)
+
+
+def test_a_step_over_host_memory_does_not_fit_and_the_table_says_so(monkeypatch):
+    """A fully recomputed step that fits the device but not the host memory: `DoesNotFit` saying
+    "host memory" (not the device's message), a row that says NO (host memory); with room for
+    both it plans, and the table shows its host bytes beside the device's. A planned step whose
+    host bytes are over is NO (host memory) too."""
+    cfg, mesh = load_config("configs/tiny.yaml"), tm.make_mesh(TC.mesh)
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost([], host_per_token=2**9))
+    full = TC.batch_size * TC.seq_len * 2**10  # 2 MiB device, 1 MiB host
+    with pytest.raises(planner.DoesNotFit) as e:
+        planner.plan_remat(cfg, TC, mesh, 2 * full, host_capacity=full // 4)
+    assert e.value.over == "host memory" and e.value.cost.host == full // 2
+    assert str(e.value).startswith(
+        "the train step needs 1.0 MiB of host memory per device with full attention "
+        "recomputation, more than the 0.5 MiB of host memory available (--host-memory)"
+    ), str(e.value)
+    with pytest.raises(planner.DoesNotFit) as both:
+        planner.plan_remat(cfg, TC, mesh, full - 1, host_capacity=full // 2 - 1)
+    assert both.value.over == "device and host memory"
+    r = planner.plan_remat(cfg, TC, mesh, 2 * full, host_capacity=full // 2)
+    assert r.fits and r.over == "" and r.full.host == r.planned.host == full // 2
+    tight = dataclasses.replace(r, host_capacity=full // 2 - 1)
+    misfit = planner_report.Misfit("alltoall (dropless)", e.value.cost, e.value.over)
+    device = planner_report.Misfit("alltoall (capacity 1.0)", e.value.cost, "device memory")
+    lines = planner_report.table([r, tight, misfit, device]).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[1:5] == [
+        "full-recompute peak MiB",
+        "of which train state",
+        "host MiB",
+        "of which host state",
+    ]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [row[8] for row in rows] == ["yes", "NO (host memory)", "NO (host memory)", "NO"]
+    assert rows[0][1:4] == ["2.0", "", "1.0"] and rows[2][1:4] == ["2.0", "", "1.0"]
+    assert rows[2][5:8] == ["", "", ""]  # no plan for a step that does not fit
+
+
+def test_offloaded_layer_inputs_plan_every_layer_full(monkeypatch):
+    """offload_layer_inputs needs every layer `full` (the config refuses anything else): the
+    plan is all `full` whatever the budget, not a plan the config would refuse."""
+    cfg = load_config(
+        "configs/tiny.yaml", offload_layer_inputs=True, moe_remat=True, attention_remat="full"
+    )
+    mesh = tm.make_mesh(TC.mesh)
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost([]))
+    r = planner.plan_remat(cfg, TC, mesh, 2**40, host_capacity=2**40)
+    assert r.plan.options == ("full", "full") and r.fits and r.planned == r.full
+
+
+def test_max_seq_finds_the_longest_sequence_within_host_memory(monkeypatch, capsys):
+    """The offload settings reach the compiled step (trainer and model keys, as the trainer takes
+    them), and --max-seq at --batch 1 finds the longest sequence whose host bytes fit
+    --host-memory as well as its device bytes (1 KiB a token of each, 1 GiB of device memory,
+    2 MiB of host: 2,048); with less host memory than --seq needs, the row, the search and the
+    error line say it is the host memory, and the exit status is 1."""
+    seen, base = [], _fake_step_cost([], host_per_token=2**10)
+
+    def step_cost(cfg, tc, mesh, memo=True):
+        seen.append((cfg.offload_layer_inputs, tc.offload_optimizer))
+        return base(cfg, tc, mesh, memo)
+
+    monkeypatch.setattr(planner, "step_cost", step_cost)
+    argv = (
+        "--config configs/tiny.yaml --memory 1GiB --usable 1 --batch 1 --seq 128 --max-seq 8192 "
+        "--dispatchers ring max_position_embeddings=8192 offload_optimizer=true "
+        "offload_layer_inputs=true moe_remat=true attention_remat=full scan_layers=true"
+    ).split()
+    assert planner.main([*argv, "--host-memory", "2MiB"]) == 0
+    out = capsys.readouterr().out
+    assert set(seen) == {(True, True)}
+    assert (
+        "usable memory 1,024.0 MiB per device (1 x 1GiB), 2.0 MiB of host memory per device "
+        "(1 x 2MiB)" in out
+    )
+    assert "  size 4096: 4.0 MiB, host 4.0 MiB does not fit (host memory)" in out
+    assert "| ring | 2,048 | 2.0 | 2.0 | 10 | 2x full |" in out
+    assert "- host memory: XLA's GPU client takes pinned host memory from one pool" in out
+    assert planner.main([*argv, "--host-memory", "64KiB"]) == 1
+    out, err = capsys.readouterr()
+    row = next(line for line in out.splitlines() if line.startswith("| ring | 0.1 |"))
+    assert row.split("|")[9].strip() == "NO (host memory)"
+    assert "| ring | none fits (host memory) | 0.1 | 0.1 | 1 |  |" in out
+    assert err == (
+        "error: nothing fits in 1,024.0 MiB per device (1 x 1GiB) at batch 1 x seq 128 nor at "
+        "any size searched, with 0.1 MiB of host memory per device (1 x 64KiB)\n"
+    ), err
+
+
+def test_host_memory_default_and_usable_share():
+    """--host-memory defaults to the per-GPU share of the target's 8-GPU node RAM (2 TiB / 8),
+    the H100 node's without --target, said where it comes from; a size or a node name is taken
+    as given; --usable applies to it as to --memory."""
+    parse = lambda *extra: planner_args.parse(
+        ["--config", "c.yaml", "--batch", "8", "--seq", "128", *extra], "planner"
+    )
+    a = parse("--memory", "1GiB")
+    assert a.host_capacity == int(0.9 * 2**38)
+    assert a.host_from == (
+        "256 GiB: an 8-GPU H100 node's 2 TiB of RAM per GPU, --host-memory's default without "
+        "--target"
+    )
+    a = parse("--target", "h200", "--usable", "1")
+    assert a.host_capacity == 2**38 and a.host_from.endswith(
+        "H200 node's 2 TiB of RAM per GPU, --host-memory's default"
+    )
+    a = parse("--memory", "1GiB", "--host-memory", "100GiB", "--usable", "0.5")
+    assert (a.host_capacity, a.host_from, a.capacity) == (50 * 2**30, "100GiB", 2**29)
+    assert parse("--memory", "1GiB", "--host-memory", "h200").host_capacity == int(0.9 * 2**38)
+    helped = planner_args.build_parser("planner").format_help()
+    assert "2 TiB / 8 = 256 GiB" in " ".join(helped.split())
+
+
+@pytest.mark.parametrize("text", ["12 parsecs", "-5GB", "0", "1e", "A100", "1e999"])
+def test_bad_host_memory_is_refused_in_one_line_before_compiling(monkeypatch, text):
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    with pytest.raises(ValueError, match=rf"^--host-memory {text!r}: (expected|must)") as e:
+        planner.main([*PLAN, "--seq", "128", f"--host-memory={text}"])
+    assert "\n" not in str(e.value) and calls == []

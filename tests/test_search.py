@@ -80,3 +80,45 @@ def test_largest_sequence_by_compiling():
     peaks = dict(rec.probes)  # each a compiled step's memory_analysis
     assert seq == 256 and list(peaks) == [128, 256, 384]
     assert peaks[128] < peaks[256] <= capacity < peaks[384]
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+@pytest.mark.parametrize("host_capacity", [None, 10**9, 700, 350, 50])
+def test_a_size_fits_only_when_device_and_host_memory_both_fit(host_capacity):
+    """peak_of gives (device, host) bytes: a size fits when both fit (a host capacity of None
+    is not checked), in both searches, against an exhaustive scan; the record keeps the host
+    bytes and says which memory a probe overflows."""
+    peak = lambda n: (3 * n + 1, 10 * n)  # device-bound at capacity 300 (n <= 99) ...
+    fits = lambda n: peak(n)[0] <= 300 and (host_capacity is None or peak(n)[1] <= host_capacity)
+    want = max((n for n in range(8, 129, 8) if fits(n)), default=None)
+    logged = []
+    got, rec = search.largest(peak, 300, 8, 128, logged.append, host_capacity=host_capacity)
+    assert got == want
+    assert rec.hosts == {n: peak(n)[1] for n, _ in rec.probes}
+    for n, _ in rec.probes:
+        device, host = peak(n)[0] > 300, host_capacity is not None and peak(n)[1] > host_capacity
+        assert (
+            rec.over(n)
+            == {
+                (False, False): "",
+                (True, False): "device memory",
+                (False, True): "host memory",
+                (True, True): "device and host memory",
+            }[device, host]
+        )
+    first = logged[0]
+    assert first.startswith("  size 8: 0.0 MiB, host 0.0 MiB ")
+    if host_capacity == 50:  # 80 host bytes at size 8: nothing fits, and the log says why
+        assert got is None and first.endswith("does not fit (host memory)")
+    listed, _ = search.largest_listed(peak, 300, range(8, 129, 8), host_capacity=host_capacity)
+    assert listed == want
+
+
+def test_overflow_names_the_memory():
+    assert search.overflow(10, 5, 10, 5) == ""
+    assert search.overflow(11, 5, 10, 5) == "device memory"
+    assert search.overflow(10, 6, 10, 5) == "host memory"
+    assert search.overflow(11, 6, 10, 5) == "device and host memory"
+    assert search.overflow(10, 10**12, 10, None) == ""  # the host is not checked

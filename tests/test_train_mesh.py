@@ -39,7 +39,7 @@ def _numpy_first_loss(mesh_spec):
     )
     assert first.segment_ids is None  # the shipped text is one document: no boundary in a row
     ids = first.tokens
-    model = nnx.merge(graphdef, jax.tree.map(train_step.gather_fsdp, state.params), state.rest)
+    model = nnx.merge(graphdef, jax.tree.map(train_step.gather_stored, state.params), state.rest)
     logits = np.asarray(model(jax.numpy.asarray(ids))[0], np.float64)
     logits = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -58,6 +58,7 @@ def test_first_loss_matches_numpy(ep8):
 @pytest.mark.parametrize(
     "spec",
     [
+        "mesh=context=8",  # the train state stored over context (parallel folding)
         "mesh=data=2,context=4",
         "mesh=fsdp=2,expert=4",
         "mesh=expert=4,expert_tensor=2",
@@ -162,7 +163,7 @@ def test_fsdp_gather_keeps_folded_experts_sharded(spec):
     _, state, _, _ = train_step.abstract_state(load_config("configs/tiny.yaml"), tc, mesh)
     params = state.params
     gathered = jax.jit(
-        lambda p: jax.tree.map(train_step.gather_fsdp, p, is_leaf=train_step.is_variable)
+        lambda p: jax.tree.map(train_step.gather_stored, p, is_leaf=train_step.is_variable)
     )
     with jax.set_mesh(mesh):
         out = gathered.trace(params).out_info

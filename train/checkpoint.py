@@ -138,11 +138,24 @@ def _all_sums(leaves):
     return [_leaf_sums(x) for x in leaves]
 
 
+@jax.jit
+def _host_leaf_sums(x):
+    return _leaf_sums(jax.device_put(x, jax.memory.Space.Device))
+
+
+def _in_host_memory(x) -> bool:
+    return getattr(x.sharding, "memory_kind", None) == "pinned_host"
+
+
 def checksums(state) -> list[list[int]]:
-    """Per leaf (in `jax.tree` order) the two uint32 sums of `_leaf_sums`, as Python ints."""
-    return [
-        [int(v) for v in np.asarray(s)] for s in jax.device_get(_all_sums(jax.tree.leaves(state)))
-    ]
+    """Per leaf (in `jax.tree` order) the two uint32 sums of `_leaf_sums`, as Python ints. The
+    device leaves are summed in one program; a leaf in host memory (`offload_optimizer`) in a
+    program of its own, brought to the device alone (so the device never holds them all)."""
+    leaves = jax.tree.leaves(state)
+    host = [_in_host_memory(x) for x in leaves]
+    on_device = iter(_all_sums([x for x, h in zip(leaves, host) if not h]))
+    sums = [_host_leaf_sums(x) if h else next(on_device) for x, h in zip(leaves, host)]
+    return [[int(v) for v in np.asarray(s)] for s in jax.device_get(sums)]
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:

@@ -32,6 +32,7 @@ from .settings import (
     TRAIN_FIELDS,
     RunSettings,
     TrainConfig,
+    check_offload,
     check_options_used,
     checked_train_config,
     field_type,
@@ -91,6 +92,8 @@ TRAIN_HELP = {
     "expert, context, expert_tensor; one size may be -1)",
     "compute_dtype": "float32 or bfloat16 (float32 master weights and optimizer either way)",
     "loss_chunk": "tokens per device per LM-head / cross-entropy chunk",
+    "offload_optimizer": "float32 weights and AdamW moments in pinned host memory between "
+    "steps, streamed layer by layer (needs scan_layers=true; docs/planning.md)",
 }
 
 
@@ -291,6 +294,7 @@ def parse(argv) -> RunSettings:
         **over,
     )
     train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+    check_offload(cfg, tc, jax.devices()[0])
     _check_ignored_options(over, cfg, args.memory_table)
     if tc.seq_len > cfg.max_position_embeddings:
         raise ValueError(

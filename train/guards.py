@@ -100,8 +100,9 @@ def _os_message(e: OSError) -> str:
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     params: int  # parameters of the model (`param_count`)
-    state: int  # bytes per device of the train state (params, moments, the rest)
+    state: int  # bytes per device of the train state in device memory (params, moments, rest)
     grads: int  # bytes per device of the gradients (the parameters' shards)
+    host: int = 0  # bytes per device of the train state in pinned host memory (offload_optimizer)
 
     @property
     def per_device(self) -> int:
@@ -117,9 +118,14 @@ def estimate(cfg, tc, mesh) -> Estimate:
     from . import train_step  # the train extra (optax); this module itself needs only jax
 
     _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
-    total = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
+    leaves = jax.tree.leaves(state)
+    host = sum(_shard_bytes(x) for x in leaves if x.sharding.memory_kind == "pinned_host")
+    device = sum(_shard_bytes(x) for x in leaves) - host
     grads = sum(_shard_bytes(x) for x in jax.tree.leaves(state.params))
-    return Estimate(param_count(cfg)["total"], total, grads)
+    if tc.offload_optimizer:  # the gradients (and the fetched weights) in the compute dtype
+        itemsize = 2 if tc.compute_dtype == "bfloat16" else 4
+        grads = 2 * grads * itemsize // 4
+    return Estimate(param_count(cfg)["total"], device, grads, host)
 
 
 def host_available() -> int | None:
@@ -171,7 +177,8 @@ def check_fits(cfg, tc, mesh, force: bool = False, devices=None) -> Estimate:
     if cap is None or force:
         return est
     limit, sharing, what = cap
-    need = est.per_device * sharing
+    # CPU devices' memory is the host's RAM: the state offloaded to pinned host memory counts too
+    need = (est.per_device + (est.host if devices[0].platform == "cpu" else 0)) * sharing
     if need > limit:
         per = (
             f"{fmt_bytes(est.per_device)} per device x {sharing} {devices[0].platform} devices"

@@ -27,6 +27,7 @@ nothing is checked when it has nothing left to train):
   `routing`, `ring` (flat or hierarchical: the same pairs, another transfer order),
   `chunk_size`, `gmm_impl`, `attention_impl` and `attention_block_k` (the chunked attention is
   the same softmax, online), `attention_remat`, `moe_remat` (recomputation is exact),
+  `offload_layer_inputs` and `offload_optimizer` (values moved to host memory, not changed),
   `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the `dispatcher`
   and `capacity_factor` as long as nothing is dropped on either side (ring, reference and the
   all-to-all with capacity_factor null are all dropless; the all-to-all with a capacity factor
@@ -77,6 +78,8 @@ SAME_MATH = frozenset(
         "attention_block_k",
         "attention_remat",
         "moe_remat",
+        "offload_layer_inputs",
+        "offload_optimizer",
         "max_position_embeddings",
         "loss_chunk",
         "save_every",

@@ -1,12 +1,13 @@
 """The trainer's device mesh, from the `mesh` option: `"data=2,expert=4"`.
 
 Axes (any subset, in this order in the mesh): `data` (data parallel), `fsdp` (data parallel with
-parameters and optimizer state stored sharded, see `train.train_step.fsdp_sharding`), `node` (the
-outer expert-parallel axis: across hosts), `expert` (the ring; with `node`, the inner,
-intra-host part of it), `context` (sequence sharding for attention), `expert_tensor` (each
-expert's ffn split, ETP). One size may be `-1`: all devices left. The default `"expert=-1"` is EP
-over every device. Without an `expert` axis the MoE ring runs over all the other axes taken
-together (parallel folding, `relaymoe_jax.models.sharding.rules_for`).
+parameters and optimizer state stored sharded, see `train.storage.stored_sharding`), `node` (the
+outer expert-parallel axis: across hosts), `expert` (the ring; with `node`, the inner, intra-host
+part of it), `context` (sequence sharding for attention; the train state is stored sharded over it
+too, as over `fsdp`), `expert_tensor` (each expert's ffn split, ETP). One size may be `-1`: all
+devices left. The default `"expert=-1"` is EP over every device. Without an `expert` axis the MoE
+ring runs over all the other axes taken together (parallel folding,
+`relaymoe_jax.models.sharding.rules_for`).
 
 `node` (docs/multinode.md, "Expert parallelism across nodes"): the experts are sharded over
 `("node", "expert")` (EP = node x expert) and the tokens over every axis but `expert_tensor` as

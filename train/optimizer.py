@@ -46,6 +46,12 @@ def _weight_ndim(x) -> int:
     return x.ndim
 
 
+def weight_decayed(p) -> bool:
+    """Whether AdamW decays this parameter: one with at least 2 dimensions of its own (never a
+    norm or a bias; a scanned model's stacked layer axis does not count)."""
+    return _weight_ndim(p) >= 2
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warmup + cosine decay (`make_schedule`), global-norm clipping, and
     weight decay only on parameters with at least 2 dimensions (never on norms or biases; a
@@ -53,7 +59,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     either)."""
     sched = make_schedule(tc)
     mask = lambda params: jax.tree.map(
-        lambda p: _weight_ndim(p) >= 2, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        weight_decayed, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
     return optax.chain(
         optax.clip_by_global_norm(tc.clip_norm),

@@ -6,19 +6,27 @@
         --seq 4096 compute_dtype=bfloat16 [k=v ...]
 
 For a model config, a mesh (`mesh=`, as in `python -m train`), a micro-batch and sequence length,
-and a device memory (`--memory`: H100, H200, or a size such as 80GiB / 12.5MB / 1e9), for each
-dispatcher:
+a device memory (`--memory`: H100, H200, or a size such as 80GiB / 12.5MB / 1e9) and a host
+memory per device (`--host-memory`, below), for each dispatcher:
 
 1. compile (never run) the train step with every attention block fully recomputed and read its
    per-device peak from XLA's buffer assignment (`memory_analysis()`: arguments + temporaries +
-   outputs not aliased to donated arguments); the budget is the usable memory minus that peak;
+   outputs not aliased to donated arguments); the budget is the usable memory minus that peak.
+   Its host bytes (pinned host memory: `offload_optimizer`'s train state, `offload_layer_inputs`'
+   residuals; `report.host_footprint`) must fit the usable `--host-memory` as well;
 2. choose one option per layer with the greedy c/m solver (`relaymoe_jax.remat`);
 3. compile the planned step and check its peak fits (else plan again within less: `plan_remat`);
    report the FLOPs it no longer recomputes, from `cost_analysis()` (full minus planned);
 4. with `--max-batch` / `--max-seq`, find the largest micro-batch at `--seq` / sequence length at
    `--batch` (never past the model's `max_position_embeddings`, nor is `--seq`) whose fully
-   recomputed step fits (`train.search`: doubling then bisection, one compile per probe) and plan
-   the remat at that size.
+   recomputed step fits, device and host (`train.search`: doubling then bisection, one compile
+   per probe), and plan the remat at that size.
+
+A step fits when its device bytes fit `--usable` x `--memory` and its host bytes fit `--usable` x
+`--host-memory` (default: the per-GPU share of an 8-GPU `--target` node's RAM, 2 TiB / 8 =
+256 GiB for H100 and H200, the H100 node's without `--target`; `planner_args.host_memory`); a row
+that does not says which memory it overflows. With `offload_layer_inputs` every layer stays
+`full` (the config requires it), so the plan is all `full` whatever the budget.
 
 The dispatchers: `--dispatchers` (default ring,alltoall) or `dispatcher=X` alone
 (`planner_args.planned_dispatchers`); each table row names its options (`report.options_label`:
@@ -30,8 +38,9 @@ which ring runs (`ring=`: flat or hierarchical, with the reason when `ring=auto`
 `relaymoe_jax.op.topology`). Without `--target` every emulated device is process 0, so `auto` is
 flat there.
 
-Exit status 0 when something fits, 1 when nothing does (no dispatcher at --batch x --seq and no
-searched size; said on stderr after the tables) or on an error, 2 for bad arguments.
+Exit status 0 when something fits (device and host), 1 when nothing does (no dispatcher at
+--batch x --seq and no searched size; said on stderr after the tables) or on an error, 2 for bad
+arguments.
 
 Without `--target` the budget is measured on XLA:CPU with the emulated mesh. GPU buffer
 assignment differs (other fusions, cuDNN attention without [S, S] scores, allocator
@@ -48,7 +57,6 @@ still no timing, and the GPU compiler gives no `cost_analysis()`, so the FLOPs s
 the solver's formula only.
 """
 
-import argparse
 import dataclasses
 import math
 import os
@@ -61,26 +69,44 @@ import jax
 
 from relaymoe_jax import remat
 from relaymoe_jax.analysis import gpu_mesh
-from relaymoe_jax.cli.argtypes import positive_int
+from relaymoe_jax.cli.argtypes import positive_int as positive_int  # benchmarks/capacity.py
 from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config_files import load_config, parse_overrides
 
 from . import mesh as train_mesh
-from . import search, train_step
-from .planner_args import parse_memory, planned_dispatchers
-from .planner_report import Findings, LargestSize, expert_parallelism, replan_notes, summary
-from .report import footprint, options_label
+from . import planner_args, search, train_step
+from .planner_args import SEQ_STEP as SEQ_STEP
+from .planner_args import parse_memory as parse_memory
+from .planner_args import planned_dispatchers
+from .planner_report import (
+    Findings,
+    LargestSize,
+    Misfit,
+    expert_parallelism,
+    host_pool_note,
+    replan_notes,
+    summary,
+)
+from .report import footprint, host_footprint, options_label
 from .settings import TRAIN_FIELDS, TrainConfig, sized_train_config
-
-SEQ_STEP = 128  # --seq-step's default
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    peak: int  # bytes per device (report.footprint)
+    peak: int  # device bytes per device (report.footprint)
     flops: float | None  # cost_analysis()["flops"] of the whole step, per device; None when the
     # compiler gives none (XLA:GPU without a device)
-    state: int | None = None  # bytes of the step's arguments per device: the train state
+    state: int | None = None  # device bytes of the step's arguments: the train state on the device
+    host: int = 0  # host bytes per device (report.host_footprint): offloaded state and residuals
+    host_state: int | None = None  # host bytes of the step's arguments: the offloaded train state
+
+    @classmethod
+    def of(cls, compiled) -> "StepCost":
+        """The cost of a compiled program: its `memory_analysis()` and `cost_analysis()`."""
+        cost, m = compiled.cost_analysis(), compiled.memory_analysis()
+        flops = cost["flops"] if cost else None
+        args, host_args = m.argument_size_in_bytes, m.host_argument_size_in_bytes
+        return cls(footprint(m), flops, args, host_footprint(m), host_args)
 
 
 def step_cost(cfg, tc: TrainConfig, mesh, memo: bool = True) -> StepCost:
@@ -88,9 +114,16 @@ def step_cost(cfg, tc: TrainConfig, mesh, memo: bool = True) -> StepCost:
     (`train_step.compile_abstract`), under `mesh` as the context mesh (an abstract GPU mesh needs
     it for the Pallas kernel)."""
     with jax.set_mesh(mesh):
-        compiled = train_step.compile_abstract(cfg, tc, mesh, memo)
-    cost, m = compiled.cost_analysis(), compiled.memory_analysis()
-    return StepCost(footprint(m), cost["flops"] if cost else None, m.argument_size_in_bytes)
+        return StepCost.of(train_step.compile_abstract(cfg, tc, mesh, memo))
+
+
+class DoesNotFit(ValueError):
+    """The fully recomputed step (`cost`) overflows `over` ("device memory", "host memory" or
+    both: `search.overflow`)."""
+
+    def __init__(self, message: str, cost: StepCost, over: str):
+        super().__init__(message)
+        self.cost, self.over = cost, over
 
 
 def largest_size(
@@ -103,16 +136,22 @@ def largest_size(
     step: int,
     limit: int,
     log=lambda msg: None,
+    host_capacity: int | None = None,
 ):
     """(largest batch_size or seq_len (`field`), a multiple of `step` up to `limit`, whose fully
-    recomputed step fits `capacity`, or None; the `search.Search` record). A sequence never goes
-    past the model's `max_position_embeddings` (the record's `limit` is then that bound): a
-    longer one is not one the model takes."""
+    recomputed step fits `capacity` device bytes and `host_capacity` host bytes (None: the host
+    is not checked), or None; the `search.Search` record). A sequence never goes past the
+    model's `max_position_embeddings` (the record's `limit` is then that bound): a longer one is
+    not one the model takes."""
     full = dataclasses.replace(cfg, attention_remat="full")
     if field == "seq_len":
         limit = min(limit, cfg.max_position_embeddings)
-    peak = lambda n: step_cost(full, dataclasses.replace(tc, **{field: n}), mesh, memo=False).peak
-    return search.largest(peak, capacity, step, limit, log)
+
+    def peak(n: int) -> tuple[int, int]:
+        c = step_cost(full, dataclasses.replace(tc, **{field: n}), mesh, memo=False)
+        return c.peak, c.host
+
+    return search.largest(peak, capacity, step, limit, log, host_capacity=host_capacity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +161,18 @@ class RematReport:
     full: StepCost
     plan: remat.Plan
     planned: StepCost
-    misses: tuple = ()  # (plan, compiled peak) of the plans that did not fit, re-planned
+    misses: tuple = ()  # (plan, compiled peak, its host bytes) of the plans that did not fit
+    host_capacity: int | None = None  # host bytes the steps had to fit (None: not checked)
+
+    @property
+    def over(self) -> str:
+        """The memory the planned step overflows (`search.overflow`): "" when it fits."""
+        p = self.planned
+        return search.overflow(p.peak, p.host, self.capacity, self.host_capacity)
 
     @property
     def fits(self) -> bool:
-        return self.planned.peak <= self.capacity
+        return not self.over
 
     @property
     def flops_saved(self) -> float | None:
@@ -138,21 +184,41 @@ class RematReport:
 REPLANS = 2  # plans tried again within less when the compiled one does not fit
 
 
-def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
-    """Steps 1-3 of the module docstring for `cfg` as given (its dispatcher). ValueError if the
-    fully recomputed step does not fit `capacity` bytes. XLA's buffer assignment is not exactly
-    the fully recomputed peak plus the bytes the plan keeps: a planned step whose compiled peak
-    is over `capacity` is planned again within its kept bytes less the overshoot (at most
-    `REPLANS` times, then every layer `full`, which fits), each miss kept in `misses`."""
-    full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
+def _does_not_fit(cfg, tc, full: StepCost, capacity: int, host_capacity: int | None) -> str:
+    """Why the fully recomputed step `full` does not fit, or "" if it does."""
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    parts = []  # (what it needs, what there is)
     if full.peak > capacity:
-        raise ValueError(
-            f"the train step needs {full.peak / 2**20:,.1f} MiB per device with "
-            f"full attention recomputation, more than the {capacity / 2**20:,.1f} "
-            f"MiB available (dispatcher={cfg.moe.options.dispatcher}, batch {tc.batch_size}, "
-            f"seq {tc.seq_len}): nothing to plan"
-        )
-    misses, budget = [], capacity - full.peak
+        parts.append((f"{mib(full.peak)} MiB per device", f"{mib(capacity)} MiB available"))
+    if host_capacity is not None and full.host > host_capacity:
+        room = f"{mib(host_capacity)} MiB of host memory available (--host-memory)"
+        parts.append((f"{mib(full.host)} MiB of host memory per device", room))
+    if not parts:
+        return ""
+    need, room = zip(*parts)
+    return (
+        f"the train step needs {' and '.join(need)} with full attention recomputation, more "
+        f"than the {' and the '.join(room)} (dispatcher={cfg.moe.options.dispatcher}, batch "
+        f"{tc.batch_size}, seq {tc.seq_len}): nothing to plan"
+    )
+
+
+def plan_remat(
+    cfg, tc: TrainConfig, mesh, capacity: int, host_capacity: int | None = None
+) -> RematReport:
+    """Steps 1-3 of the module docstring for `cfg` as given (its dispatcher). `DoesNotFit` (a
+    ValueError) if the fully recomputed step does not fit `capacity` device bytes or
+    `host_capacity` host bytes (None: not checked). XLA's buffer assignment is not exactly the
+    fully recomputed peak plus the bytes the plan keeps: a planned step whose compiled peak is
+    over `capacity` is planned again within its kept bytes less the overshoot (at most `REPLANS`
+    times, then every layer `full`, which fits), each miss kept in `misses`; one over
+    `host_capacity` is planned again with every layer `full`. With `offload_layer_inputs` every
+    layer is `full` (the config requires it)."""
+    full = step_cost(dataclasses.replace(cfg, attention_remat="full"), tc, mesh)
+    why = _does_not_fit(cfg, tc, full, capacity, host_capacity)
+    if why:
+        raise DoesNotFit(why, full, search.overflow(full.peak, full.host, capacity, host_capacity))
+    misses, budget = [], 0 if cfg.offload_layer_inputs else capacity - full.peak
     while True:  # ends: all "full" is `full`, which fits
         plan = remat.plan_attention_remat(
             cfg,
@@ -167,93 +233,12 @@ def plan_remat(cfg, tc: TrainConfig, mesh, capacity: int) -> RematReport:
             if set(plan.options) == {"full"}
             else step_cost(dataclasses.replace(cfg, attention_remat=plan.options), tc, mesh)
         )
-        if planned.peak <= capacity:
+        over = search.overflow(planned.peak, planned.host, capacity, host_capacity)
+        if not over:
             d = options_label(cfg.moe.options.applicable())
-            return RematReport(d, capacity, full, plan, planned, tuple(misses))
-        misses.append((plan, planned.peak))
-        budget = max(0, plan.bytes - (planned.peak - capacity))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.planner", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("--config", required=True)
-    p.add_argument(
-        "--memory",
-        default=None,
-        help="H100, H200, or a size (80GiB, 1e9, ...); default: --target's",
-    )
-    p.add_argument(
-        "--target",
-        choices=[t for t in gpu_mesh.TARGETS],
-        default=None,
-        help="compile for abstract GPUs of this kind with XLA:GPU (no GPU needed; "
-        "the gpu-compile extra) instead of the emulated CPU devices",
-    )
-    p.add_argument(
-        "--hosts",
-        type=positive_int,
-        default=1,
-        help=f"with --target: hosts of {gpu_mesh.GPUS_PER_HOST} GPUs (default 1)",
-    )
-    p.add_argument(
-        "--usable",
-        type=float,
-        default=0.9,
-        help="fraction of --memory the step may use (default 0.9)",
-    )
-    p.add_argument(
-        "--batch", type=positive_int, required=True, help="global micro-batch (sequences)"
-    )
-    p.add_argument("--seq", type=positive_int, required=True, help="sequence length")
-    p.add_argument(
-        "--max-batch",
-        type=positive_int,
-        default=None,
-        metavar="LIMIT",
-        help="also find the largest micro-batch <= LIMIT at --seq",
-    )
-    p.add_argument(
-        "--max-seq",
-        type=positive_int,
-        default=None,
-        metavar="LIMIT",
-        help="also find the largest sequence length <= LIMIT at --batch",
-    )
-    p.add_argument(
-        "--seq-step",
-        type=positive_int,
-        default=None,
-        help=f"with --max-seq: the sequence lengths searched are multiples of this (default "
-        f"{SEQ_STEP})",
-    )
-    p.add_argument(
-        "--dispatchers",
-        default=None,
-        help="comma-separated, default ring,alltoall (dispatcher=X alone: X)",
-    )
-    p.add_argument("overrides", nargs="*", help="mesh=..., compute_dtype=..., model fields")
-    return p
-
-
-def _parse(argv) -> argparse.Namespace:
-    """The checked arguments; `memory` defaults to the target's."""
-    args = build_parser().parse_intermixed_args(argv)
-    if not 0 < args.usable <= 1:
-        raise ValueError(f"--usable {args.usable}: expected a fraction in (0, 1]")
-    if args.memory is None and args.target is None:
-        raise ValueError("--memory is required without --target (H100, H200 or a size)")
-    if args.hosts < 1 or (args.hosts != 1 and args.target is None):
-        raise ValueError(f"--hosts {args.hosts}: expected >= 1, and only with --target")
-    if args.seq_step is not None and args.max_seq is None:
-        raise ValueError(
-            f"--seq-step {args.seq_step} only sets the lengths --max-seq searches: add "
-            "--max-seq LIMIT, or drop --seq-step"
-        )
-    args.memory = args.memory or args.target.upper()
-    args.seq_step = args.seq_step or SEQ_STEP
-    return args
+            return RematReport(d, capacity, full, plan, planned, tuple(misses), host_capacity)
+        misses.append((plan, planned.peak, planned.host))
+        budget = 0 if "host" in over else max(0, plan.bytes - (planned.peak - capacity))
 
 
 def _check_lengths(args, cfg, found: Findings) -> int | None:
@@ -302,13 +287,15 @@ def _mesh(args, tc: TrainConfig):
     return sizes, mesh, where
 
 
-def _plan_dispatcher(d: str, cfg, tc, mesh, capacity: int, args, batch_step, found: Findings):
+def _plan_dispatcher(d: str, cfg, tc, mesh, args, batch_step, found: Findings):
     """Plan dispatcher `d` (`cfg`) at --batch x --seq and, if asked, at the largest sizes."""
     print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
+    room = (args.capacity, args.host_capacity)
     try:
-        found.reports.append(plan_remat(cfg, tc, mesh, capacity))
-    except ValueError as e:  # does not fit at this size: say so, still search
+        found.reports.append(plan_remat(cfg, tc, mesh, *room))
+    except DoesNotFit as e:  # does not fit at this size: a row and a note say so, still search
         print(f"# {d}: {e}", flush=True)
+        found.reports.append(Misfit(d, e.cost, e.over))
         found.notes.append(f"{d}: {e}")
     else:
         found.notes.extend(
@@ -322,21 +309,29 @@ def _plan_dispatcher(d: str, cfg, tc, mesh, capacity: int, args, batch_step, fou
             continue
         print(f"# {d}: searching the largest {field} <= {limit} ...", flush=True)
         size, rec = largest_size(
-            cfg, tc, mesh, capacity, field=field, step=step, limit=limit, log=print
+            cfg,
+            tc,
+            mesh,
+            room[0],
+            field=field,
+            step=step,
+            limit=limit,
+            log=print,
+            host_capacity=room[1],
         )
         rep = None
         if size is not None:
             at = dataclasses.replace(tc, **{field: size})
-            rep = plan_remat(cfg, at, mesh, capacity)
+            rep = plan_remat(cfg, at, mesh, *room)
             found.notes.extend(replan_notes(rep, f"batch {at.batch_size} x seq {at.seq_len}"))
         out.append(LargestSize(d, size, rec, rep))
 
 
 def main(argv=None) -> int:
     """Print the plans; 0 if something fits, 1 (with a line on stderr) if nothing does: no
-    dispatcher's step fits at --batch x --seq and no searched size fits either."""
-    args = _parse(argv)
-    capacity = int(parse_memory(args.memory) * args.usable)
+    dispatcher's step fits (device and host memory) at --batch x --seq and no searched size
+    fits either."""
+    args = planner_args.parse(argv, __doc__.splitlines()[0])
     over = parse_overrides(args.overrides)
     sizes = {"batch_size": ("--batch", args.batch), "seq_len": ("--seq", args.seq)}
     tc = sized_train_config(over, sizes)  # takes the trainer keys out of `over`
@@ -363,18 +358,28 @@ def main(argv=None) -> int:
                 "once, so its column sees one key block of the attention; the formula "
                 "column counts them all",
             )
+        if cfg.offload_layer_inputs:
+            found.note_once(
+                "offload_layer_inputs",
+                "offload_layer_inputs: every layer stays `full` (the config requires it), so "
+                "the plan is all `full` whatever the budget",
+            )
         label = options_label(cfg.moe.options.applicable())
-        _plan_dispatcher(label, cfg, tc, mesh, capacity, args, batch_step, found)
-    head = (
-        f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory "
-        f"{capacity / 2**20:,.1f} MiB per device ({args.usable:g} x {args.memory}); {where}"
-    )
+        _plan_dispatcher(label, cfg, tc, mesh, args, batch_step, found)
+    if found.host_used():
+        found.notes.append(host_pool_note(args.target is not None))
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"
+    room = f"{mib(args.capacity)} per device ({args.usable:g} x {args.memory})"
+    host = f"{mib(args.host_capacity)} of host memory per device ({args.usable:g} x "
+    host += f"{args.host_from})"
+    head = f"{args.config}, mesh {dict(mesh.shape)}, {tc.compute_dtype}, usable memory {room}, "
+    head += f"{host}; {where}"
     print(summary(head, tc, found))
     if not found.anything_fits():
         print(
-            f"error: nothing fits in {capacity / 2**20:,.1f} MiB per device ({args.usable:g} x "
-            f"{args.memory}) at batch {tc.batch_size} x seq {tc.seq_len}"
-            + (" nor at any size searched" if found.by_batch or found.by_seq else ""),
+            f"error: nothing fits in {room} at batch {tc.batch_size} x seq {tc.seq_len}"
+            + (" nor at any size searched" if found.by_batch or found.by_seq else "")
+            + f", with {host}",
             file=sys.stderr,
         )
         return 1

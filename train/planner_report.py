@@ -1,6 +1,7 @@
 """What `python -m train.planner` prints: the header (where the sizes come from, how each
-dispatcher spreads the experts), the remat-plan table per dispatcher, the largest-size tables,
-and the "nothing fits" line. Text only; the compiles are `train.planner`'s."""
+dispatcher spreads the experts), the remat-plan table per dispatcher (device and host bytes per
+device), the largest-size tables, and the "nothing fits" line. Text only; the compiles are
+`train.planner`'s."""
 
 import dataclasses
 import math
@@ -19,11 +20,21 @@ class LargestSize:
     report: object  # planner.RematReport of the plan at `size`, None if nothing fits
 
 
+@dataclasses.dataclass(frozen=True)
+class Misfit:
+    """A dispatcher whose fully recomputed step does not fit at --batch x --seq: a table row."""
+
+    dispatcher: str
+    full: object  # planner.StepCost of the fully recomputed step
+    over: str  # the memory it overflows: "device memory", "host memory" or both
+    fits = False
+
+
 @dataclasses.dataclass
 class Findings:
     """What the planner found, per dispatcher, in the order it ran them."""
 
-    reports: list = dataclasses.field(default_factory=list)  # planner.RematReport
+    reports: list = dataclasses.field(default_factory=list)  # planner.RematReport or Misfit
     by_batch: list[LargestSize] = dataclasses.field(default_factory=list)
     by_seq: list[LargestSize] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -32,6 +43,12 @@ class Findings:
     def note_once(self, marker: str, text: str) -> None:
         if not any(marker in n for n in self.notes):
             self.notes.append(text)
+
+    def host_used(self) -> bool:
+        """Whether any step measured used host memory (offloaded state or residuals)."""
+        return any(r.full.host for r in self.reports) or any(
+            any(f.search.hosts.values()) for f in self.by_batch + self.by_seq
+        )
 
     def anything_fits(self) -> bool:
         return any(r.fits for r in self.reports) or any(
@@ -92,56 +109,88 @@ def _plan_text(plan) -> str:
     return ", ".join(f"{n}x {o}" for o, n in plan.counts().items())
 
 
+def _mib(b: int) -> str:
+    return f"{b / 2**20:,.1f}"
+
+
 def replan_notes(report, where: str) -> list[str]:
     """A note per plan of `report` (planner.RematReport, at `where`: "batch B x seq S") whose
-    compiled step did not fit and was planned again within less."""
-    mib = lambda b: f"{b / 2**20:,.1f}"
-    return [
-        f"{report.dispatcher} at {where}: the plan {_plan_text(plan)} compiled to {mib(peak)} "
-        f"MiB, {mib(peak - report.capacity)} MiB over (XLA's buffer assignment is not the sum of "
-        "the bytes the plan keeps); planned again within less"
-        for plan, peak in report.misses
-    ]
+    compiled step did not fit and was planned again: within less device memory, or with every
+    layer `full` when its host bytes were over."""
+    notes = []
+    for plan, peak, host in report.misses:
+        head = f"{report.dispatcher} at {where}: the plan {_plan_text(plan)} compiled to "
+        if peak > report.capacity:
+            notes.append(
+                f"{head}{_mib(peak)} MiB, {_mib(peak - report.capacity)} MiB over (XLA's buffer "
+                "assignment is not the sum of the bytes the plan keeps); planned again within less"
+            )
+        else:
+            notes.append(
+                f"{head}{_mib(host)} MiB of host memory, {_mib(host - report.host_capacity)} MiB "
+                "over --host-memory; planned again with every layer full"
+            )
+    return notes
+
+
+def _verdict(over: str) -> str:
+    """The fits column: "yes", "NO" (device memory), "NO (host memory)" or both."""
+    return "yes" if not over else "NO" if over == "device memory" else f"NO ({over})"
 
 
 def table(reports: list) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"
+    """The plan table: per dispatcher, the fully recomputed step's device bytes (and the train
+    state's among them) and host bytes (and the offloaded train state's), the plan and whether
+    it fits (device and host); a `Misfit` row has the full step's figures only."""
     rows = [
-        "| dispatcher | full-recompute peak MiB | of which train state | budget MiB | plan | "
-        "planned peak MiB | fits | recompute GFLOP saved (cost_analysis) | (formula) |",
-        "|---|---:|---:|---:|---|---:|---|---:|---:|",
+        "| dispatcher | full-recompute peak MiB | of which train state | host MiB | of which "
+        "host state | budget MiB | plan | planned peak MiB | fits | recompute GFLOP saved "
+        "(cost_analysis) | (formula) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|",
     ]
     for r in reports:
-        measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
-        state = "" if r.full.state is None else mib(r.full.state)
-        rows.append(
-            f"| {r.dispatcher} | {mib(r.full.peak)} | {state} | {mib(r.plan.budget)} | "
-            f"{_plan_text(r.plan)} | "
-            f"{mib(r.planned.peak)} | {'yes' if r.fits else 'NO'} | "
-            f"{measured} | {r.plan.flops_saved / 1e9:,.3f} |"
-        )
+        f = r.full
+        state, host_state = ("" if b is None else _mib(b) for b in (f.state, f.host_state))
+        cells = [r.dispatcher, _mib(f.peak), state, _mib(f.host), host_state]
+        if isinstance(r, Misfit):
+            cells += ["", "", "", _verdict(r.over), "", ""]
+        else:
+            measured = "n/a" if r.flops_saved is None else f"{r.flops_saved / 1e9:,.3f}"
+            cells += [_mib(r.plan.budget), _plan_text(r.plan), _mib(r.planned.peak)]
+            cells += [_verdict(r.over), measured, f"{r.plan.flops_saved / 1e9:,.3f}"]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def size_table(title: str, field: str, found: list[LargestSize]) -> str:
+    """A largest-size table: the size, the fully recomputed step's device and host MiB there (or,
+    when nothing fits, at the smallest size and which memory it overflows), the probes, the plan."""
     rows = [
         title,
-        f"| dispatcher | largest {field} | full-recompute peak MiB | probes | "
+        f"| dispatcher | largest {field} | full-recompute peak MiB | host MiB | probes | "
         "remat plan at that size |",
-        "|---|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for f in found:
         d, size, rec, rep = f.dispatcher, f.size, f.search, f.report
-        if size is None:
-            rows.append(
-                f"| {d} | none fits | {rec.probes[0][1] / 2**20:,.1f} | {len(rec.probes)} | |"
-            )
-            continue
-        peak = dict(rec.probes)[size]
-        rows.append(
-            f"| {d} | {size:,} | {peak / 2**20:,.1f} | {len(rec.probes)} | {_plan_text(rep.plan)} |"
+        at = rec.probes[0][0] if size is None else size
+        peak, host = dict(rec.probes)[at], rec.hosts.get(at, 0)
+        said = (
+            f"{size:,}" if size is not None else _verdict(rec.over(at)).replace("NO", "none fits")
         )
+        plan = "" if rep is None else _plan_text(rep.plan)
+        rows.append(f"| {d} | {said} | {_mib(peak)} | {_mib(host)} | {len(rec.probes)} | {plan} |")
     return "\n".join(rows)
+
+
+def host_pool_note(target: bool) -> str:
+    """The note under the tables when a step uses host memory: XLA's own pinned-host pool."""
+    return (
+        "host memory: XLA's GPU client takes pinned host memory from one pool per process, 64 "
+        "GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (GiB) says more (XLA's gpu_helpers.cc; "
+        "not measured here): with one process for a node's 8 GPUs, set it to at least 8 x the "
+        "host MiB above" + ("" if target else "; the host figures are XLA:CPU's")
+    )
 
 
 def summary(head: str, tc, found: Findings) -> str:

@@ -64,6 +64,18 @@ def footprint(m) -> int:
     )
 
 
+def host_footprint(m) -> int:
+    """Host bytes live at once per device, `footprint`'s count over XLA's host memory space
+    (pinned host memory: offloaded train state and residuals): host arguments + host temporaries
+    + host outputs not aliased to a donated host argument. 0 when nothing is offloaded."""
+    return (
+        m.host_argument_size_in_bytes
+        + m.host_temp_size_in_bytes
+        + m.host_output_size_in_bytes
+        - m.host_alias_size_in_bytes
+    )
+
+
 def memory_table(rows) -> str:
     """Markdown table of `memory_rows`, with each row's footprint relative to the first's."""
     mib = lambda b: f"{b / 2**20:,.2f}"

@@ -73,8 +73,9 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     est = guards.check_fits(cfg, tc, mesh, force=run.force)  # before anything is allocated
     log(
         f"building {run.config}: {est.params:,} parameters, train state and gradients "
-        f"{guards.fmt_bytes(est.per_device)} per device, {jax.device_count()} "
-        f"{jax.default_backend()} devices"
+        f"{guards.fmt_bytes(est.per_device)} per device"
+        + (f" (+ {guards.fmt_bytes(est.host)} in host memory)" if est.host else "")
+        + f", {jax.device_count()} {jax.default_backend()} devices"
     )
     graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh)
 
@@ -159,7 +160,8 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, pa
         f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}) ..."
     )
     t0 = time.perf_counter()
-    step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed)
+    offload = tc if tc.offload_optimizer else None
+    step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload)
     compiled = train_step.compile_step(
         step,
         state,

@@ -12,6 +12,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 
+import jax
+
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.loss import DEFAULT_CHUNK
 from relaymoe_jax.op.options import DEFAULTS as OPTION_DEFAULTS
@@ -42,6 +44,9 @@ class TrainConfig:
     mesh: str = "expert=-1"  # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
     compute_dtype: ComputeDtype = "float32"  # "bfloat16": bf16 compute, float32 master weights
     loss_chunk: int = DEFAULT_CHUNK  # tokens per device per LM-head chunk (models/loss.py)
+    # the float32 master weights and the AdamW moments in pinned host memory between steps,
+    # streamed to the device layer by layer for the update (train.train_step, docs/planning.md)
+    offload_optimizer: bool = False
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -128,6 +133,34 @@ def check_options_used(over: Mapping, steps: Mapping[str, tuple], runs: str, fix
         raise ValueError(
             f"{key}={value!r} applies to {who} only, and {runs}: it would be ignored; drop it "
             f"or {fix.format(users[0])}"
+        )
+
+
+def check_offload(cfg, tc: TrainConfig, device) -> None:
+    """ValueError, one line, for an offload setting (`offload_optimizer`, the model's
+    `offload_layer_inputs`) this model or `device`'s backend cannot honour. An abstract device of
+    a deviceless compile lists no memories: XLA's compile decides there."""
+    if tc.offload_optimizer and not cfg.scan_layers:
+        raise ValueError(
+            "offload_optimizer=true streams the update one decoder layer at a time over the "
+            "stacked layers: it needs scan_layers=true"
+        )
+    asked = [
+        k
+        for k, on in [
+            ("offload_optimizer", tc.offload_optimizer),
+            ("offload_layer_inputs", cfg.offload_layer_inputs),
+        ]
+        if on
+    ]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        kinds = set()
+    if asked and kinds and "pinned_host" not in kinds:
+        raise ValueError(
+            f"{asked[0]}=true needs 'pinned_host' memory, which these {device.platform} devices "
+            f"do not have (their memories: {sorted(kinds)}); drop {' and '.join(asked)}"
         )
 
 

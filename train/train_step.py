@@ -31,8 +31,10 @@ from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
 from .data.source import Batch
+from .offload import fetch_params, on_host, streamed_update
 from .optimizer import make_optimizer
-from .settings import TrainConfig
+from .settings import TrainConfig, check_offload
+from .storage import STORAGE_AXES, gather_stored, is_variable, stored_sharding
 
 
 @jax.tree_util.register_dataclass
@@ -72,10 +74,14 @@ def abstract_state(cfg, tc: TrainConfig, mesh):
     model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-    params = jax.tree.map(lambda x: sds(x, fsdp_sharding(x, mesh)), params)
+    check_offload(cfg, tc, mesh.devices.flat[0])
+    params = jax.tree.map(lambda x: sds(x, stored_sharding(x, mesh)), params)
     rest = jax.tree.map(lambda x: sds(x, x.sharding), rest)
     tx = make_optimizer(tc)
-    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params), _opt_shardings(tx, params, mesh))
+    opt_shardings = _opt_shardings(tx, params, mesh, tc.offload_optimizer)
+    opt_state = jax.tree.map(sds, jax.eval_shape(tx.init, params), opt_shardings)
+    if tc.offload_optimizer:
+        params = jax.tree.map(lambda x: sds(x, on_host(x.sharding)), params)
     key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     state = TrainState(opt_state, params, rest, sds(key, NamedSharding(mesh, P())))
     return graphdef, state, tx, model.rules
@@ -87,60 +93,14 @@ def _replicated_if_needed(x, mesh):
     return jax.device_put(x, NamedSharding(mesh, P()))
 
 
-def _spec_entries(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def fsdp_sharding(x, mesh) -> NamedSharding:
-    """Where a parameter (or its optimizer moments) is stored on a mesh with an `fsdp` axis: its
-    model sharding plus `fsdp` on the largest dimension that is not sharded yet and divides by
-    the axis; unchanged if none does (e.g. norms of odd size) or the mesh has no `fsdp`."""
-    spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
-    n = mesh.shape.get("fsdp", 1)
-    free = [d for d in range(x.ndim) if spec[d] is None and x.shape[d] % n == 0]
-    if n == 1 or not free or any("fsdp" in _spec_entries(e) for e in spec):
-        return x.sharding
-    d = max(free, key=lambda i: (x.shape[i], -i))
-    spec[d] = "fsdp"
-    return NamedSharding(mesh, P(*spec))
-
-
-def gather_fsdp(x):
-    """Inside the step: the parameter back on its model sharding, an all-gather whose transpose
-    reduce-scatters the gradient back to the stored sharding.
-
-    Give it the `nnx.Variable` (map with `is_leaf=is_variable`): its value is resharded to the
-    model's spec (the Variable's `out_sharding` metadata), which keeps an `fsdp` that the model
-    itself uses: with parallel folding (no `expert` axis) the experts are sharded over every axis,
-    `fsdp` included, and `fsdp_sharding` leaves them as they are. A bare array can only have
-    `fsdp` removed from its spec: right for everything but folded experts."""
-    if isinstance(x, nnx.Variable):
-        value, spec = x.get_value(), x.get_metadata().get("out_sharding")
-        if spec is None:
-            return x.replace(gather_fsdp(value))
-        sharding = jax.typeof(value).sharding
-        if tuple(sharding.spec) == tuple(spec):
-            return x
-        return x.replace(jax.sharding.reshard(value, NamedSharding(sharding.mesh, P(*spec))))
-    sharding = jax.typeof(x).sharding
-    spec = [tuple(a for a in _spec_entries(e) if a != "fsdp") for e in sharding.spec]
-    if all(len(a) == len(_spec_entries(e)) for a, e in zip(spec, sharding.spec)):
-        return x
-    spec = [None if not a else a[0] if len(a) == 1 else a for a in spec]
-    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
-
-
-def is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _opt_shardings(tx, params, mesh):
+def _opt_shardings(tx, params, mesh, offload: bool = False):
     """Shardings for `tx.init(params)`: every subtree shaped like `params` (Adam's moments) takes
-    the parameters' shardings, the rest (counts) is replicated. (Left to itself, `jit(tx.init)`
-    returns the moments replicated: a full copy of every expert's moments on every device.)"""
+    the parameters' shardings (in pinned host memory with `offload`), the rest (counts) is
+    replicated on the device. (Left to itself, `jit(tx.init)` returns the moments replicated: a
+    full copy of every expert's moments on every device.)"""
     pdef = jax.tree.structure(params)
     like_params = lambda t: jax.tree.structure(t) == pdef
-    own = jax.tree.map(lambda p: p.sharding, params)
+    own = jax.tree.map(lambda p: on_host(p.sharding) if offload else p.sharding, params)
     rep = NamedSharding(mesh, P())
     return jax.tree.map(
         lambda t: own if like_params(t) else rep,
@@ -151,14 +111,18 @@ def _opt_shardings(tx, params, mesh):
 
 def init_state(cfg, tc: TrainConfig, mesh):
     """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`); with
-    an `fsdp` mesh axis the parameters (hence the optimizer moments) are stored per
-    `fsdp_sharding`."""
+    an `fsdp` or `context` mesh axis the parameters (hence the optimizer moments) are stored per
+    `stored_sharding`."""
+    check_offload(cfg, tc, mesh.devices.flat[0])
     model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(tc.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if "fsdp" in mesh.axis_names:
-        params = jax.tree.map(lambda p: jax.device_put(p, fsdp_sharding(p, mesh)), params)
+    if any(a in mesh.axis_names for a in STORAGE_AXES):
+        params = jax.tree.map(lambda p: jax.device_put(p, stored_sharding(p, mesh)), params)
     tx = make_optimizer(tc)
-    opt_state = jax.jit(tx.init, out_shardings=_opt_shardings(tx, params, mesh))(params)
+    opt_shardings = _opt_shardings(tx, params, mesh, tc.offload_optimizer)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    if tc.offload_optimizer:  # one tensor at a time: the device never holds them all twice
+        params = jax.tree.map(lambda p: jax.device_put(p, on_host(p.sharding)), params)
     rng = jax.random.key_data(jax.random.key(tc.seed))
     state = TrainState(opt_state, params, rest, rng)
     state = jax.tree.map(lambda x: _replicated_if_needed(x, mesh), state)
@@ -212,22 +176,27 @@ def make_step(
     compute_dtype: str = "float32",
     loss_chunk: int = DEFAULT_CHUNK,
     packed: bool = False,
+    offload: TrainConfig | None = None,
 ):
     """step(state, batch) -> (state, StepMetrics): one AdamW update on next-token cross-entropy
     plus the router losses. `batch` is a `Batch` of [B, S] int32 arrays: its tokens, with
     `packed` also its segment ids and positions (packed documents, `train.data.loader`):
     attention stays within a document, and the loss is the mean over the targets
-    `next_token_targets` keeps. The parameters are gathered from their `fsdp` storage (if any)
+    `next_token_targets` keeps. The parameters are gathered from their storage (`stored_sharding`)
     and, with `compute_dtype="bfloat16"` (`TrainConfig` checks it), cast to bf16 for the forward
     and backward (the stored master weights, the optimizer and the update stay float32; the
     router and the losses compute in float32 anyway). The LM head and cross-entropy run in chunks
     of `loss_chunk` tokens per device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab]
     logits are ever built. The expert bias is not touched here: `update_expert_bias` (eager, as
-    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics.expert_load`."""
+    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics.expert_load`.
+
+    `offload`: the trainer settings of a state whose weights and moments are in pinned host
+    memory (`offload_optimizer`): the step then fetches the weights in the compute dtype, layer by
+    layer, and streams the update (`train.offload`; `tx` is then not called)."""
     dtype = jnp.dtype(compute_dtype)
 
     def cast(v):
-        v = gather_fsdp(v)
+        v = gather_stored(v)
         x = v.get_value() if is_variable(v) else v
         x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
         return v.replace(x) if is_variable(v) else x
@@ -247,11 +216,20 @@ def make_step(
         return lm + aux.router_loss, (lm, aux)
 
     def step(state, batch: Batch):
-        (loss, (lm, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.rest, batch
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if offload is not None:
+            with jax.named_scope("fetch_params"):
+                compute = fetch_params(state.params, dtype)
+            (loss, (lm, aux)), grads = grad_fn(compute, state.rest, batch)
+            with jax.named_scope("streamed_update"):
+                params, opt_state, grad_norm = streamed_update(
+                    offload, state.params, state.opt_state, grads
+                )
+        else:
+            (loss, (lm, aux)), grads = grad_fn(state.params, state.rest, batch)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            grad_norm = optax.tree.norm(grads)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         metrics = StepMetrics(
             loss=loss,
@@ -259,7 +237,7 @@ def make_step(
             aux_loss=aux.aux_loss,
             z_loss=aux.z_loss,
             router_loss=aux.router_loss,
-            grad_norm=optax.tree.norm(grads),
+            grad_norm=grad_norm,
             dropped_pairs=aux.dropped_pairs,
             expert_load=aux.expert_load,
         )
@@ -324,7 +302,8 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool
     graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    step = make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed)
+    offload = tc if tc.offload_optimizer else None
+    step = make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload)
     key = step_key(cfg, tc, shape, mesh, packed) if memo else None
     return compile_step(step, state, ids_sharding, shape, key=key, packed=packed)
 
@@ -342,9 +321,10 @@ def memory_summary(compiled) -> str:
         "temp_size_in_bytes",
         "peak_memory_in_bytes",
     ]
+    host = [f"host_{f}" for f in fields[:4] if getattr(m, f"host_{f}", 0)]
     return "per-device memory of the train step: " + ", ".join(
         f"{f.removesuffix('_size_in_bytes').removesuffix('_in_bytes')}={mib(getattr(m, f, 0))}"
-        for f in fields
+        for f in fields + host
     )
 
 

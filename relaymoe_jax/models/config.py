@@ -71,6 +71,11 @@ class ModelConfig:
     # all-to-all's dispatch buffers kept for the backward; the ring's custom_vjp keeps only its
     # inputs already, so for the ring it mostly costs a second forward ring.
     moe_remat: bool = False
+    # put each decoder layer's input (the one residual a fully recomputed layer keeps for its
+    # backward) in pinned host memory in the forward and bring it back for that layer's
+    # backward: needs moe_remat=true and attention_remat="full" (the layer is then one
+    # checkpoint whose only residual is its input). Same math: the values are moved, not changed.
+    offload_layer_inputs: bool = False
     # store the decoder layers' parameters stacked on a leading "layers" axis and run them with
     # one `jax.lax.scan`: the compiled program holds one layer body whatever the depth (compile
     # time no longer grows with num_hidden_layers). The layers must be alike: all MoE or all
@@ -209,6 +214,7 @@ FIELD_CHECKS = {
     "attention_block_k": _size,
     "attention_remat": _remat,
     "moe_remat": is_bool,
+    "offload_layer_inputs": is_bool,
     "scan_layers": is_bool,
 }
 assert list(FIELD_CHECKS) == [f.name for f in dataclasses.fields(ModelConfig)]
@@ -257,7 +263,27 @@ def _unused(cfg):
             raise unused_error(name, value, setting, users, chosen, defaults[name])
 
 
-_CONSISTENCY = (_heads, _shared_expert, _layer_lists, _unused)
+def _offload(cfg):
+    """offload_layer_inputs moves the one residual of a layer under one checkpoint (attention
+    `full` and the MLP/MoE block, dense or not, recomputed: `moe_remat`); any other layer keeps
+    more than its input, so the flag would move only part of what it keeps."""
+    if not cfg.offload_layer_inputs:
+        return
+    remat = cfg.attention_remat
+    partial = [i for i in range(cfg.num_hidden_layers) if cfg.remat_option(i) != "full"]
+    if not cfg.moe_remat or partial:
+        got = [] if cfg.moe_remat else ["moe_remat=False"]
+        got += [f"attention_remat={remat!r} (not full in layers {partial})"] if partial else []
+        fail(
+            "offload_layer_inputs",
+            cfg.offload_layer_inputs,
+            "moe_remat=true and attention_remat='full' for every layer (each layer one "
+            "checkpoint whose only residual, its input, goes to host memory); got "
+            + " and ".join(got),
+        )
+
+
+_CONSISTENCY = (_heads, _shared_expert, _layer_lists, _unused, _offload)
 
 
 def check(cfg: ModelConfig) -> None:

@@ -41,6 +41,7 @@ OURS_ONLY = (
     "attention_impl",
     "attention_block_k",
     "moe_remat",
+    "offload_layer_inputs",
     "scan_layers",
     *NOT_IN_HF,
 )

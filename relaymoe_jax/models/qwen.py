@@ -36,6 +36,9 @@ q_proj [H, N, D], k_proj/v_proj [H, K, D], o_proj [N, D, H], router [H, E], dens
 
 Names for remat (`jax.ad_checkpoint.checkpoint_name`, per layer, for
 `jax.checkpoint_policies.save_only_these_names` and friends):
+    "layer_input"  the decoder layer's input (the residual stream), named only inside the
+                 whole-layer checkpoint ("full" with `moe_remat`; `offload_layer_inputs`
+                 offloads it by this name)
     "attn_norm"  input_layernorm output              [B, S, H]
     "q_proj", "k_proj", "v_proj"   projections (bias included, before q/k norm and RoPE)
     "q_norm", "k_norm"             after the q/k RMSNorm (qwen3_moe only)
@@ -49,7 +52,14 @@ layer's attention block (input norm through o_proj) in `nnx.remat` with the opti
 (`relaymoe_jax.remat.options`); "save_all", the default, applies none. The MLP/MoE block is
 wrapped (nothing saved but its input) only with `config.moe_remat`: the ring's custom_vjp keeps
 only its inputs anyway, and a checkpoint around it re-runs the whole ring forward; the all-to-all
-drops the dispatch buffers it would keep for the backward.
+drops the dispatch buffers it would keep for the backward. With "full" and `moe_remat` both, the
+whole layer is one checkpoint whose only residual is its input; `config.offload_layer_inputs`
+(which needs both) keeps that input in pinned host memory instead of on the device: the policy
+`remat.options.layer_policy(True)` offloads the value named "layer_input" inside the checkpoint
+(a name outside it, on the scan's carry, would offload nothing: jax#23869), so the forward copies
+each layer's input to the host (into one [L, B, S, H] host buffer with `scan_layers`) and the
+backward copies it back for that layer. XLA:CPU compiles the copies to nothing (jax lowers memory
+placements inside a jit for TPU and GPU only).
 
 Scanned layers (`config.scan_layers`): `model.layers` is then ONE `DecoderLayer` whose variables
 are stacked on a leading axis of size L, logical name "layers" (never sharded, see
@@ -91,6 +101,7 @@ from relaymoe_jax.models.layers import (
 )
 from relaymoe_jax.models.moe_layer import MoELayer, expert_load
 from relaymoe_jax.models.sharding import LAYERS, AxisRules, constrain, rules_for
+from relaymoe_jax.remat.options import layer_policy
 from relaymoe_jax.remat.options import policy as remat_policy
 
 
@@ -188,6 +199,7 @@ class DecoderLayer(nnx.Module):
         eps = cfg.rms_norm_eps
         self.remat_option = cfg.remat_option(i)  # relaymoe_jax.remat.options
         self.moe_remat = cfg.moe_remat
+        self.offload_input = cfg.offload_layer_inputs  # only with full + moe_remat (config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
         self.self_attn = Attention(cfg, rules=rules, rngs=rngs, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=eps, rules=rules, dtype=dtype)
@@ -210,17 +222,20 @@ class DecoderLayer(nnx.Module):
         """Each block under its own `jax.checkpoint` (attention: `remat_option`; MLP/MoE:
         `moe_remat`), except when both recompute everything (`full` and `moe_remat`): then the
         whole layer is one checkpoint that keeps only its input, not also the MLP block's input
-        (the same recomputation, one [B, S, H] activation less per layer)."""
+        (the same recomputation, one [B, S, H] activation less per layer); with
+        `offload_layer_inputs` that input, named "layer_input" inside the checkpoint, is kept in
+        pinned host memory instead (`remat.options.layer_policy`)."""
         if self.remat_option == "full" and self.moe_remat:
-            layer = nnx.remat(
-                _decoder_layer, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(5,)
-            )
+            policy = layer_policy(self.offload_input)
+            layer = nnx.remat(_decoder_layer, policy=policy, static_argnums=(5,))
             with jax.named_scope("layer_remat"):
                 return layer(self, x_bsh, cos_bsd, sin_bsd, seg_bs, False)
         return _decoder_layer(self, x_bsh, cos_bsd, sin_bsd, seg_bs, True)
 
 
 def _decoder_layer(layer, x_bsh, cos_bsd, sin_bsd, seg_bs, block_remat: bool):
+    if not block_remat:  # inside the whole layer's checkpoint: the name its policy offloads
+        x_bsh = checkpoint_name(x_bsh, "layer_input")
     with jax.named_scope("attention_block"):
         block = attention_block
         if block_remat and layer.remat_option != "save_all":

@@ -50,3 +50,19 @@ def policy(option: str):
     if option == "full":
         return jax.checkpoint_policies.nothing_saveable
     return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[option])
+
+
+def layer_policy(offload_input: bool = False):
+    """The policy of a whole decoder layer under one checkpoint (`full` with `moe_remat`): keep
+    nothing but the layer's input, on the device, or with `offload_input` (the model config's
+    `offload_layer_inputs`) in pinned host memory, as the value named "layer_input" inside the
+    checkpoint (naming the input outside it, e.g. the scan's carry, offloads nothing: jax#23869).
+    XLA brings it back to the device for that layer's backward."""
+    if not offload_input:
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["layer_input"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )

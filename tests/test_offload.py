@@ -1,0 +1,172 @@
+"""The train state over every device and in host memory (issue 36): `offload_optimizer`, the model's
+`offload_layer_inputs`, and the state stored sharded over `context` as over `fsdp`.
+
+References: the same trainer without offload (float32 compute: the offloaded step's arithmetic is
+the same, so every logged metric is bitwise equal; bfloat16: the gradients are rounded to bf16
+before their reduction, so close, not equal), the uninterrupted run for resumes, and the state's
+own byte count for its storage.
+"""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from relaymoe_jax.models.config_files import load_config
+from train import cli, guards, train_step
+from train import mesh as tm
+from train.settings import TrainConfig
+
+REMAT = ["scan_layers=true", "moe_remat=true", "attention_remat=full"]
+ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", *REMAT]
+SETTINGS = {
+    "optimizer": ["offload_optimizer=true"],
+    "layer_inputs": ["offload_layer_inputs=true"],
+    "both": ["offload_optimizer=true", "offload_layer_inputs=true"],
+}
+MESHES = ["context=8", "fsdp=2,context=4"]
+METRICS = ("loss", "lm_loss", "aux_loss", "z_loss", "router_loss", "grad_norm", "dropped_pairs")
+
+
+def _run(out, steps, *extra):
+    assert cli.main([*ARGS, "--out", str(out), "--steps", str(steps), *extra]) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _metrics(recs):
+    return [{k: r[k] for k in ("step", *METRICS)} for r in recs]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """3 steps without offload, per mesh (run once each)."""
+    runs = {}
+
+    def get(mesh):
+        if mesh not in runs:
+            out = tmp_path_factory.mktemp("base") / mesh.replace("=", "").replace(",", "-")
+            runs[mesh] = _run(out, 3, f"mesh={mesh}")
+        return runs[mesh]
+
+    return get
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline, setting, mesh):
+    recs = _run(tmp_path / "run", 3, f"mesh={mesh}", *SETTINGS[setting])
+    assert _metrics(recs) == _metrics(baseline(mesh))
+
+
+def test_resume_with_offload_is_bitwise_the_uninterrupted_run(tmp_path, baseline):
+    both = SETTINGS["both"]
+    _run(tmp_path / "resumed", 2, "mesh=context=8", *both)
+    resumed = _run(tmp_path / "resumed", 3, "mesh=context=8", *both)
+    assert _metrics(resumed) == _metrics(baseline("context=8"))
+
+
+def test_offload_switched_at_resume_keeps_the_math_and_the_files(tmp_path, baseline):
+    """A checkpoint is the same files with or without offload: a run saved without it resumes
+    with it (and the other way round), bitwise on the uninterrupted run's losses."""
+    both = SETTINGS["both"]
+    on, off = tmp_path / "on", tmp_path / "off"
+    _run(on, 2, "mesh=context=8")
+    _run(off, 2, "mesh=context=8", *both)
+
+    def files(d):  # the data files of orbax's OCDBT store are named by random ids
+        paths = [p.relative_to(d) for p in (d / "checkpoints" / "2").rglob("*") if p.is_file()]
+        return sorted({str(p.parent) if p.parent.name == "d" else str(p) for p in paths})
+
+    assert files(on) == files(off)
+    switched_on = _run(on, 3, "mesh=context=8", *both)
+    changes = {c["key"]: c["same_math"] for c in switched_on[-1]["resume_changes"]}
+    assert changes == {"offload_optimizer": True, "offload_layer_inputs": True}
+    switched_off = _run(off, 3, "mesh=context=8")
+    want = _metrics(baseline("context=8"))
+    assert _metrics(switched_on) == want
+    assert _metrics(switched_off) == want
+
+
+def test_bfloat16_offload_differs_only_by_the_gradients_rounding(tmp_path):
+    """bf16 compute: the offloaded gradients are bf16 before their reduction (float32 without
+    offload), so the losses are close, not bitwise; step 1's loss (no update yet) is equal."""
+    bf16 = ["mesh=fsdp=2,context=4", "compute_dtype=bfloat16"]
+    plain = _run(tmp_path / "plain", 3, *bf16)
+    off = _run(tmp_path / "off", 3, *bf16, "offload_optimizer=true")
+    assert off[0]["lm_loss"] == plain[0]["lm_loss"]
+    for a, b in zip(off, plain, strict=True):
+        np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-3)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=2e-2)
+
+
+def _state_bytes(state) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("mesh", ["context=8", "fsdp=2,context=4"])
+def test_the_train_state_is_stored_over_every_device(mesh):
+    """With no `expert` axis the state was stored sharded over `fsdp` only: `mesh=context=8`
+    held the dense weights and their moments on every device. Now each device's share of the
+    state (the step's arguments, from `memory_analysis`) is within 5% of total / 8."""
+    cfg = load_config("configs/tiny.yaml")
+    tc = TrainConfig(batch_size=8, seq_len=32, mesh=mesh)
+    m = tm.make_mesh(mesh)
+    compiled = train_step.compile_abstract(cfg, tc, m, memo=False)
+    _, state, _, _ = train_step.abstract_state(cfg, tc, m)
+    per_device = compiled.memory_analysis().argument_size_in_bytes
+    assert abs(per_device / (_state_bytes(state) / 8) - 1) < 0.05, per_device
+
+
+def test_offloaded_state_is_in_host_memory_and_counted_there():
+    cfg = load_config("configs/tiny.yaml").replace(scan_layers=True)
+    tc = TrainConfig(batch_size=8, seq_len=32, mesh="context=8", offload_optimizer=True)
+    mesh = tm.make_mesh(tc.mesh)
+    _, state, _, _ = train_step.init_state(cfg, tc, mesh)
+    kind = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
+    adam = state.opt_state[1][0]
+    assert kind(state.params) == kind(adam.mu) == kind(adam.nu) == {"pinned_host"}
+    assert kind(adam.count) == kind(state.rng) == {"device"}
+    # the start-up estimate: the weights and moments on the host, f32 gradients and weights'
+    # compute copy on the device
+    est = guards.estimate(cfg, tc, mesh)
+    plain = guards.estimate(cfg, TrainConfig(batch_size=8, seq_len=32, mesh="context=8"), mesh)
+    assert est.host == _state_bytes(state.params) * 3 // 8
+    assert est.state + est.host == plain.state
+    assert est.grads == 2 * plain.grads
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        (
+            ["offload_optimizer=true"],  # no scan_layers
+            "offload_optimizer=true streams the update one decoder layer at a time over the "
+            "stacked layers: it needs scan_layers=true",
+        ),
+    ],
+)
+def test_offload_the_model_cannot_honour_is_refused(tmp_path, extra, said):
+    argv = ["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path / "x"), *extra]
+    with pytest.raises(ValueError) as e:
+        cli.parse(argv)
+    assert str(e.value) == said
+
+
+def test_a_backend_without_host_memory_is_refused():
+    from train.settings import check_offload
+
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform = "tpu"
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    cfg = load_config("configs/tiny.yaml").replace(scan_layers=True)
+    with pytest.raises(ValueError, match="offload_optimizer=true needs 'pinned_host' memory"):
+        check_offload(cfg, TrainConfig(offload_optimizer=True), Device())
+    check_offload(cfg, TrainConfig(), Device())  # nothing asked, nothing refused
