@@ -266,6 +266,13 @@ def setup(args):
     """(TrainConfig, mesh, where the figures come from, the model's sizes, {variant: config})."""
     target = args.target
     over = parse_overrides(args.overrides)
+    offload = [k for k in ("offload_optimizer", "offload_layer_inputs") if over.get(k)]
+    if offload:  # their bytes are in host memory, which this experiment does not check
+        raise ValueError(
+            f"{offload[0]}=true: this experiment measures device memory only, and the offload "
+            "settings move state to host memory it would not check; use python -m train.planner "
+            "--max-seq (it checks --host-memory too)"
+        )
     train_kw = {k: over.pop(k) for k in list(over) if k in TRAIN_FIELDS}
     if target:
         train_kw.setdefault("compute_dtype", "bfloat16")

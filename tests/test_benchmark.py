@@ -165,3 +165,10 @@ def test_capacity_probes_listed_lengths(capacity, monkeypatch):
 def test_capacity_bad_target_arguments(capacity, argv, match):
     with pytest.raises(SystemExit, match=match):
         capacity.main(argv)
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_layer_inputs"])
+def test_capacity_refuses_the_offload_settings_it_cannot_check(capacity, key):
+    """Their bytes are in host memory; this experiment's search checks device memory only."""
+    with pytest.raises(ValueError, match=rf"{key}=true: .*device memory only.*train.planner"):
+        capacity.main(["--parts", "capacity", "--max-seq", "64", f"{key}=true"])

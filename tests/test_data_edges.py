@@ -317,8 +317,8 @@ def test_a_signal_stops_the_workers_with_one_line_and_the_rerun_resumes(tmp_path
     for bad in ("Traceback", "resource_tracker", "leaked", "KeyboardInterrupt"):
         assert bad not in stderr, stderr
     assert _group_gone(proc.pid), "a worker outlived the prepare"
-    assert not list(out.glob(".shard-*.tmp"))
-    done = len(list((out / "done").glob("*.json")))
+    assert not list(out.glob(".shard-*.tmp")) and not list(out.glob("done/.*.tmp"))
+    done = len(list((out / "done").glob("*.json")))  # each whole: the rerun reads them
     assert 1 <= done < n, done
     capsys.readouterr()
     m = prepare.prepare([str(tmp_path / "c.jsonl")], out, workers=1, docs_per_shard=1)

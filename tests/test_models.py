@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 
 from relaymoe_jax.models import ModelConfig, QwenMoe, rules_for
 from relaymoe_jax.models import router_losses as router
+from relaymoe_jax.models.decoder import DenseMLP
 from relaymoe_jax.models.moe_layer import MoELayer
-from relaymoe_jax.models.qwen import DenseMLP
 from relaymoe_jax.models.sharding import from_tokens, to_tokens
 
 B, S = 2, 8  # 16 tokens: 2 per device on 8 devices

@@ -175,6 +175,21 @@ def test_a_backend_without_host_memory_is_refused():
     check_offload(cfg, TrainConfig(), Device())  # nothing asked, nothing refused
 
 
+def _gpu_dense_scanned(**over):
+    """(config, train config, mesh): a small dense scanned model (weights dominate, tiny
+    activations), bf16 compute, stored over `fsdp=8` of 8 abstract H100s."""
+    tc = TrainConfig(batch_size=8, seq_len=64, mesh="fsdp=8", compute_dtype="bfloat16")
+    mesh = gpu_mesh.mesh((8,), ("fsdp",))
+    sizes = dict(num_experts=0, hidden_size=512, intermediate_size=2048, num_hidden_layers=6)
+    return load_config("configs/tiny.yaml", scan_layers=True, **sizes, **over), tc, mesh
+
+
+def _gpu_memory(cfg, tc, mesh):
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        return train_step.compile_abstract(cfg, tc, mesh, memo=False).memory_analysis()
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
 def test_offloaded_optimizer_lowers_the_gpu_peak_not_only_the_arguments():
@@ -185,25 +200,30 @@ def test_offloaded_optimizer_lowers_the_gpu_peak_not_only_the_arguments():
     taken at 3/4 for the rest of the step's noise; the host holds at least the moved bytes. (A
     naive fetch of the whole state inside the step moves it from arguments to temporaries and
     leaves the peak where it was.)"""
-    tc = TrainConfig(batch_size=8, seq_len=64, mesh="fsdp=8", compute_dtype="bfloat16")
-    mesh = gpu_mesh.mesh((8,), ("fsdp",))
-    cfg = load_config(
-        "configs/tiny.yaml",
-        num_experts=0,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        scan_layers=True,
-    )
+    cfg, tc, mesh = _gpu_dense_scanned()
     _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
     params_per_device = _state_bytes(state.params) // 4 // 8
-    runs = {}
-    for offload in (False, True):
-        with jax.set_mesh(mesh), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-            t = dataclasses.replace(tc, offload_optimizer=offload)
-            runs[offload] = train_step.compile_abstract(cfg, t, mesh, memo=False).memory_analysis()
-    plain, off = runs[False], runs[True]
+    plain = _gpu_memory(cfg, tc, mesh)
+    off = _gpu_memory(cfg, dataclasses.replace(tc, offload_optimizer=True), mesh)
     assert off.host_argument_size_in_bytes >= 12 * params_per_device * 0.99
     fall = report.footprint(plain) - report.footprint(off)
     assert fall >= 0.75 * 10 * params_per_device, (report.footprint(plain), report.footprint(off))
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
+@pytest.mark.parametrize("attention", ["full", "save_all"])
+def test_the_scanned_step_gathers_and_casts_one_layer_of_weights_at_a_time(attention):
+    """XLA:GPU for 8 abstract H100s, a small dense scanned model stored over `fsdp=8`, bf16
+    compute, `moe_remat` (the MLP block, most of the weights, under its checkpoint), tiny
+    activations: the step's temporaries stay below ONE bf16 copy of every layer's gathered
+    weights (2 bytes x the stacked parameters, all 8 shards). Gathered and cast before the layer
+    scan, the step held that copy through the backward plus the bf16 gradients of the same size;
+    inside each block's checkpoint, a layer's copy is made (and made again for its backward) from
+    its stored slice, and its gradient reduce-scattered, one layer at a time. (A block without a
+    checkpoint, attention under `save_all`, still keeps its prepared weights for the backward.)"""
+    cfg, tc, mesh = _gpu_dense_scanned(moe_remat=True, attention_remat=attention)
+    _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
+    stacked = _state_bytes(state.params["layers"]) // 4  # float32: parameters, all shards
+    got = _gpu_memory(cfg, tc, mesh)
+    assert got.temp_size_in_bytes < 2 * stacked, (got.temp_size_in_bytes, 2 * stacked)

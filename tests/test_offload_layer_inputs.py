@@ -22,6 +22,7 @@ import contextlib
 import io
 import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from relaymoe_jax.analysis import gpu_mesh
-from relaymoe_jax.models import QwenMoe
+from relaymoe_jax.models import ModelConfig, QwenMoe
 from relaymoe_jax.models.config_files import load_config
 from train import mesh as train_mesh
 from train import report, train_step
 from train.data.source import Batch
 from train.settings import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FULL = dict(attention_remat="full", moe_remat=True)  # each layer one checkpoint
 
@@ -198,17 +201,39 @@ def test_gpu_program_keeps_the_layer_inputs_in_host_memory():
 @pytest.mark.parametrize(
     "over, got",
     [
-        (dict(attention_remat="full"), r"got moe_remat=False$"),
-        (dict(moe_remat=True), r"got attention_remat='save_all' \(not full in layers \[0, 1\]\)"),
+        (dict(moe_remat=False), r"got moe_remat=False$"),
         (
-            dict(moe_remat=True, attention_remat=("full", "save_qkv")),
+            dict(attention_remat="save_all"),
+            r"got attention_remat='save_all' \(not full in layers \[0, 1\]\)",
+        ),
+        (
+            dict(attention_remat=("full", "save_qkv")),
             r"attention_remat=\('full', 'save_qkv'\) \(not full in layers \[1\]\)",
         ),
-        (dict(num_experts=0, attention_remat="full"), r"got moe_remat=False$"),  # dense too
-        ({}, r"got moe_remat=False and attention_remat='save_all'"),
+        (dict(num_experts=0, moe_remat=False), r"got moe_remat=False$"),  # dense too
+        (
+            dict(moe_remat=False, attention_remat="save_all"),
+            r"got moe_remat=False and attention_remat='save_all'",
+        ),
     ],
 )
 def test_refused_unless_each_layer_is_one_checkpoint(over, got):
+    """A value given against the whole-layer checkpoint is refused, naming it (what is not given
+    is implied: the next test)."""
     want = r"offload_layer_inputs=True: expected moe_remat=true and attention_remat='full' for "
     with pytest.raises(ValueError, match=want + r"every layer .*" + got):
         load_config("configs/tiny.yaml", offload_layer_inputs=True, **over)
+    with pytest.raises(ValueError, match=want):  # a Python config states everything itself
+        ModelConfig.from_dict({"offload_layer_inputs": True, **over})
+
+
+def test_a_config_file_implies_the_whole_layer_checkpoint(tmp_path):
+    """`offload_layer_inputs: true` in a file or override, without `attention_remat` or
+    `moe_remat`: they take the only values it works with (the planner's and the trainer's
+    commands need not spell them out); given, they are kept (and checked above)."""
+    cfg = load_config("configs/tiny.yaml", offload_layer_inputs=True)
+    assert (cfg.attention_remat, cfg.moe_remat, cfg.offload_layer_inputs) == ("full", True, True)
+    f = tmp_path / "c.yaml"
+    f.write_text((ROOT / "configs/tiny.yaml").read_text() + "offload_layer_inputs: true\n")
+    assert load_config(f).attention_remat == "full" and load_config(f).moe_remat
+    assert load_config("configs/tiny.yaml").attention_remat == "save_all"  # nothing implied

@@ -233,7 +233,7 @@ def test_the_memory_table_has_the_trained_runs_row(monkeypatch, over, labels):
     ],
 )
 def test_an_attention_bias_the_architecture_ignores_is_refused(kw, said):
-    """qwen2_moe's q/k/v biases are `qkv_bias`, qwen3_moe's `attention_bias` (`qwen.py`)."""
+    """qwen2_moe's q/k/v biases are `qkv_bias`, qwen3_moe's `attention_bias` (`decoder.py`)."""
     with pytest.raises(ValueError) as e:
         ModelConfig(**kw)
     assert str(e.value).startswith(said), str(e.value)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import relaymoe_jax.remat as remat
-from relaymoe_jax.models import QwenMoe, qwen
+from relaymoe_jax.models import QwenMoe, decoder
 from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.models.layers import rope_cos_sin
 from relaymoe_jax.remat import Cost, brute_force, greedy, optimality_gap, uniform
@@ -171,7 +171,7 @@ def _residual_bytes(cfg, option, b, s, dtype):
     def residual_bytes(option):
         def block(x, state):  # cos, sin closed over: constants, as in the model
             norm, attn = nnx.merge(graphdef, state)
-            f = qwen.attention_block
+            f = decoder.attention_block
             if option != "save_all":
                 f = nnx.remat(f, policy=remat.policy(option))
             return f(norm, attn, x, cos, sin)
@@ -325,6 +325,6 @@ def test_full_recompute_keeps_only_each_layer_input(moe_remat, layer_outputs):
     adds = [
         line
         for line in out.getvalue().splitlines()
-        if re.match(rf"f32\[8(@\w+)?,32,{cfg.hidden_size}\] output of add .*qwen\.py", line)
+        if re.match(rf"f32\[8(@\w+)?,32,{cfg.hidden_size}\] output of add .*decoder\.py", line)
     ]
     assert cfg.num_hidden_layers == 2 and len(adds) == layer_outputs, out.getvalue()

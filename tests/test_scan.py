@@ -28,7 +28,7 @@ from relaymoe_jax.models import (
 )
 from relaymoe_jax.models import router_losses as router
 from relaymoe_jax.models.config_files import load_config
-from relaymoe_jax.models.qwen import DecoderLayer
+from relaymoe_jax.models.decoder import DecoderLayer
 from train import train_step
 from train.data import Batch
 from train.settings import TrainConfig
@@ -165,6 +165,12 @@ def assert_close(a, b, rel=1e-5, what=""):
                 os.path.join(HF, "qwen3_moe_dense_layers_sharded"), mesh=mesh(), scan_layers=True
             ),
             r"layers \[1\] are dense",
+        ),
+        (  # the hook is applied inside the layer scan: without one it would be ignored
+            lambda: QwenMoe(tiny(), mesh=mesh(), rngs=nnx.Rngs(0)).hidden(
+                jnp.zeros((8, 8), jnp.int32), layer_weights=lambda v: v
+            ),
+            r"hidden\(layer_weights=...\) applies inside the layer scan: it needs scan_layers=True",
         ),
     ],
 )

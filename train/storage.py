@@ -58,6 +58,8 @@ def gather_stored(x):
         value, spec = x.get_value(), x.get_metadata().get("out_sharding")
         if spec is None:
             return x.replace(gather_stored(value))
+        if len(spec) == value.ndim + 1:  # one layer's slice of a stacked [L, ...] variable (in
+            spec = tuple(spec)[1:]  # the layer scan's body): its spec without the layer axis
         sharding = jax.typeof(value).sharding
         if tuple(sharding.spec) == tuple(spec):
             return x

@@ -31,7 +31,7 @@ from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
 from .data.source import Batch
-from .offload import fetch_params, on_host, streamed_update
+from .offload import fetch_params, is_stacked, on_host, streamed_update
 from .optimizer import make_optimizer
 from .settings import TrainConfig, check_offload
 from .storage import STORAGE_AXES, gather_stored, is_variable, stored_sharding
@@ -184,7 +184,9 @@ def make_step(
     attention stays within a document, and the loss is the mean over the targets
     `next_token_targets` keeps. The parameters are gathered from their storage (`stored_sharding`)
     and, with `compute_dtype="bfloat16"` (`TrainConfig` checks it), cast to bf16 for the forward
-    and backward (the stored master weights, the optimizer and the update stay float32; the
+    and backward: a scanned model's layers one at a time inside the layer scan, within each
+    block's checkpoint (`QwenMoe.hidden`'s `layer_weights`), everything else before the model
+    runs (the stored master weights, the optimizer and the update stay float32; the
     router and the losses compute in float32 anyway). The LM head and cross-entropy run in chunks
     of `loss_chunk` tokens per device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab]
     logits are ever built. The expert bias is not touched here: `update_expert_bias` (eager, as
@@ -202,10 +204,19 @@ def make_step(
         return v.replace(x) if is_variable(v) else x
 
     def loss_fn(params, rest, batch: Batch):
-        model = nnx.merge(graphdef, jax.tree.map(cast, params, is_leaf=is_variable), rest)
+        # a scanned model's layers are gathered and cast one at a time inside its scan; the
+        # rest (embedding, final norm, LM head) here
+        scanned = any(is_stacked(v) for v in jax.tree.leaves(params, is_leaf=is_variable))
+        prepare = lambda v: v if is_stacked(v) else cast(v)
+        model = nnx.merge(graphdef, jax.tree.map(prepare, params, is_leaf=is_variable), rest)
         model.dtype = dtype
         ids, seg = batch.tokens, batch.segment_ids
-        x_bsh, aux = model.hidden(ids, segment_ids=seg, positions=batch.positions)
+        x_bsh, aux = model.hidden(
+            ids,
+            segment_ids=seg,
+            positions=batch.positions,
+            layer_weights=cast if scanned else None,  # one layer's slice, inside the scan
+        )
         targets, weights = next_token_targets(ids, seg)
         with jax.named_scope("lm_loss"):
             nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)

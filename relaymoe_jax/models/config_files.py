@@ -166,6 +166,12 @@ def unknown_keys(unknown, known: dict[str, typing.Iterable[str]], what: str = "k
     return f"unknown {what}(s) {unknown}; " + " ".join(hints) + (" " if hints else "") + listing
 
 
+# `offload_layer_inputs: true` in a file or override implies these where they are not given: the
+# only settings it works with (each layer one checkpoint whose only residual is its input). A
+# different value given is refused by `ModelConfig`'s check, naming it.
+IMPLIED_BY_OFFLOAD = {"attention_remat": "full", "moe_remat": True}
+
+
 def load_config(
     path_or_name: str | Path,
     *,
@@ -182,10 +188,13 @@ def load_config(
     (an empty file too: write `{}` for all the defaults). An unknown key's error suggests close
     matches; `other_keys` ({"trainer": names, ...}) are keys the caller takes elsewhere, listed
     and matched in that error (a trainer key in the YAML file is said to be one).
+    `offload_layer_inputs: true` implies `IMPLIED_BY_OFFLOAD` where those keys are not given.
     """
     path = resolve_config_path(path_or_name)
     data, lines = _read_yaml(path)
     merged = {**data, **overrides}
+    if merged.get("offload_layer_inputs") is True:  # the whole-layer checkpoint it offloads
+        merged = {**IMPLIED_BY_OFFLOAD, **merged}  # from: implied where not given (else checked)
 
     def where(key):
         if key is not None and key in overrides:

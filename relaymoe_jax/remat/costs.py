@@ -39,7 +39,7 @@ blocks, masked ones included):
     c(save_all)      = c(save_attn_out)                       (so the solver never picks it)
 
 With `moe_remat` (the MLP/MoE block recomputed too), "full" is one checkpoint around the whole
-decoder layer that keeps only the layer's input (`models/qwen.py`), while every other option
+decoder layer that keeps only the layer's input (`models/decoder.py`), while every other option
 checkpoints the two blocks apart, and the MLP block's checkpoint keeps its own input, the residual
 stream after the attention: each option's `m` then adds that activation,
 

@@ -103,7 +103,10 @@ def write_shard(task) -> Shard:
         lengths_bytes=(Path(out) / lengths_name).stat().st_size,
         lengths_sha256=sha256_file(Path(out) / lengths_name),
     )
-    (Path(out) / "done" / f"{name}.json").write_text(json.dumps(entry.as_json()))
+    marker = Path(out) / "done" / f"{name}.json"  # written whole or not at all: a signal
+    tmp_marker = marker.with_name(f".{marker.name}.tmp")  # between open and write would leave
+    tmp_marker.write_text(json.dumps(entry.as_json()))  # an empty record a rerun cannot read
+    os.replace(tmp_marker, marker)
     return entry
 
 
@@ -322,8 +325,8 @@ def _stop_on_signal(signum, frame):
 
 def _stopped_line(out: Path, e: Interrupted) -> str:
     finished = len(list((out / "done").glob("*.json"))) if (out / "done").is_dir() else 0
-    for tmp in out.glob(".shard-*.tmp"):  # what a stopped worker was writing
-        tmp.unlink(missing_ok=True)
+    for tmp in [*out.glob(".shard-*.tmp"), *out.glob("done/.shard-*.tmp")]:  # what a stopped
+        tmp.unlink(missing_ok=True)  # worker was writing
     return (
         f"prepare: stopped by {e} ({finished} shard(s) finished in {out}); the same command "
         "resumes there"
