@@ -402,14 +402,19 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
 
 
 @needs_plugin
-@pytest.mark.parametrize("dispatcher, packed", [("ring", True), ("alltoall", False)])
-def test_train_step_kernels_take_16_bit_operands(dispatcher, packed):
+@pytest.mark.parametrize(
+    "dispatcher, packed, scanned",
+    [("ring", True, False), ("alltoall", False, False), ("ring", False, True)],
+)
+def test_train_step_kernels_take_16_bit_operands(dispatcher, packed, scanned):
     """The tiny model's whole train step (router, attention, experts, chunked LM loss, AdamW),
     compute_dtype=bfloat16, compiled by XLA:GPU for 8 H100s with the trainer's options: every
     Triton call takes 16-bit float operands. The ring's step on packed documents (`packed`:
     segment ids and positions, the chunked attention masked block by block, the loss mask), as
     `--data DIR` runs it; the all-to-all's on plain rows (the XLA attention), as `--synthetic`
-    runs it. The Triton calls are the experts' grouped matmuls either way."""
+    runs it; the ring's with the layer scan and `moe_remat` (`scanned`: each layer's weights are
+    cast to bf16 inside the MoE block's checkpoint, and its gradient leaves it in float32). The
+    Triton calls are the experts' grouped matmuls either way."""
     from relaymoe_jax.models.config_files import load_config
     from train import mesh as train_mesh
     from train import train_step
@@ -424,6 +429,7 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher, packed):
         expert_size=train_mesh.expert_size(sizes),
         dispatcher=dispatcher,
         **attention,
+        **(dict(scan_layers=True, moe_remat=True) if scanned else {}),
     )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")

@@ -195,8 +195,8 @@ def _gpu_memory(cfg, tc, mesh):
 def test_offloaded_optimizer_lowers_the_gpu_peak_not_only_the_arguments():
     """XLA:GPU for 8 abstract H100s, a small dense scanned model, bf16 compute: with the float32
     weights and both moments (12 bytes per stored parameter) in host memory, the device's peak
-    (arguments + temporaries + outputs not aliased) falls by at least what moved less the bf16
-    compute copy (2 bytes) and the now-bf16 gradients' ... copy: 12 - 2 = 10 bytes per parameter,
+    (arguments + temporaries + outputs not aliased) falls by at least what moved (12 bytes) less
+    the bf16 compute copy that the step fetches to the device (2 bytes): 10 bytes per parameter,
     taken at 3/4 for the rest of the step's noise; the host holds at least the moved bytes. (A
     naive fetch of the whole state inside the step moves it from arguments to temporaries and
     leaves the peak where it was.)"""
