@@ -3,9 +3,18 @@ runs anything; the CPU platform unless JAX_PLATFORMS says otherwise; x64 off.
 
 Compile time is most of the suite's time, so these settings cut it without changing a program:
 - one persistent compilation cache for the whole run (a fresh temporary directory, removed at the
-  end), shared by the xdist workers and by the trainer subprocesses the tests start (through the
-  environment), so a program compiled once (the same test model in many trainer runs, the same op
-  on two workers) is not compiled again;
+  end), shared by the trainer subprocesses the tests start (through the environment), so a
+  program compiled once (the same test model in many trainer runs) is not compiled again. The
+  pytest processes themselves do not use it (`jax_enable_compilation_cache` off here): a worker
+  re-compiles what the other worker or a subprocess compiled, which costs little (in-process
+  trainer runs memoise their step), and writes nothing from its long-lived process;
+- after each test file, the programs it compiled are released (`_release_compiled_programs`:
+  jax's caches and the trainer's memoised steps). Every XLA:CPU executable holds a few memory
+  mappings of JIT code; a worker that kept all of them grew towards Linux's `vm.max_map_count`
+  (65,530), and late in runs XLA aborted whole workers in whatever it was mapping (CI twice,
+  2026-12-02 and -03, and twice here: a cache write, a compile; that limit is the likely cause).
+  Measured on one worker over five test files: 24,285 mappings and growing without the release,
+  at most 12,382 with it;
 - XLA's LLVM backend at -O0 (`--xla_backend_optimization_level=0`, appended to XLA_FLAGS). The HLO
   passes, the buffer assignment (`memory_analysis()`) and the schedule are unchanged, and so are
   the numbers: XLA:CPU does not reassociate floating point (no fast math), whatever LLVM's level.
@@ -20,8 +29,10 @@ The trainer's cache of prepared text (`train.data.prepared.cache_dir`) is a dire
 cache, not the user's ~/.cache.
 """
 
+import gc
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -42,11 +53,26 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 from relaymoe_jax.cli.devices import use_cpu_devices  # noqa: E402
 
 use_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)
+jax.config.update("jax_enable_compilation_cache", False)  # subprocesses keep it (docstring)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file: drop the programs it compiled (jax's caches and the trainer's
+    memoised steps), so that a worker's XLA:CPU executables (each a few memory mappings of JIT
+    code) do not pile up over the run."""
+    yield
+    train_step = sys.modules.get("train.train_step")
+    if train_step is not None:
+        train_step._COMPILED.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_unconfigure(config):

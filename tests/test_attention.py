@@ -92,8 +92,8 @@ def test_rejects_bad_shapes():
     q, k, v, _ = _inputs(1, 8, 3, 2, 4, F32)
     with pytest.raises(ValueError, match="must divide"):
         chunked_causal_attention(q, k, v)
-    with pytest.raises(ValueError, match=r"\[B, S, K, D\]"):
-        chunked_causal_attention(q[:, :4], k, v)
+    with pytest.raises(ValueError, match=r"\[B, T, K, D\]"):
+        chunked_causal_attention(q, k[:, :, :, :2], v)
 
 
 def _temp_bytes(attn, b, s, n, kv, d):
@@ -152,9 +152,11 @@ def test_context_parallel_sharding_matches_unsharded(under_set_mesh):
 def test_no_mask_residuals_in_a_rematerialised_layer_scan():
     """Inside a differentiated layer scan with the attention rematerialised (the model's
     scan_layers + attention_remat=full), JAX must not hoist the causal masks out of the
-    backward as stacked [blocks, B, S, K, G, block_k] residuals (found at full size: 75 GiB per
-    device); the barrier in `_mask_st` makes them depend on the keys. Read from the jaxpr: no
-    bool array there has a leading dimension of the number of key blocks."""
+    backward as stacked [blocks, B, block_q, block_k] residuals (found at full size: 75 GiB per
+    device); the barrier in `attention_blocks.pair_mask` makes them depend on the keys. Nor may
+    it keep every pair's scores (a `lax.cond` per pair did: [nq, nk, B, block_q, K, G, block_k]
+    float32, 16 GiB buffers at 32,768 tokens per device). Read from the jaxpr: no bool array
+    there of rank >= 4 leads with a number of blocks, and no array of rank >= 5 with both."""
     b, s, n, kv, d, block = 2, 64, 4, 2, 8, 16
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for h in (n, kv, kv))
@@ -176,8 +178,8 @@ def test_no_mask_residuals_in_a_rematerialised_layer_scan():
         for eqn in jx.eqns:
             for var in eqn.outvars:
                 aval = getattr(var, "aval", None)
-                if aval is not None and getattr(aval, "dtype", None) == jnp.bool_:
-                    shapes.add(tuple(aval.shape))
+                if aval is not None and hasattr(aval, "shape"):
+                    shapes.add((tuple(aval.shape), aval.dtype == jnp.bool_))
             for p in eqn.params.values():
                 for j in p if isinstance(p, (list, tuple)) else (p,):
                     inner = getattr(j, "jaxpr", None)
@@ -185,9 +187,12 @@ def test_no_mask_residuals_in_a_rematerialised_layer_scan():
                         walk(getattr(inner, "jaxpr", inner))
 
     walk(jaxpr.jaxpr)
-    assert (b, s, kv, n // kv, block) in shapes, shapes  # the walk sees the per-block masks
-    stacked = [sh for sh in shapes if len(sh) == 6 and sh[0] == s // block]
+    assert ((b, block, block), True) in shapes, shapes  # the walk sees the per-block masks
+    nb = s // block
+    stacked = [sh for sh, is_bool in shapes if is_bool and len(sh) >= 4 and sh[0] == nb]
     assert not stacked, stacked
+    pairs = [sh for sh, _ in shapes if len(sh) >= 5 and sh[:2] == (nb, nb)]
+    assert not pairs, pairs
 
 
 # ------------------------------------------------------------------ packed documents
@@ -251,9 +256,119 @@ def test_segment_ids_keep_attention_inside_each_document(impl):
         assert _rel_err(got[r : r + 1, sl], alone) < 1e-5
 
 
-def test_bad_segment_ids_are_refused():
+@pytest.mark.parametrize("name", ["segment_ids", "q_index", "k_index"])
+def test_bad_per_token_arrays_are_refused(name):
     q, k, v, _ = _inputs(1, 8, 2, 2, 4, F32)
-    with pytest.raises(ValueError, match=r"segment_ids: shape \(1, 7\), expected \[batch, seq\]"):
-        chunked_causal_attention(q, k, v, segment_ids=jnp.zeros((1, 7), jnp.int32))
-    with pytest.raises(ValueError, match="segment_ids: expected an integer dtype, got float32"):
-        chunked_causal_attention(q, k, v, segment_ids=jnp.zeros((1, 8)))
+    with pytest.raises(ValueError, match=rf"{name}: shape \(1, 7\), expected \[batch, seq\]"):
+        chunked_causal_attention(q, k, v, **{name: jnp.zeros((1, 7), jnp.int32)})
+    with pytest.raises(ValueError, match=f"{name}: expected an integer dtype, got float32"):
+        chunked_causal_attention(q, k, v, **{name: jnp.zeros((1, 8))})
+
+
+# ------------------------------------------------------------------ indices and block skipping
+
+
+def indexed_reference_np(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, scale):
+    """GQA attention in float64 numpy where query i sees key j iff ki[j] <= qi[i] and their
+    segment ids are equal; a query that sees no key gives 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q_bsnd, k_btkd, v_btkd))
+    n = q.shape[2]
+    k, v = (np.repeat(x, n // x.shape[2], axis=2) for x in (k, v))
+    ok_bst = (ki_bt[:, None, :] <= qi_bs[:, :, None]) & (qseg_bs[:, :, None] == kseg_bt[:, None])
+    scores_bnst = np.einsum("bsnd,btnd->bnst", q, k) * scale
+    scores_bnst = np.where(ok_bst[:, None], scores_bnst, -np.inf)
+    top = np.where(ok_bst[:, None].any(-1, keepdims=True), scores_bnst.max(-1, keepdims=True), 0)
+    p_bnst = np.exp(scores_bnst - top)
+    p_bnst /= np.maximum(p_bnst.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("bnst,btnd->bsnd", p_bnst, v)
+
+
+def _doc_ids(b, t, lengths, pad):
+    """[B, T] segment ids 1, 2, ... of documents with these lengths (cycled), then `pad`
+    padding tokens with id 0."""
+    out = np.zeros((b, t), np.int32)
+    for r in range(b):
+        pos, doc = 0, 1
+        while pos < t - pad:
+            n = lengths[(r + doc) % len(lengths)]
+            out[r, pos : min(pos + n, t - pad)] = doc
+            pos, doc = pos + n, doc + 1
+    return out
+
+
+def _visible_pairs_np(qi_bs, ki_bt, qseg_bs, kseg_bt, bq, bk):
+    """The exact number of (query block, key block) pairs holding a visible (query, key) pair in
+    some row, from the dense [B, S, T] mask."""
+    ok_bst = (ki_bt[:, None, :] <= qi_bs[:, :, None]) & (qseg_bs[:, :, None] == kseg_bt[:, None])
+    s, t = ok_bst.shape[1:]
+    nq, nk = -(-s // bq), -(-t // bk)
+    return sum(
+        ok_bst[:, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any()
+        for i in range(nq)
+        for j in range(nk)
+    )
+
+
+# id: (S queries, T keys, query offset, doc lengths, padding tokens, block_q, block_k)
+INDEXED = {
+    "causal-all": (64, 64, 0, (64,), 0, 16, 16),
+    "docs-cross-blocks": (64, 64, 0, (11, 23, 7), 0, 16, 16),
+    "docs-padding": (60, 60, 0, (13, 9), 6, 16, 8),
+    "query-offset-docs": (24, 64, 33, (10, 21), 0, 8, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEXED))
+def test_indexed_documents_values_gradients_and_visited_blocks(case):
+    """Queries at explicit indices (a slab of the sequence, as one device holds under context
+    parallelism) against all keys, with documents crossing blocks and a padding segment: values
+    against float64 numpy, q/k/v gradients against a dense masked softmax in float32 (an
+    independent program); the forward and the backward each visit exactly the block pairs that
+    hold a visible pair (a numpy count from the dense mask; padding may add pairs that hold
+    none, never fewer), and fewer than all of them."""
+    from relaymoe_jax.models import attention_xla
+
+    s, t, offset, lengths, pad, bq, bk = INDEXED[case]
+    b, n, kv, d = 2, 4, 2, 8
+    rng = np.random.default_rng(5)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    q, k, v, w = draw(b, s, n, d), draw(b, t, kv, d), draw(b, t, kv, d), draw(b, s, n, d)
+    kseg = _doc_ids(b, t, lengths, pad)
+    qseg = kseg[:, offset : offset + s]
+    ki = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    qi = ki[:, offset : offset + s]
+    given = dict(segment_ids=qseg, kv_segment_ids=kseg, q_index=qi, k_index=ki)
+    attn = lambda q, k, v: chunked_causal_attention(q, k, v, block_k=bk, block_q=bq, **given)
+    got = jax.jit(attn)(q, k, v)
+    assert _rel_err(got, indexed_reference_np(q, k, v, qi, ki, qseg, kseg, d**-0.5)) < 1e-5
+
+    def dense(q, k, v):
+        g = n // kv
+        kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        sc = jnp.einsum("bsnd,btnd->bnst", q, kk, precision="highest") * d**-0.5
+        ok = (ki[:, None, :] <= qi[:, :, None]) & (qseg[:, :, None] == kseg[:, None])
+        p = jax.nn.softmax(jnp.where(ok[:, None], sc, -jnp.inf), axis=-1)
+        return jnp.einsum("bnst,btnd->bsnd", p, vv, precision="highest")
+
+    for g_got, g_want in zip(_loss_grads(attn, q, k, v, w), _loss_grads(dense, q, k, v, w)):
+        assert _rel_err(g_got, g_want) < 1e-5
+
+    arrays = (q, k, v, *map(jnp.asarray, (qi, ki, qseg, kseg)))
+    o, lse, fwd_visits = attention_xla.forward(*arrays, bq, bk, d**-0.5)
+    res = (*arrays[:3], *arrays[3:5], *arrays[5:], o, lse)
+    _, bwd_visits = attention_xla.backward(bq, bk, d**-0.5, res, w)
+    exact = _visible_pairs_np(qi, ki, qseg, kseg, bq, bk)
+    total = -(-s // bq) * -(-t // bk)
+    print(f"\n{case}: visited {int(fwd_visits)} / {total} block pairs, {exact} hold a visible pair")
+    assert int(fwd_visits) == int(bwd_visits)
+    assert exact <= int(fwd_visits) < total
+    if not pad:
+        assert int(fwd_visits) == exact
+
+
+def test_keys_apart_from_queries_need_their_indices_and_blocks_are_checked():
+    q, k, v, _ = _inputs(1, 8, 2, 2, 4, F32)
+    with pytest.raises(ValueError, match="k has 8 positions and q 4: give q_index"):
+        chunked_causal_attention(q[:, :4], k, v)
+    with pytest.raises(ValueError, match="block_q must be a positive int, got 0"):
+        chunked_causal_attention(q, k, v, block_q=0)

@@ -116,10 +116,11 @@ def test_chunked_attention_cuts_the_step_peak():
 
 def test_chunked_attention_plan_skips_the_forward_scan():
     """With the chunked attention, save_attn_out keeps o and the log-sum-exp, so the backward no
-    longer re-runs the forward scan (4 b N s S D FLOPs) on top of the projections. XLA's
-    cost_analysis counts a while loop's body once, so with J = 2 key blocks it sees half the
-    scan (with one block XLA merges the re-run scores with the backward's, which hides them).
-    save_all saves no more FLOPs, so even an unlimited budget plans save_attn_out."""
+    longer re-runs the forward (2 b N s S D FLOPs: the causal half) on top of the projections.
+    XLA's cost_analysis counts a while loop's body once, so with 2 x 2 blocks it sees one pair of
+    blocks, half the causal count (and the softmax's elementwise FLOPs, ~7 per score, on top:
+    hence the 20%). save_all saves no more FLOPs, so even an unlimited budget plans
+    save_attn_out."""
     cfg = load_config(
         "configs/tiny.yaml", attention_impl="chunked", attention_block_k=TC.seq_len // 2
     )
@@ -135,7 +136,7 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     assert r.plan.options == ("save_attn_out", "save_attn_out") and r.fits
     scan = costs["save_attn_out"].flops - costs["save_qkv"].flops
     seen = 2 * (costs["save_qkv"].flops + scan // 2)  # per layer, loop body once
-    assert seen <= r.flops_saved < 1.1 * seen, (r.flops_saved, seen)
+    assert seen <= r.flops_saved < 1.2 * seen, (r.flops_saved, seen)
     unlimited = planner.remat.plan_attention_remat(
         cfg,
         batch=TC.batch_size,

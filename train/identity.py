@@ -26,7 +26,8 @@ nothing is checked when it has nothing left to train):
   computed, not what it computes (the same math up to float rounding: summation order):
   `routing`, `ring` (flat or hierarchical: the same pairs, another transfer order),
   `chunk_size`, `gmm_impl`, `attention_impl` and `attention_block_k` (the chunked attention is
-  the same softmax, online), `attention_remat`, `moe_remat` (recomputation is exact),
+  the same softmax, online), `context_layout` (the same tokens in another order over the
+  devices), `attention_remat`, `moe_remat` (recomputation is exact),
   `offload_layer_inputs` and `offload_optimizer` (values moved to host memory, not changed),
   `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the `dispatcher`
   and `capacity_factor` as long as nothing is dropped on either side (ring, reference and the
@@ -76,6 +77,7 @@ SAME_MATH = frozenset(
         "gmm_impl",
         "attention_impl",
         "attention_block_k",
+        "context_layout",
         "attention_remat",
         "moe_remat",
         "offload_layer_inputs",

@@ -355,7 +355,7 @@ def main(argv=None) -> int:
             found.note_once(
                 "while loop",
                 "chunked attention: XLA's cost_analysis counts a while loop's body "
-                "once, so its column sees one key block of the attention; the formula "
+                "once, so its column sees one pair of blocks of the attention; the formula "
                 "column counts them all",
             )
         if cfg.offload_layer_inputs:

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from typing import Literal
 
 from relaymoe_jax.dispatch.experts import check_experts_divide
+from relaymoe_jax.models.context import LAYOUTS as CONTEXT_LAYOUTS
+from relaymoe_jax.models.context import ContextLayout
 from relaymoe_jax.models.layers import ATTENTION_IMPLS, AttentionImpl
 from relaymoe_jax.models.moe_config import MOE_KEYS, MoEConfig
 from relaymoe_jax.op.options import MoEOptions, unused_error
@@ -61,8 +63,12 @@ class ModelConfig:
     # form spells its fields as keys (num_experts, router, dispatcher, ...); num_experts=0: dense
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     attention_impl: AttentionImpl = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S]
-    # scores on the XLA path) or "chunked" (O(S * block) memory)
-    attention_block_k: int = 512  # keys per block of "chunked"
+    # scores on the XLA path) or "chunked" (blocks; only the causally visible pairs)
+    attention_block_k: int = 512  # queries and keys per block of "chunked"
+    # the order of the sequence over a `context` axis (models/context.py): "zigzag" (device c
+    # holds pieces c and 2C - 1 - c of 2C: equal causal work) or "contiguous" (piece c); the
+    # blockwise attention only: with "xla", which masks by place, the order is contiguous
+    context_layout: ContextLayout = "zigzag"
     # attention recomputation (relaymoe_jax.remat.options): one option for every layer, or one
     # per layer; "save_all" = no jax.checkpoint
     attention_remat: RematOption | tuple[RematOption, ...] = "save_all"
@@ -212,6 +218,7 @@ FIELD_CHECKS = {
     "moe": _moe,
     "attention_impl": lambda name, v: one_of(name, v, ATTENTION_IMPLS),
     "attention_block_k": _size,
+    "context_layout": lambda name, v: one_of(name, v, CONTEXT_LAYOUTS),
     "attention_remat": _remat,
     "moe_remat": is_bool,
     "offload_layer_inputs": is_bool,

@@ -40,6 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models.config import ModelConfig
+from relaymoe_jax.models.context import zigzag_order, zigzag_size
 from relaymoe_jax.models.layers import MLP, RMSNorm, apply_rope, attend, param
 from relaymoe_jax.models.moe_layer import MoELayer
 from relaymoe_jax.models.sharding import constrain
@@ -72,6 +73,7 @@ class Attention(nnx.Module):
             self.o_bias = zeros((h,), ("embed",))
         self.qk_norm = cfg.arch == "qwen3_moe"
         self.attention_impl, self.attention_block_k = cfg.attention_impl, cfg.attention_block_k
+        self.context_layout = cfg.context_layout
         if self.qk_norm:
             norm = lambda: RMSNorm(
                 d, eps=cfg.rms_norm_eps, rules=rules, dtype=dtype, axis="head_dim"
@@ -105,6 +107,11 @@ class Attention(nnx.Module):
             v_bskd = constrain(v_bskd, self.rules.mesh, kv_spec)
             if seg_bs is not None:  # and the keys' segment ids
                 kv_seg_bs = constrain(seg_bs, self.rules.mesh, P(*kv_spec[:2]))
+        index_bs = None
+        b, s = q_bsnd.shape[:2]
+        c = zigzag_size(self.context_layout, self.attention_impl, self.rules, b, s)
+        if c is not None:  # the tokens arrive in the zigzag order (QwenMoe.hidden)
+            index_bs = jnp.broadcast_to(jnp.asarray(zigzag_order(s, c)), (b, s))
         with jax.named_scope("attention"):
             o_bsnd = attend(
                 q_bsnd,
@@ -114,6 +121,7 @@ class Attention(nnx.Module):
                 self.attention_block_k,
                 seg_bs,
                 kv_seg_bs,
+                index_bs,
             )
         with jax.named_scope("o_proj"):
             y_bsh = jnp.einsum("bsnd,ndh->bsh", o_bsnd, self.o_proj[...])

@@ -40,6 +40,7 @@ OURS_ONLY = (
     "attention_remat",
     "attention_impl",
     "attention_block_k",
+    "context_layout",
     "moe_remat",
     "offload_layer_inputs",
     "scan_layers",

@@ -179,8 +179,9 @@ def causal_attention(
     is XLA's attention on every backend (its selector's "automatic" choice is XLA for now): it
     materialises [B, N, S, S] scores, and its backward takes the score gradient in float32 (two
     f32 XLA dots per layer in the compiled bf16 train step; no Pallas kernel involved).
-    impl="chunked": `attention.chunked_causal_attention` (key blocks of `block_k`, online softmax,
-    a custom_vjp keeping only q, k, v, o and the log-sum-exp): O(S * block_k) memory, for long
+    impl="chunked": `attention.chunked_causal_attention` (query and key blocks of `block_k`, only
+    the pairs of blocks holding a visible pair, online softmax, a custom_vjp keeping only q, k,
+    v, o and the log-sum-exp): O(block_k^2) temporaries and the causal FLOPs, for long
     sequences.
     segment_ids [B, S] (optional, packed documents): query i sees key j only if their ids are
     equal, in both implementations (the XLA one through a [B, 1, S, S] boolean mask);
@@ -195,14 +196,25 @@ def causal_attention(
     return attend(q_bsnd, k_bskd, v_bskd, impl, block_k, seg_bs, seg_kv)
 
 
-def attend(q_bsnd, k_bskd, v_bskd, impl: str, block_k: int, seg_bs, seg_kv):
+def attend(q_bsnd, k_bskd, v_bskd, impl: str, block_k: int, seg_bs, seg_kv, index_bs=None):
     """`causal_attention` on segment ids already checked (`check_segment_ids`: int32 [B, S] for
     the queries and the keys, or both None): what the model calls in every layer, having checked
-    its segment ids once at its entry."""
+    its segment ids once at its entry. `index_bs` (chunked only): each token's index in the
+    sequence when the tokens are not in order (the zigzag layout, `models/context.py`)."""
     if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
         return blockwise_attention(
-            q_bsnd, k_bskd, v_bskd, block_k=block_k, scale=None, seg_bs=seg_bs, seg_kv=seg_kv
+            q_bsnd,
+            k_bskd,
+            v_bskd,
+            block_k=block_k,
+            scale=None,
+            seg_bs=seg_bs,
+            seg_kv=seg_kv,
+            q_index=index_bs,
+            k_index=index_bs,
         )
+    if index_bs is not None:
+        raise ValueError(f"attention_impl={impl!r} attends in place order: no index_bs")
     mask = None if seg_bs is None else (seg_bs[:, :, None] == seg_kv[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(
         q_bsnd, k_bskd, v_bskd, mask=mask, scale=q_bsnd.shape[-1] ** -0.5, is_causal=True

@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax.models import router_losses as rt
 from relaymoe_jax.models.attention import check_per_token, check_segment_ids
 from relaymoe_jax.models.config import ModelConfig, check_mesh
+from relaymoe_jax.models.context import from_zigzag, to_zigzag, zigzag_size
 from relaymoe_jax.models.decoder import DecoderLayer
 from relaymoe_jax.models.layers import (
     RMSNorm,
@@ -177,6 +178,10 @@ class QwenMoe(nnx.Module):
         seg_bs = None
         if segment_ids is not None:
             seg_bs = constrain(check_segment_ids(jnp.asarray(segment_ids), (b, s)), mesh, act)
+        zigzag = zigzag_size(cfg.context_layout, cfg.attention_impl, rules, b, s) is not None
+        if zigzag:  # balanced context parallelism: the layers run in the zigzag order
+            ids_bs, positions = to_zigzag(ids_bs, rules), to_zigzag(positions, rules)
+            seg_bs = None if seg_bs is None else to_zigzag(seg_bs, rules)
         with jax.named_scope("embed"):
             x_bsh = embed_lookup(self.embed_tokens[...], ids_bs, mesh, P(*act, None))
         cos_bsd, sin_bsd = rope_cos_sin(positions, cfg.head_size, cfg.rope_theta, self.dtype)
@@ -199,10 +204,16 @@ class QwenMoe(nnx.Module):
                 if st is not None:
                     per_layer.append(keep(st))
             stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
+        if zigzag:  # back to the natural order for the loss and the logits
+            x_bsh = from_zigzag(x_bsh, rules)
         with jax.named_scope("final_norm"):
             x_bsh = self.norm(x_bsh)
         e, logits_shape = cfg.moe.num_experts, (b, s) if return_router_logits else None
         aux = rt.model_aux(stats, e, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, logits_shape)
+        if zigzag and aux.router_logits is not None and aux.router_logits.shape[0]:
+            lbse = aux.router_logits  # [L, B, S, E] -> natural order along S
+            natural = jnp.moveaxis(from_zigzag(jnp.moveaxis(lbse, 0, 2), rules), 2, 0)
+            aux = aux._replace(router_logits=natural)
         return x_bsh, aux
 
     def update_expert_bias(self, expert_load_le, rate: float | None = None):

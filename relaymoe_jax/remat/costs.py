@@ -30,12 +30,14 @@ no log-sum-exp, and so recomputes the scores and softmax in the backward whateve
 
 With `attention_impl="chunked"` (`models/attention.py`, a custom_vjp whose residuals are q, k, v,
 o and the float32 log-sum-exp, named "attn_out" and "attn_lse") nothing of size S x S is kept,
-and keeping o and lse spares the backward the whole forward scan (Q @ K^T and P @ V over all key
-blocks, masked ones included):
+and keeping o and lse spares the backward the whole forward pass (Q @ K^T and P @ V over the
+pairs of blocks it visits: causally about half of the s x S scores, counted as the half; the
+diagonal blocks' masked halves and, with packed documents, the cross-document blocks it skips
+are not counted):
 
     m(save_attn_out) = m(save_qkv) + b s N D e + 4 b s N     + attention output, lse (float32)
     m(save_all)      = m(save_attn_out) + the XLA rest above without the b N s S (9 + e) scores
-    c(save_attn_out) = c(save_qkv) + 4 b N s S D             Q @ K^T and P @ V
+    c(save_attn_out) = c(save_qkv) + 2 b N s S D             Q @ K^T and P @ V, causal half
     c(save_all)      = c(save_attn_out)                       (so the solver never picks it)
 
 With `moe_remat` (the MLP/MoE block recomputed too), "full" is one checkpoint around the whole
@@ -130,7 +132,7 @@ def option_costs(sh: AttentionShape) -> dict[str, Cost]:
         + (2 * b * S * K * D * e if S > s else 0)
     )
     if sh.chunked:
-        out = Cost(qkv.bytes + b * s * N * D * e + 4 * b * s * N, qkv.flops + 4 * b * N * s * S * D)
+        out = Cost(qkv.bytes + b * s * N * D * e + 4 * b * s * N, qkv.flops + 2 * b * N * s * S * D)
         every = Cost(out.bytes + rest, out.flops)
     else:
         out = Cost(qkv.bytes + b * s * N * D * e, qkv.flops + 2 * b * N * s * S * D)
