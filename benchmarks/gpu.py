@@ -1,7 +1,7 @@
 """One prepared GPU run: what the cost model assumes, measured on one H100/H200.
 
-Run on one H100/H200 (the whole run within about 7 minutes; `--budget-min` skips what is left
-after 6.5): `python benchmarks/gpu.py --json benchmarks/results/gpu.json`. The first output line
+Run on one H100/H200 (the whole run within about 8.5 minutes; `--budget-min` skips what is left
+after 8): `python benchmarks/gpu.py --json benchmarks/results/gpu.json`. The first output line
 is the command that reproduces the output, the second the jax version, device kind and date.
 `--json PATH` also writes every figure (below) to PATH, which
 `relaymoe_jax.analysis.costmodel.load_rates` reads (benchmarks/cost_model.py then uses the measured
@@ -42,6 +42,23 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    sampled rows (`--check-rows`; all rows when M is no larger) and, for dW, up to 64 sampled
    columns. `check` is "ok" when all three are within the bf16 tolerance TOL, else "ERR > tol".
 
+4. `## Attention` -- causal grouped-query attention fwd and fwd+bwd (the loss sum(o * do), do a
+   fixed bf16 normal) at Qwen3-30B-A3B's heads: N=32 query heads, K=4 kv heads, head_dim 128,
+   bf16, batch 1, at 8,192, 32,768 and 131,072 tokens per device, each with packed documents of
+   4,096 tokens (segment ids 0, .., 0, 1, ..) and plain causal (run in that order, so the costliest
+   case comes last). Implementations: our Pallas Mosaic GPU kernel (`pallas`:
+   `kernels.attention.flash_attention`) and the chunked XLA path (`chunked`:
+   `models.attention.chunked_causal_attention`, block_k=512). Columns: tokens, documents (none /
+   the document length), impl, fwd ms, bwd ms (= fwd+bwd - fwd), fwd and bwd TFLOP/s, `% peak fwd
+   / bwd` (of the bf16 peak below), err o / dq / dk / dv (max|x - chunked| / max|chunked| on up
+   to `--check-rows` sampled positions with each document's first and last token) and check
+   ("ok" when all four are within TOL). FLOPs count the causal minimum: fwd = 4*B*N*D*(visible
+   (query, key) pairs: S(S+1)/2 causal, the sum of L(L+1)/2 over the documents), bwd = 2.5 x fwd
+   (FlashAttention's convention: five matmuls to the forward's two). Chunked cells over 2e13 fwd
+   FLOPs (131,072 tokens causal) are timed with 1 warm-up and 1 run; a cell is skipped (said so)
+   when the budget left cannot hold it at the pace of the impl's previous cell (the first: at
+   `gpu_attention.SLOW_RATE`).
+
 Time = median over `--runs` runs, after `--warmup` calls, of the wall time of `--inner` back-to-back
 calls ended by `jax.block_until_ready`, divided by `--inner` (a call slower than 10 ms is timed
 alone, and one slower than 0.2 s is run 3 times at most). Every section, kernel and cell is guarded:
@@ -49,11 +66,12 @@ a failure prints `error: ...` (`n/a: ...` for the Mosaic-GPU kernel, e.g. on a n
 the run goes on. Once `--budget-min` minutes have passed, the remaining cases are skipped (said so).
 
 `--tiny` shrinks every shape so it runs anywhere (M=256, K, N in {32, 64}, G in {4, 8}; the layer at
-E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128). `--interpret`
-(needs `--tiny`) runs the Pallas kernel with interpret=True, the Mosaic-GPU kernels under
-`plgpu.force_gpu_interpret_mode` and the layer and hop with gmm_impl="pallas-interpret": this is
-how tests/test_gpu_script.py runs the script on CPU. Its times only show that the code runs.
-Without `--interpret` the script needs a GPU.
+E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128; attention
+at N=4, K=2, D=64, 128 tokens, documents of 64, chunked block_k=64). `--interpret`
+(needs `--tiny`) runs the Pallas kernels (gmm and attention) with interpret=True, the Mosaic-GPU
+kernels under `plgpu.force_gpu_interpret_mode` and the layer and hop with
+gmm_impl="pallas-interpret": this is how tests/test_gpu_script.py runs the script on CPU. Its
+times only show that the code runs. Without `--interpret` the script needs a GPU.
 """
 
 import argparse
@@ -68,6 +86,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules, when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
+from gpu_attention import ATTN, TINY_ATTN, attention_section
 from gpu_common import TOL, Budget, error_text
 from gpu_kernel_section import PASSES, PATTERNS, SHAPES, TINY_SHAPES, kernel_section
 from gpu_kernels import PALLAS_CONFIGS, TINY_PALLAS_CONFIGS, pallas_cfg
@@ -76,8 +95,10 @@ from gpu_layer import HOP, LAYER, LAYER_VARIANTS, TINY_HOP, TINY_LAYER, hop_sect
 from relaymoe_jax.cli.argtypes import non_negative_int, positive_float, positive_int
 
 # What tests/test_gpu_script.py and tests/test_gpu_compile.py read off this script; the sections
-# live in gpu_layer.py (layer, hop), gpu_kernel_section.py and gpu_kernels.py, and gpu_common.py.
+# live in gpu_layer.py (layer, hop), gpu_kernel_section.py and gpu_kernels.py, gpu_attention.py,
+# and gpu_common.py.
 __all__ = [
+    "ATTN",
     "HOP",
     "LAYER",
     "LAYER_VARIANTS",
@@ -85,6 +106,7 @@ __all__ = [
     "PASSES",
     "PATTERNS",
     "SHAPES",
+    "TINY_ATTN",
     "TINY_HOP",
     "TINY_LAYER",
     "TINY_PALLAS_CONFIGS",
@@ -96,7 +118,8 @@ __all__ = [
 ]
 
 SCRIPT = "benchmarks/gpu.py"
-SECTIONS = ("layer", "hop", "kernels")  # run in this order: see gpu_layer.layer_section's doc
+# run in this order: see gpu_layer.layer_section's doc (attention last: the newest, the longest)
+SECTIONS = ("layer", "hop", "kernels", "attention")
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity), NVIDIA spec sheets.
 PEAKS = (("nvl", None), ("h100 pcie", 756.0), ("h100", 989.4), ("h200", 989.4), ("a100", 312.0))
 
@@ -154,7 +177,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-min",
         type=positive_float,
-        default=6.5,
+        default=8.0,
         help="skip the remaining cases after this many minutes",
     )
     p.add_argument(
@@ -201,6 +224,7 @@ class Results:
     kernels: list = dataclasses.field(default_factory=list)  # KernelTiming
     hop: list = dataclasses.field(default_factory=list)  # HopTiming
     layer: list = dataclasses.field(default_factory=list)  # {LAYER_COLS column: cell text}
+    attention: list = dataclasses.field(default_factory=list)  # AttnTiming
 
 
 def write_json(path, header: dict, results: Results):
@@ -210,6 +234,7 @@ def write_json(path, header: dict, results: Results):
         "kernels": [dataclasses.asdict(r) for r in results.kernels],
         "hop": [dataclasses.asdict(r) for r in results.hop],
         "layer": results.layer,
+        "attention": [dataclasses.asdict(r) for r in results.attention],
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,14 +278,16 @@ def main(argv=None):
     )
     if opts.interpret:
         print(
-            "# --interpret: Pallas interpret=True, Mosaic GPU under force_gpu_interpret_mode, "
-            "layer and hop gmm_impl='pallas-interpret'; times only show that the code runs"
+            "# --interpret: Pallas (gmm, attention) interpret=True, Mosaic GPU under "
+            "force_gpu_interpret_mode, layer and hop gmm_impl='pallas-interpret'; times only "
+            "show that the code runs"
         )
     budget, results = Budget(opts.budget_min), Results()
     sections = {
         "layer": lambda: layer_section(opts, budget, results),
         "hop": lambda: hop_section(opts, budget, results),
         "kernels": lambda: kernel_section(opts, peak, budget, results),
+        "attention": lambda: attention_section(opts, peak, budget, results),
     }
     for name in SECTIONS:
         if name not in opts.sections:

@@ -153,7 +153,7 @@ def test_no_mask_residuals_in_a_rematerialised_layer_scan():
     """Inside a differentiated layer scan with the attention rematerialised (the model's
     scan_layers + attention_remat=full), JAX must not hoist the causal masks out of the
     backward as stacked [blocks, B, block_q, block_k] residuals (found at full size: 75 GiB per
-    device); the barrier in `attention_blocks.pair_mask` makes them depend on the keys. Nor may
+    device); the barrier in `blocks.pair_mask` makes them depend on the keys. Nor may
     it keep every pair's scores (a `lax.cond` per pair did: [nq, nk, B, block_q, K, G, block_k]
     float32, 16 GiB buffers at 32,768 tokens per device). Read from the jaxpr: no bool array
     there of rank >= 4 leads with a number of blocks, and no array of rank >= 5 with both."""

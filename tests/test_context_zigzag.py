@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_models import input_ids, lm_loss, mesh, tiny
 
+from relaymoe_jax.kernels.attention.blocks import PAD_KEY, PAD_QUERY, blocks, visible_blocks
 from relaymoe_jax.models import QwenMoe, context
-from relaymoe_jax.models.attention_blocks import PAD_KEY, PAD_QUERY, blocks, visible_blocks
 from relaymoe_jax.models.sharding import rules_for
 
 

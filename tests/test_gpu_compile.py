@@ -528,6 +528,29 @@ def test_triton_call_parser_reads_operands_and_accumulators():
     assert triton_calls.wide_float_calls(text) == calls[:1]
 
 
+def test_mosaic_call_parser_reads_operands_and_leaves_out_row_statistics():
+    """Two Mosaic GPU calls as XLA:GPU prints them (abridged): the attention's backward with
+    bf16 tiles and its float32 rank-3 row statistics (lse, delta: not multiplied), and one
+    handed a float32 rank-4 tile (multiplied: flagged). `triton_calls` alone skips both."""
+    line = (
+        "%mpmd_map.{i} = bf16[1,256,4,64]{{3,2,1,0}} custom-call(%q, %k), "
+        'custom_call_target="mosaic_gpu_v2", operand_layout_constraints={{{q}[1,256,4,64]'
+        "{{3,2,1,0}}, bf16[1,256,2,64]{{3,2,1,0}}, f32[1,4,256]{{2,1,0}}, s32[4,4]{{1,0}}}}, "
+        'api_version=API_VERSION_TYPED_FFI, metadata={{op_name="jit(f)/dq_kernel/mpmd_map"}}'
+    )
+    text = "\n".join([line.format(i=1, q="bf16"), line.format(i=2, q="f32")])
+    assert triton_calls.triton_calls(text) == []
+    calls = triton_calls.mosaic_calls(text)
+    assert [(c.name, c.kernel, c.target) for c in calls] == [
+        ("mpmd_map.1", "dq_kernel", triton_calls.MOSAIC_TARGET),
+        ("mpmd_map.2", "dq_kernel", triton_calls.MOSAIC_TARGET),
+    ]
+    assert calls[0].operands[2] == ("f32", (1, 4, 256))
+    assert calls[0].wide_floats == ()
+    assert calls[1].wide_floats == (("f32", (1, 256, 4, 64)),)
+    assert triton_calls.wide_float_calls(text) == calls[1:]
+
+
 @needs_plugin
 @pytest.mark.parametrize("dispatcher", ["ring", "alltoall"])
 def test_partial_manual_shard_map_compiles_16_bit_kernels(dispatcher):

@@ -122,6 +122,47 @@ def test_layer_table(gpu, run):
         assert float(layer[v]["y rel. diff vs ring-expert"]) <= gpu.TOL
 
 
+def test_attention_table(gpu, run):
+    """Both impls at every tiny shape, plain causal and with documents; the kernel within the
+    bf16 tolerance of the chunked path (o and the three gradients); the json holds the rows."""
+    out, path = run
+    shp = gpu.TINY_ATTN
+    head = next(ln for ln in out if ln.startswith("## Attention"))
+    assert f"N={shp['heads']} query heads, K={shp['kv_heads']} kv heads" in head
+    rows = _table(out, "tokens")
+    docs = ("none", f"{shp['doc']:,}")
+    assert sorted((r["tokens"], r["documents"], r["impl"]) for r in rows) == sorted(
+        (f"{s:,}", d, i) for s in shp["tokens"] for d in docs for i in ("pallas", "chunked")
+    )
+    n, d = shp["heads"], shp["head_dim"]
+    for r in rows:
+        s, doc = int(r["tokens"].replace(",", "")), r["documents"]
+        full, rest = divmod(s, shp["doc"])  # the visible (query, key) pairs, causal
+        docs_pairs = full * shp["doc"] * (shp["doc"] + 1) // 2 + rest * (rest + 1) // 2
+        pairs = s * (s + 1) // 2 if doc == "none" else docs_pairs
+        fwd, bwd = float(r["fwd ms"]), float(r["bwd ms"])  # bwd: a difference of two times
+        assert fwd > 0 and math.isfinite(bwd), r
+        assert float(r["fwd TFLOP/s"]) == pytest.approx(4 * n * d * pairs / fwd / 1e9, rel=2e-3)
+        if bwd > 0:
+            tf_b = 2.5 * 4 * n * d * pairs / bwd / 1e9
+            assert float(r["bwd TFLOP/s"]) == pytest.approx(tf_b, rel=2e-3), r
+        else:
+            assert r["bwd TFLOP/s"] == "n/a (fwd+bwd <= fwd)", r
+        if r["impl"] == "chunked":
+            assert (r["err o / dq / dk / dv"], r["check"]) == ("reference", "-"), r
+            continue
+        errs = [float(e) for e in r["err o / dq / dk / dv"].split(" / ")]
+        assert len(errs) == 4 and max(errs) <= gpu.TOL and r["check"] == "ok", r
+    recs = json.loads(path.read_text())["attention"]
+    assert len(recs) == len(rows)
+    for rec, r in zip(recs, rows):
+        assert (f"{rec['tokens']:,}", rec["impl"]) == (r["tokens"], r["impl"])
+        assert rec["documents"] == (None if r["documents"] == "none" else shp["doc"])
+        assert f"{rec['fwd_ms']:.4g}" == r["fwd ms"] and f"{rec['bwd_ms']:.4g}" == r["bwd ms"]
+        assert rec["error"] is None and (rec["impl"] == "chunked") == (rec["err"] is None), rec
+        assert rec["err"] is None or max(rec["err"]) <= gpu.TOL, rec
+
+
 def test_json_has_the_printed_figures(gpu, run):
     out, path = run
     doc = json.loads(path.read_text())

@@ -246,7 +246,23 @@ def test_a_key_block_without_the_chunked_attention_is_refused():
     [S, S] block, so a block size with it would be ignored."""
     with pytest.raises(ValueError) as e:
         load_config("configs/tiny.yaml", attention_block_k=64)
-    said = "attention_block_k=64 applies to attention_impl='chunked' only (got attention_impl="
+    said = "attention_block_k=64 applies to attention_impl='chunked' or attention_impl='auto' "
+    assert said + "only (got attention_impl='xla')" in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e:  # the Pallas kernel has its own blocks
+        load_config("configs/tiny.yaml", attention_impl="pallas", head_dim=64, attention_block_k=64)
+    assert said + "only (got attention_impl='pallas')" in str(e.value), str(e.value)
+    for impl in ("chunked", "auto"):  # "auto" is "chunked" off GPUs
+        cfg = load_config("configs/tiny.yaml", attention_impl=impl, attention_block_k=64)
+        assert cfg.attention_block_k == 64
+
+
+@pytest.mark.parametrize("impl", ["pallas", "pallas-interpret"])
+def test_a_head_dim_the_attention_kernel_cannot_take_is_refused(impl):
+    """The Pallas attention kernel takes head_dim 64 or 128: any other is refused when the
+    config is made, naming head_dim; "auto" falls back to the chunked path instead."""
+    with pytest.raises(ValueError) as e:
+        load_config("configs/tiny.yaml", attention_impl=impl)
+    said = f"head_dim=16: expected one of (64, 128) with attention_impl={impl!r}"
     assert said in str(e.value), str(e.value)
-    cfg = load_config("configs/tiny.yaml", attention_impl="chunked", attention_block_k=64)
-    assert cfg.attention_block_k == 64
+    assert load_config("configs/tiny.yaml", attention_impl=impl, head_dim=64).head_size == 64
+    assert load_config("configs/tiny.yaml", attention_impl="auto").head_size == 16

@@ -1,4 +1,4 @@
-"""The Triton kernels of a compiled XLA:GPU program, and the operand types they really receive.
+"""The Pallas kernels of a compiled XLA:GPU program, and the operand types they really receive.
 
 A Pallas (Triton lowering) kernel appears in `compiled.as_text()` as a custom call to
 `__gpu$xla.gpu.triton` whose `operand_layout_constraints={...}` list the types it is launched with,
@@ -8,10 +8,21 @@ written into: an in-place accumulator). Those, not the traced dtypes, decide the
 (`kernels/gmm/common.py`). `triton_calls` reads them; `wide_float_calls` lists the calls that take a
 float operand wider than 16 bits.
 
+A Pallas Mosaic GPU kernel (`plgpu.kernel`: the flash attention of `kernels/attention/`) appears as
+a custom call to `mosaic_gpu_v2` with the same `operand_layout_constraints`; `triton_calls(text,
+targets=KERNEL_TARGETS)` (or `mosaic_calls`) reads those too. Its float operands of rank 4 are the
+[batch, seq, heads, head_dim] tiles its wgmmas multiply; its rank-3 float32 operands are per-row
+statistics (the log-sum-exp, the backward's rowsum(dO * O)), which it never multiplies, so
+`wide_floats` leaves them out.
+
 The lowered Triton IR says the same from the other side: compiled with the XLA debug options
 `xla_dump_to=DIR` and `xla_dump_emitter_re=.*` (they work deviceless), each kernel's pass pipeline
 is dumped to `DIR/*.triton-to-llvm.txt`, and `tensor_core_kernels(DIR)` tells, per file, whether
-its lowered code issues Hopper `wgmma` instructions.
+its lowered code issues Hopper `wgmma` instructions. A Mosaic GPU kernel is compiled by the CUDA
+plugin from the environment variables `MOSAIC_GPU_DUMP_TO=DIR` and `MOSAIC_GPU_DUMP_PTX=1` (read
+by the plugin when the process starts: set them before jax starts) to `DIR/*.ptx`, and
+`mosaic_wgmma_kernels(DIR)` gives, per kernel, its wgmma instruction shapes (e.g.
+`m64n128k16.f32.bf16.bf16`: bf16 operands accumulated in f32).
 """
 
 import dataclasses
@@ -19,6 +30,8 @@ import pathlib
 import re
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
+MOSAIC_TARGET = "mosaic_gpu_v2"
+KERNEL_TARGETS = (TRITON_TARGET, MOSAIC_TARGET)
 _NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 _OPERANDS = re.compile(
     r"operand_layout_constraints=\{(.*?)\}, (?:output_to_operand_aliasing|api_version)"
@@ -36,33 +49,40 @@ class TritonCall:
     operands: tuple[tuple[str, tuple[int, ...]], ...]  # (HLO element type, shape) per operand
     op_name: str  # the JAX source path (metadata op_name)
     aliased: tuple[int, ...] = ()  # operands the output is written into
+    target: str = TRITON_TARGET  # the custom call's target (TRITON_TARGET or MOSAIC_TARGET)
 
     @property
     def kernel(self) -> str:
-        """The Pallas kernel's name: the op_name component before `/pallas_call`."""
+        """The Pallas kernel's name: the op_name component before `/pallas_call` (Triton) or
+        `/mpmd_map` (Mosaic GPU)."""
         parts = self.op_name.split("/")
-        return parts[-2] if len(parts) > 1 and parts[-1] == "pallas_call" else self.op_name
+        launch = parts[-1] in ("pallas_call", "mpmd_map")
+        return parts[-2] if len(parts) > 1 and launch else self.op_name
 
     @property
     def wide_floats(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """The operands of a float type wider than 16 bits (f32, f64) that the kernel multiplies:
-        an operand aliased to the output (an in-place accumulator, `tgmm(acc=)`) is not one."""
+        an operand aliased to the output (an in-place accumulator, `tgmm(acc=)`) is not one, nor
+        a Mosaic GPU call's operand of rank below 4 (row statistics: the module doc)."""
+        stats = lambda o: self.target == MOSAIC_TARGET and len(o[1]) < 4
         return tuple(
             o
             for i, o in enumerate(self.operands)
-            if _FLOAT_BITS.get(o[0], 0) > 16 and i not in self.aliased
+            if _FLOAT_BITS.get(o[0], 0) > 16 and i not in self.aliased and not stats(o)
         )
 
 
-def triton_calls(hlo_text: str) -> list[TritonCall]:
-    """Every Triton custom call of a compiled program's HLO text, in program order."""
+def triton_calls(hlo_text: str, targets: tuple[str, ...] = (TRITON_TARGET,)) -> list[TritonCall]:
+    """Every custom call to one of `targets` (default: Triton's) of a compiled program's HLO
+    text, in program order."""
     calls = []
     for line in hlo_text.splitlines():
-        if f'custom_call_target="{TRITON_TARGET}"' not in line:
+        target = next((t for t in targets if f'custom_call_target="{t}"' in line), None)
+        if target is None:
             continue
         name, ops = _NAME.match(line), _OPERANDS.search(line)
         if name is None or ops is None:
-            raise ValueError(f"a Triton custom call without operand types: {line[:200]}")
+            raise ValueError(f"a {target} custom call without operand types: {line[:200]}")
         operands = tuple(
             (t, tuple(int(d) for d in dims.split(",") if d))
             for t, dims in _ARRAY.findall(ops.group(1))
@@ -74,14 +94,21 @@ def triton_calls(hlo_text: str) -> list[TritonCall]:
                 operands,
                 op_name.group(1) if op_name else "",
                 tuple(int(i) for i in re.findall(r"\((\d+),", aliased.group(1))) if aliased else (),
+                target,
             )
         )
     return calls
 
 
+def mosaic_calls(hlo_text: str) -> list[TritonCall]:
+    """Every Pallas Mosaic GPU custom call (`MOSAIC_TARGET`), in program order."""
+    return triton_calls(hlo_text, (MOSAIC_TARGET,))
+
+
 def wide_float_calls(hlo_text: str) -> list[TritonCall]:
-    """The Triton calls that receive a float operand wider than 16 bits."""
-    return [c for c in triton_calls(hlo_text) if c.wide_floats]
+    """The Pallas calls (Triton and Mosaic GPU) that receive a float operand wider than 16 bits
+    that they multiply."""
+    return [c for c in triton_calls(hlo_text, KERNEL_TARGETS) if c.wide_floats]
 
 
 def tensor_core_kernels(dump_dir) -> dict[str, bool]:
@@ -89,3 +116,16 @@ def tensor_core_kernels(dump_dir) -> dict[str, bool]:
     `*.triton-to-llvm.txt` under `dump_dir` (see the module doc for the dump options)."""
     files = sorted(pathlib.Path(dump_dir).rglob("*.triton-to-llvm.txt"))
     return {f.name: WGMMA in f.read_text(errors="replace") for f in files}
+
+
+_WGMMA_SHAPE = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.\w+\.\w+\.\w+)")
+
+
+def mosaic_wgmma_kernels(dump_dir) -> dict[str, tuple[str, ...]]:
+    """{dumped Mosaic GPU kernel (`*.ptx` under `dump_dir`): the sorted wgmma instruction shapes
+    in its PTX, e.g. ("m64n128k16.f32.bf16.bf16",); empty if it has none} (module doc)."""
+    files = sorted(pathlib.Path(dump_dir).rglob("*.ptx"))
+    return {
+        f.name: tuple(sorted(set(_WGMMA_SHAPE.findall(f.read_text(errors="replace")))))
+        for f in files
+    }

@@ -5,12 +5,14 @@
 query head n reads kv head n // (N // K)) without ever building the [B, N, S, S] scores.
 
 It cuts the queries into blocks of `block_q` and the keys into blocks of `block_k` and computes
-only the pairs of blocks that hold a visible (query, key) pair (`attention_blocks`): under the
-causal rule about half of them, and with packed documents only those within one document. The
-core (`attention_xla`: a custom_vjp whose forward and backward are scans over the blocks with a
-`lax.cond` per pair) keeps q, k, v, o and the float32 log-sum-exp between forward and backward,
-named "attn_out" and "attn_lse" (`checkpoint_name`), and its temporaries are a few
-[B, block_q, N, block_k] float32 blocks.
+only the pairs of blocks that hold a visible (query, key) pair (`kernels/attention/blocks.py`):
+under the causal rule about half of them, and with packed documents only those within one
+document. Two cores compute them (`kernel`): `attention_xla` (XLA: a custom_vjp whose forward
+and backward scan one side's blocks with a `fori_loop` over each block's visible partners;
+temporaries a few [B, block_q, N, block_k] float32 blocks) and `kernels.attention` (our Pallas
+Mosaic GPU flash-attention kernels, blocks of 64, on Hopper GPUs). Both keep q, k, v, o and
+the float32 log-sum-exp between forward and backward, named "attn_out" and "attn_lse"
+(`checkpoint_name`).
 
 Token indices. Causality compares each token's index in its sequence: query i sees key j iff
 k_index[j] <= q_index[i] (and, with segment ids, equal ids). By default the indices are 0, 1,
@@ -30,8 +32,11 @@ parallelism), it runs under a `shard_map`: k and v are gathered along their sequ
 if they are not already), each device attends its own queries to all keys with its queries'
 indices (its shard's offset), so each device skips the blocks its own queries do not see. The
 batch and head axes may be sharded too, the kv heads as the query heads (tensor parallel). With
-an Auto mesh it leaves the partitioning to XLA.
+an Auto mesh it leaves the partitioning to XLA. The Pallas kernel (`kernel="pallas"`) runs under
+that shard_map whenever q is sharded at all, on each device's arrays.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +44,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax.kernels.attention import api
+from relaymoe_jax.kernels.attention.blocks import default_index, varying_like
 from relaymoe_jax.models import attention_xla
-from relaymoe_jax.models.attention_blocks import default_index, varying_like
 
 
 def chunked_causal_attention(
@@ -108,10 +114,14 @@ def blockwise_attention(
     block_q: int | None = None,
     q_index=None,
     k_index=None,
+    kernel: str = "xla",
 ):
     """`chunked_causal_attention` on per-token arrays already checked (`check_per_token`: int32
     [B, S] for the queries, [B, T] for the keys, or None): what the model calls in every layer,
-    having checked its segment ids once at its entry."""
+    having checked its segment ids once at its entry. `kernel`: the core that computes the
+    blocks, "xla" (`attention_xla`, blocks of `block_q` x `block_k`) or "pallas" /
+    "pallas-interpret" (`kernels.attention.flash_attention`, its own blocks; the GPU
+    interpreter on CPU)."""
     b, s, n, d = q_bsnd.shape
     if k_btkd.shape != v_btkd.shape or k_btkd.shape[0] != b or k_btkd.shape[3] != d:
         raise ValueError(
@@ -129,22 +139,46 @@ def blockwise_attention(
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     scale = d**-0.5 if scale is None else float(scale)
-    blocks = (min(block_q, s), min(block_k, k_btkd.shape[1]))
+    core = _core(kernel, (min(block_q, s), min(block_k, k_btkd.shape[1])), scale, q_bsnd)
     args = (q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index)
-    seq = _query_seq_axes(q_bsnd)
-    if seq:
-        return _context_parallel(*args, seq, blocks, scale)
-    return _local(*args, None, blocks, scale)
+    spec = _spec(q_bsnd)
+    seq = None if spec is None else spec[1]
+    # the Pallas kernel takes each device's arrays whole: under a shard_map whenever q is sharded
+    kernel_sharded = kernel != "xla" and spec is not None and any(spec)
+    if (seq or kernel_sharded) and kernel == "pallas-interpret" and _devices(q_bsnd, spec) > 1:
+        raise ValueError(
+            f"kernel='pallas-interpret' with q sharded as {spec}: jax 0.12's Mosaic GPU "
+            "interpreter cannot run one kernel on several devices at once (it checks its "
+            "barriers across devices); interpret on one device, or use 'pallas' on GPUs"
+        )
+    if seq or kernel_sharded:
+        return _context_parallel(*args, seq, core)
+    return _local(*args, None, core)
 
 
-def _local(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, offset, blocks, scale):
+KERNELS = ("xla", "pallas", "pallas-interpret")
+
+
+def _core(kernel: str, blocks, scale, q_bsnd):
+    """f(q, k, v, qi, ki, qseg, kseg) -> o: the chosen core with its static arguments; the
+    Pallas kernel's checks (head_dim, dtypes) run here, before tracing."""
+    if kernel == "xla":
+        return lambda *a: attention_xla.attention(*a, *blocks, scale)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    api.check_static(q_bsnd)
+    interpret = kernel == "pallas-interpret"
+    return lambda *a: api.flash_attention(*a, scale=scale, interpret=interpret)
+
+
+def _local(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, offset, core):
     """The attention of these queries to these keys; default indices from `offset` (a device's
     first query)."""
     b, s = q_bsnd.shape[:2]
     t = k_btkd.shape[1]
     qi = default_index(b, s, 0 if offset is None else offset) if q_index is None else q_index
     ki = default_index(b, t) if k_index is None else k_index
-    return attention_xla.attention(q_bsnd, k_btkd, v_btkd, qi, ki, seg_bs, seg_kv, *blocks, scale)
+    return core(q_bsnd, k_btkd, v_btkd, qi, ki, seg_bs, seg_kv)
 
 
 def _spec(x):
@@ -156,13 +190,17 @@ def _spec(x):
     return tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
 
-def _query_seq_axes(q_bsnd):
-    spec = _spec(q_bsnd)
-    return None if spec is None else spec[1]
+def _devices(x, spec) -> int:
+    """How many devices x's sharding `spec` (a PartitionSpec as a tuple) spans."""
+    mesh = jax.typeof(x).sharding.mesh
+    names = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    return math.prod(mesh.shape[a] for a in names)
 
 
-def _context_parallel(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, seq, blocks, scale):
-    """Under a shard_map over q's mesh: each device's queries against all keys (gathered)."""
+def _context_parallel(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, seq, core):
+    """Under a shard_map over q's mesh (q sharded along the sequence over `seq`, or the Pallas
+    kernel with q sharded at all: a kernel takes whole per-device arrays): each device's queries
+    against all keys (gathered along the sequence)."""
     batch, _, heads, head_dim = _spec(q_bsnd)
     kv_heads = _spec(k_btkd)[2]
     if head_dim is not None:
@@ -191,13 +229,13 @@ def _context_parallel(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, 
     def local(arrays):
         g = arrays.get
         offset = None
-        if g("qi") is None:  # this device's first query: its shard of the sequence
+        if g("qi") is None and seq:  # this device's first query: its shard of the sequence
             offset = lax.axis_index(seq) * arrays["q"].shape[1]
         q = g("q")  # the keys' side varies with the queries from here (its cotangent is summed)
         k, v, seg_k, ki = (
             None if a is None else varying_like(a, q) for a in map(g, "k v seg_k ki".split())
         )
-        return _local(q, k, v, g("seg_q"), seg_k, g("qi"), ki, offset, blocks, scale)
+        return _local(q, k, v, g("seg_q"), seg_k, g("qi"), ki, offset, core)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=q_spec)(arrays)
 

@@ -1,5 +1,5 @@
 """The chunked attention's XLA core: a `custom_vjp` over query blocks x key blocks that computes
-only the pairs of blocks `attention_blocks.visible_blocks` marks, forward and backward.
+only the pairs of blocks `kernels.attention.blocks.visible_blocks` marks, forward and backward.
 
 Forward: a scan over query blocks; for each, a `fori_loop` over its visible key blocks only
 (the list `visible_blocks` gives, in order of index), each updating the block's online softmax
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from relaymoe_jax.models.attention_blocks import (
+from relaymoe_jax.kernels.attention.blocks import (
     PAD_KEY,
     PAD_KEY_SEG,
     PAD_QUERY,

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from relaymoe_jax.dispatch.experts import check_experts_divide
+from relaymoe_jax.kernels.attention.common import HEAD_DIMS
 from relaymoe_jax.models.context import LAYOUTS as CONTEXT_LAYOUTS
 from relaymoe_jax.models.context import ContextLayout
 from relaymoe_jax.models.layers import ATTENTION_IMPLS, AttentionImpl
@@ -63,8 +64,10 @@ class ModelConfig:
     # form spells its fields as keys (num_experts, router, dispatcher, ...); num_experts=0: dense
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     attention_impl: AttentionImpl = "xla"  # "xla" (jax.nn.dot_product_attention: [S, S]
-    # scores on the XLA path) or "chunked" (blocks; only the causally visible pairs)
-    attention_block_k: int = 512  # queries and keys per block of "chunked"
+    # scores on the XLA path), "chunked" (blocks; only the visible pairs), "pallas" (the same
+    # in our Mosaic GPU kernel; "pallas-interpret": its interpreter on CPU) or "auto" ("pallas"
+    # on GPUs where the kernel takes head_dim and the dtype, else "chunked"; layers.py)
+    attention_block_k: int = 512  # queries and keys per block of "chunked" (and "auto" off GPUs)
     # the order of the sequence over a `context` axis (models/context.py): "zigzag" (device c
     # holds pieces c and 2C - 1 - c of 2C: equal causal work) or "contiguous" (piece c); the
     # blockwise attention only: with "xla", which masks by place, the order is contiguous
@@ -258,7 +261,8 @@ def _layer_lists(cfg):
 USED_WHEN = {
     "attention_bias": ("arch", ("qwen3_moe",)),  # qwen2_moe: q/k/v biases are qkv_bias
     "qkv_bias": ("arch", ("qwen2_moe",)),
-    "attention_block_k": ("attention_impl", ("chunked",)),  # xla: one [S, S] block
+    # xla: one [S, S] block; pallas: the kernel's own blocks
+    "attention_block_k": ("attention_impl", ("chunked", "auto")),
 }
 
 
@@ -290,7 +294,14 @@ def _offload(cfg):
         )
 
 
-_CONSISTENCY = (_heads, _shared_expert, _layer_lists, _unused, _offload)
+def _attention_kernel(cfg):
+    """The Pallas attention kernel takes head_dim 64 or 128 (`kernels.attention`)."""
+    if cfg.attention_impl in ("pallas", "pallas-interpret") and cfg.head_size not in HEAD_DIMS:
+        want = f"one of {HEAD_DIMS} with attention_impl={cfg.attention_impl!r} (or 'chunked')"
+        fail("head_dim", cfg.head_size, want)
+
+
+_CONSISTENCY = (_heads, _shared_expert, _layer_lists, _unused, _offload, _attention_kernel)
 
 
 def check(cfg: ModelConfig) -> None:

@@ -16,8 +16,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax.kernels.attention.common import HEAD_DIMS
 from relaymoe_jax.models.attention import blockwise_attention, check_segment_ids
 from relaymoe_jax.models.sharding import AxisRules, constrain, is_explicit
+from relaymoe_jax.util.platform import platform
 
 F32 = jnp.float32
 
@@ -160,8 +162,21 @@ def apply_rope(x_bsnd, cos_bsd, sin_bsd):
     return x_bsnd * cos_bsd[:, :, None, :] + rot * sin_bsd[:, :, None, :]
 
 
-AttentionImpl = Literal["xla", "chunked"]  # `causal_attention`'s impl (ModelConfig.attention_impl)
+# `causal_attention`'s impl (ModelConfig.attention_impl): "auto" is "pallas" where the code
+# compiles for a GPU and the kernel takes the heads (`resolve_attention_impl`), else "chunked"
+AttentionImpl = Literal["xla", "chunked", "pallas", "pallas-interpret", "auto"]
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
+BLOCKWISE_IMPLS = ("chunked", "pallas", "pallas-interpret", "auto")  # attend blocks, by index
+
+
+def resolve_attention_impl(impl: str, head_dim: int, dtype) -> str:
+    """The concrete implementation of `impl` for q's head_dim and dtype: "auto" is "pallas"
+    when the code compiles for a GPU (the mesh in context, `util.platform`) and the kernel takes
+    the head_dim and dtype (`kernels.attention`: 64 or 128, bf16 or f16), else "chunked"."""
+    if impl != "auto":
+        return impl
+    takes = head_dim in HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return "pallas" if takes and platform() == "gpu" else "chunked"
 
 
 def causal_attention(
@@ -183,8 +198,12 @@ def causal_attention(
     the pairs of blocks holding a visible pair, online softmax, a custom_vjp keeping only q, k,
     v, o and the log-sum-exp): O(block_k^2) temporaries and the causal FLOPs, for long
     sequences.
+    impl="pallas": the same blocks and skipping in our Pallas Mosaic GPU flash-attention kernel
+    (`kernels.attention`: Hopper wgmma, bf16/f16 operands, head_dim 64 or 128; its own blocks,
+    `block_k` unused); "pallas-interpret" runs it in the GPU interpreter on CPU (tests);
+    "auto" is "pallas" on GPUs and "chunked" elsewhere (`resolve_attention_impl`).
     segment_ids [B, S] (optional, packed documents): query i sees key j only if their ids are
-    equal, in both implementations (the XLA one through a [B, 1, S, S] boolean mask);
+    equal, in every implementation (the XLA one through a [B, 1, S, S] boolean mask);
     kv_segment_ids: the same ids on the keys' sharding where it differs from the queries'
     (context parallelism), default segment_ids.
     """
@@ -199,9 +218,10 @@ def causal_attention(
 def attend(q_bsnd, k_bskd, v_bskd, impl: str, block_k: int, seg_bs, seg_kv, index_bs=None):
     """`causal_attention` on segment ids already checked (`check_segment_ids`: int32 [B, S] for
     the queries and the keys, or both None): what the model calls in every layer, having checked
-    its segment ids once at its entry. `index_bs` (chunked only): each token's index in the
-    sequence when the tokens are not in order (the zigzag layout, `models/context.py`)."""
-    if impl == "chunked":  # names its own residuals o and lse "attn_out" and "attn_lse"
+    its segment ids once at its entry. `index_bs` (blockwise impls only): each token's index in
+    the sequence when the tokens are not in order (the zigzag layout, `models/context.py`)."""
+    impl = resolve_attention_impl(impl, q_bsnd.shape[-1], q_bsnd.dtype)
+    if impl != "xla":  # names its own residuals o and lse "attn_out" and "attn_lse"
         return blockwise_attention(
             q_bsnd,
             k_bskd,
@@ -212,6 +232,7 @@ def attend(q_bsnd, k_bskd, v_bskd, impl: str, block_k: int, seg_bs, seg_kv, inde
             seg_kv=seg_kv,
             q_index=index_bs,
             k_index=index_bs,
+            kernel={"chunked": "xla"}.get(impl, impl),
         )
     if index_bs is not None:
         raise ValueError(f"attention_impl={impl!r} attends in place order: no index_bs")

@@ -28,8 +28,9 @@ counts them too, ~7 FLOPs per score for the softmax on CPU). The attention terms
 of XLA's attention (`attention_impl="xla"`), which computes all S x S scores and masks them, keeps
 no log-sum-exp, and so recomputes the scores and softmax in the backward whatever is kept.
 
-With `attention_impl="chunked"` (`models/attention.py`, a custom_vjp whose residuals are q, k, v,
-o and the float32 log-sum-exp, named "attn_out" and "attn_lse") nothing of size S x S is kept,
+With a blockwise attention_impl ("chunked", "pallas", "auto": `models/attention.py`, a
+custom_vjp whose residuals are q, k, v, o and the float32 log-sum-exp, named "attn_out" and
+"attn_lse", whether XLA or the Pallas kernel computes the blocks) nothing of size S x S is kept,
 and keeping o and lse spares the backward the whole forward pass (Q @ K^T and P @ V over the
 pairs of blocks it visits: causally about half of the s x S scores, counted as the half; the
 diagonal blocks' masked halves and, with packed documents, the cross-document blocks it skips
@@ -80,7 +81,7 @@ class AttentionShape:
     H: int
     e: int
     qk_norm: bool
-    chunked: bool = False  # attention_impl="chunked" (see the module docstring)
+    chunked: bool = False  # a blockwise attention_impl (not "xla"; the module docstring)
     layer_remat: bool = False  # moe_remat: "full" is the whole-layer checkpoint (see above)
 
     @classmethod
@@ -108,7 +109,7 @@ class AttentionShape:
             H=cfg.hidden_size,
             e=np.dtype(dtype).itemsize,
             qk_norm=cfg.arch == "qwen3_moe",
-            chunked=cfg.attention_impl == "chunked",
+            chunked=cfg.attention_impl != "xla",
             layer_remat=bool(getattr(cfg, "moe_remat", False)),
         )
 

@@ -1,11 +1,14 @@
 """What jax is tracing now, the mesh of `jax.set_mesh` with its devices, whether jax's backends
-have started, and where jax looks for CUDA's tools.
+have started, and where jax looks for CUDA's tools; and letting `jax.checkpoint` differentiate
+through the Pallas GPU interpreter.
 
-jax has no public API for these five facts, so they read `jax._src` (checked against jax 0.12);
+jax has no public API for these six, so they read `jax._src` (checked against jax 0.12);
 this module is the one place the library and the trainer do (`tests/test_house_rules.py`).
 """
 
+from jax._src import callback as _callback
 from jax._src import core as _core
+from jax._src import effects as _effects
 from jax._src import lib as _lib
 from jax._src import mesh as _mesh
 from jax._src import xla_bridge as _xla_bridge
@@ -36,3 +39,14 @@ def backends_started() -> bool:
 def cuda_path() -> str | None:
     """The CUDA directory jax uses (nvidia-cuda-nvcc-cu12's, or $CUDA_ROOT), or None."""
     return _lib.cuda_path
+
+
+def allow_ordered_io_in_remat() -> None:
+    """Let `jax.checkpoint` (remat) differentiate functions with ordered io_callbacks.
+
+    The Pallas Mosaic GPU interpreter (`plgpu.InterpretGPUParams`: the "pallas-interpret"
+    attention on CPU) runs each kernel through ordered io_callbacks; jax refuses the effect in
+    the AD of a checkpoint ("Effects not supported in AD of checkpoint/remat"). Allowing it is
+    sound for those kernels, which are pure functions of their inputs: a recomputed checkpoint
+    runs the kernel again. Idempotent; affects every ordered io_callback in the process."""
+    _effects.remat_allowed_effects.add_type(_callback.OrderedIOEffect)

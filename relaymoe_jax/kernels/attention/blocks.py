@@ -2,8 +2,9 @@
 
 Every token carries an index (its place in the sequence: causality is `key index <= query
 index`) and, with packed documents, a segment id (attention stays within equal ids). The
-blockwise attentions (`attention_xla`, later kernels) cut the queries into blocks of `block_q`
-and the keys into blocks of `block_k`, padding each side to a whole number of blocks:
+blockwise attentions (`models/attention_xla.py`, the Mosaic GPU kernels here) cut the queries
+into blocks of `block_q` and the keys into blocks of `block_k`, padding each side to a whole
+number of blocks:
 
 - padded queries get index -1 (they see no key) and segment id -1;
 - padded keys get index `PAD_KEY` (after every query: no query sees them) and segment id -2.

@@ -1,0 +1,162 @@
+"""The Pallas Mosaic GPU flash attention compiled by XLA:GPU for abstract H100s (deviceless,
+`relaymoe_jax.gpu_mesh`; nothing runs): every kernel call takes 16-bit tiles, its PTX issues
+Hopper wgmma on bf16 operands, the train step calls it in every layer (alone or under the
+context-parallel shard_map), and its forward + backward keeps no [S, N, block] buffer: the
+compiled temporaries against the chunked XLA path's at 131,072 tokens per device."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from relaymoe_jax.analysis import gpu_mesh, triton_calls
+from relaymoe_jax.models.attention import blockwise_attention
+from relaymoe_jax.xla_options import XLA_OPTIONS
+from scripts import ROOT
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(
+        not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+    ),
+]
+BF16 = jnp.bfloat16
+N, K, D = 32, 4, 128  # Qwen3-30B-A3B's heads
+
+
+def _attention_fwd_bwd(kernel, block_k=512):
+    def f(q, k, v, seg, do):
+        attend = lambda q, k, v: blockwise_attention(
+            q, k, v, block_k=block_k, scale=None, seg_bs=seg, seg_kv=seg, kernel=kernel
+        )
+        o, vjp = jax.vjp(attend, q, k, v)
+        return o, *vjp(do)
+
+    return f
+
+
+def _compiled_attention(kernel, s, d=D):
+    """Forward + backward of one packed attention layer (q [1, s, 32, d], 4 kv heads, bf16)
+    for one abstract H100, with the trainer's compiler options."""
+    mesh = gpu_mesh.mesh((1,), ("x",))
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+    q, kv = sds((1, s, N, d), BF16), sds((1, s, K, d), BF16)
+    args = (q, kv, kv, sds((1, s), jnp.int32), q)
+    with jax.set_mesh(mesh):
+        return jax.jit(_attention_fwd_bwd(kernel)).trace(*args).lower().compile(XLA_OPTIONS)
+
+
+def test_no_sequence_sized_temporaries_beyond_the_statistics():
+    """At 131,072 tokens per device (Qwen3-30B-A3B's heads, head_dim 128): the kernel's forward
+    + backward holds, beyond its inputs and outputs, only the float32 row statistics (lse and
+    rowsum(dO * O), [1, 32, S] each) and the two block lists ([S/64, S/64] int32 each): no
+    [S, N, block] buffer (512 MiB in bf16 at block 64) and no S x S one. The chunked XLA path
+    keeps its float32 dq and blocks of scores: far more (4.2 GiB when written)."""
+    s = 131_072
+    pallas = _compiled_attention("pallas", s).memory_analysis().temp_size_in_bytes
+    chunked = _compiled_attention("xla", s).memory_analysis().temp_size_in_bytes
+    stats, lists = 2 * N * s * 4, 2 * (s // 64) ** 2 * 4
+    assert pallas <= stats + lists + 4 * 2**20, (pallas, stats, lists)
+    assert chunked >= s * N * D * 4  # its float32 dq alone
+    assert pallas * 20 < chunked, (pallas, chunked)
+
+
+def test_every_kernel_call_takes_16_bit_tiles():
+    """Forward + backward, head_dim 128 and 64: three Mosaic GPU calls (the forward, dq, dk/dv),
+    each with bf16 q/k/v/o/dO tiles and only its float32 row statistics wider (the grouped
+    matmul's Triton calls: none here)."""
+    for d in (128, 64):
+        text = _compiled_attention("pallas", 4096, d).as_text()
+        calls = triton_calls.mosaic_calls(text)
+        assert len(calls) == 3, [c.kernel for c in calls]
+        assert not triton_calls.wide_float_calls(text), calls
+        tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
+        assert tiles and {t for t, _ in tiles} == {"bf16"}, tiles
+
+
+PTX_SCRIPT = """
+import jax, jax.numpy as jnp
+from test_attention_gpu_compile import _compiled_attention
+for d in (128, 64):
+    _compiled_attention("pallas", 1024, d)
+"""
+
+
+def test_ptx_issues_wgmma_on_bf16_operands(tmp_path):
+    """The CUDA plugin's Mosaic GPU compile, its PTX dumped (`MOSAIC_GPU_DUMP_TO`, read when
+    the process starts: a subprocess): each of the 6 kernels (forward, dq, dk/dv at head_dim
+    128 and 64) issues `wgmma.mma_async` with bf16 operands accumulating in f32, and none any
+    other wgmma."""
+    env = {
+        **os.environ,
+        "MOSAIC_GPU_DUMP_TO": str(tmp_path),
+        "MOSAIC_GPU_DUMP_PTX": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels = triton_calls.mosaic_wgmma_kernels(tmp_path)
+    assert len(kernels) == 6, kernels
+    for name, shapes in kernels.items():
+        assert shapes and all(sh.endswith(".f32.bf16.bf16") for sh in shapes), (name, shapes)
+
+
+# name: (config, overrides, mesh, attention_impl, batch, seq)
+TRAIN_STEPS = {
+    # Qwen3-30B-A3B's attention and experts (2 of its 48 layers, a small vocabulary), every
+    # device on `context`: the zigzag order, each device's queries against the gathered keys
+    "qwen3-30b-a3b-context8": (
+        "configs/qwen3-30b-a3b.yaml",
+        dict(num_hidden_layers=2, vocab_size=4096),
+        "context=8",
+        "pallas",
+        1,
+        8192,
+    ),
+    # the batch over 8 devices, the sequence whole: the kernel under the shard_map all the same
+    # (it takes each device's arrays); "auto" picks it on a GPU mesh
+    "tiny-expert8-auto": ("configs/tiny.yaml", dict(head_dim=64), "expert=8", "auto", 8, 128),
+}
+
+
+@pytest.mark.parametrize("name", TRAIN_STEPS)
+def test_train_step_calls_the_kernel_in_every_layer(name):
+    """The whole train step (packed documents, compute_dtype=bfloat16, layer scan, moe_remat)
+    compiled for 8 H100s with the trainer's options: the scanned layer calls the three Mosaic
+    GPU kernels (forward, dq, dk/dv), all on 16-bit tiles, and no kernel (the grouped matmul's
+    Triton calls included) takes a wider float it multiplies."""
+    from relaymoe_jax.models.config_files import load_config
+    from train import mesh as train_mesh
+    from train import train_step
+    from train.settings import TrainConfig
+
+    path, overrides, mesh_name, impl, batch, seq = TRAIN_STEPS[name]
+    tc = TrainConfig(batch_size=batch, seq_len=seq, compute_dtype="bfloat16", mesh=mesh_name)
+    sizes = train_mesh.parse_mesh(tc.mesh, 8)
+    mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
+    cfg = load_config(
+        path,
+        expert_size=train_mesh.expert_size(sizes),
+        attention_impl=impl,
+        scan_layers=True,
+        moe_remat=True,
+        **overrides,
+    )
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+        text = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=True).as_text()
+    calls = triton_calls.mosaic_calls(text)
+    kernels = sorted(c.kernel for c in calls)
+    assert kernels == ["attention_bwd_dkv", "attention_bwd_dq", "flash_fwd"], kernels
+    assert triton_calls.triton_calls(text)  # the experts' grouped matmuls
+    assert not triton_calls.wide_float_calls(text)
+    tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
+    assert {t for t, _ in tiles} == {"bf16"}, tiles
