@@ -58,6 +58,19 @@ def tile_mask(shape, ki_v, kseg_v, qi_v, qseg_v, k_dim: int):
     return mask
 
 
+def issue_key_block(r, s, has_seg: bool, b, kvh, j, bk: int, slot):
+    """TMA of key block j (its keys, indices, segment ids and values of kv head `kvh`, row b)
+    into SMEM slot `slot`: K and the ids signal `bar_k[slot]`, V `bar_v[slot]`. `r` holds the
+    GMEM refs (k, ki, kseg, v), `s` the scratch (k_s, ki_s, kseg_s, v_s, bar_k, bar_v)."""
+    keys = pl.ds(j * bk, bk)
+    bar_k = s["bar_k"].at[slot]
+    plgpu.copy_gmem_to_smem(r.k.at[b, keys, kvh], s["k_s"].at[slot], bar_k)
+    plgpu.copy_gmem_to_smem(r.ki.at[b, keys], s["ki_s"].at[slot], bar_k)
+    if has_seg:
+        plgpu.copy_gmem_to_smem(r.kseg.at[b, keys], s["kseg_s"].at[slot], bar_k)
+    plgpu.copy_gmem_to_smem(r.v.at[b, keys, kvh], s["v_s"].at[slot], s["bar_v"].at[slot])
+
+
 def store_visits(vis_w, visits):
     """A visit count into its SMEM row (`VISITS_WIDTH` copies), to be copied out."""
     vis_w[...] = jnp.full((VISITS_WIDTH,), visits, jnp.int32)

@@ -39,6 +39,7 @@ from relaymoe_jax.kernels.attention.mosaic_common import (
     VISITS_WIDTH,
     heads_per_program,
     interpret_params,
+    issue_key_block,
     store_visits,
     tile_mask,
     tiles,
@@ -133,14 +134,7 @@ def _kernel(sp: _Spec, *refs, **s):
     count = r.count[i]
 
     def issue(t, slot):  # TMA of the t-th visited key block into `slot` (warpgroup 0 only)
-        j = r.order[i, t]
-        keys = pl.ds(j * sp.bk, sp.bk)
-        bar_k = s["bar_k"].at[slot]
-        plgpu.copy_gmem_to_smem(r.k.at[b, keys, kvh], s["k_s"].at[slot], bar_k)
-        plgpu.copy_gmem_to_smem(r.ki.at[b, keys], s["ki_s"].at[slot], bar_k)
-        if sp.has_seg:
-            plgpu.copy_gmem_to_smem(r.kseg.at[b, keys], s["kseg_s"].at[slot], bar_k)
-        plgpu.copy_gmem_to_smem(r.v.at[b, keys, kvh], s["v_s"].at[slot], s["bar_v"].at[slot])
+        issue_key_block(r, s, sp.has_seg, b, kvh, r.order[i, t], sp.bk, slot)
 
     @pl.when((count > 0) & (wg == 0))
     def _():
