@@ -99,8 +99,11 @@ def test_every_block_is_run_checked_or_marked():
             assert reason, f"{b.where}: mark {name!r} without a reason"
         if b.mark("output"):
             assert b.lang == "text", f"{b.where}: an output block is a text block"
-        if b.mark("gpu_compile") or b.mark("test with"):
+        if b.mark("gpu_compile"):
             assert b.lang == "python", f"{b.where}: only python blocks take that mark"
+        if b.mark("test with"):
+            ok = b.lang == "python" or (b.lang == "bash" and b.mark("run"))
+            assert ok, f"{b.where}: `test with` is for python blocks and bash `run` blocks"
         if b.mark("run"):
             assert b.lang == "bash", f"{b.where}: `run` is for bash blocks"
     skipped = [f"{b.where}: {b.mark('not run')}" for b in ALL if b.mark("not run")]
@@ -127,12 +130,37 @@ def _sections(gpu: bool):
     }
 
 
+def _hf_tiny(tmp: Path) -> Path:
+    """A tiny Hugging Face checkpoint with a tokenizer.json: the Qwen3-MoE fixture of
+    tests/fixtures/hf/ and a word-level tokenizer of 256 tokens over the shipped text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    out = tmp / "hf_tiny"
+    if not out.exists():
+        src = ROOT / "tests" / "fixtures" / "hf" / "qwen3_moe_topk_norm"
+        out.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            (out / name).write_bytes((src / name).read_bytes())
+        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        text = (ROOT / "train" / "data" / "declaration.txt").read_text()
+        special = ["[UNK]", "<|endoftext|>"]
+        tok.train_from_iterator(
+            [text], trainers.WordLevelTrainer(vocab_size=256, special_tokens=special)
+        )
+        tok.save(str(out / "tokenizer.json"))
+    return out
+
+
 def _substituted(b: Block, tmp: Path) -> str:
+    """The block's code with its `test with` substitutions ({root}, {tmp}, and {hf_tiny}: a tiny
+    Hugging Face checkpoint with a tokenizer, made in tmp)."""
     code = b.code
     for pair in filter(None, (p.strip() for p in (b.mark("test with") or "").split(";"))):
         old, new = (s.strip().strip('"') for s in pair.split("=>"))
         assert old in code, f"{b.where}: `test with` names {old!r}, which the block lacks"
-        code = code.replace(old, new.format(root=ROOT, tmp=tmp))
+        hf_tiny = _hf_tiny(tmp) if "{hf_tiny}" in new else None
+        code = code.replace(old, new.format(root=ROOT, tmp=tmp, hf_tiny=hf_tiny))
     return code
 
 
@@ -191,6 +219,7 @@ ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 KEY_VALUE = re.compile(r"^([a-z_][a-z0-9_]*)=")
 REPO_PATH = re.compile(r"^(configs|benchmarks|train|relaymoe_jax)/\S+\.(yaml|py)$")
 OK_MODULES = ("venv", "pytest")  # not this repository's, but what the setup commands run
+SUBCOMMANDS = {"prepare": "train.data.prepare", "export": "train.export"}  # `relaymoe-train X`
 
 
 def commands(code: str) -> list[list[str]]:
@@ -231,7 +260,7 @@ def target_of(cmd: list[str], where: str) -> tuple[str | None, list[str]]:
     if py is None:
         prog = Path(cmd[0]).name
         if prog == "relaymoe-train":
-            return "-m train", cmd[1:]
+            return _subcommand("-m train", cmd[1:])
         if prog == "pip" and cmd[1:2] == ["install"]:
             for t in cmd[2:]:
                 for extra in re.findall(r"\[([^\]]*)\]", t)[:1]:
@@ -251,9 +280,16 @@ def target_of(cmd: list[str], where: str) -> tuple[str | None, list[str]]:
         if module in OK_MODULES:
             return None, []
         assert _is_repo_module(module), f"{where}: no module {module} in this repository"
-        return "-m " + ("train" if module == "relaymoe_train" else module), args[2:]
+        return _subcommand("-m " + ("train" if module == "relaymoe_train" else module), args[2:])
     assert (ROOT / args[0]).is_file(), f"{where}: no script {args[0]}"
     return args[0], args[1:]
+
+
+def _subcommand(target: str, args: list[str]) -> tuple[str, list[str]]:
+    """`-m train prepare|export ...` runs that subcommand's module (`cli.entry` dispatches)."""
+    if target == "-m train" and args[:1] and args[0] in SUBCOMMANDS:
+        return "-m " + SUBCOMMANDS[args[0]], args[1:]
+    return target, args
 
 
 HELP_RUNNER = """
@@ -339,9 +375,9 @@ def test_bash_block_names_what_exists(block):
 
 
 @pytest.mark.parametrize("block", [b for b in BASH if b.mark("run")], ids=lambda b: b.where)
-def test_bash_block_runs(block):
+def test_bash_block_runs(block, tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for cmd in commands(block.code):
+    for cmd in commands(_substituted(block, tmp_path)):
         while ENV_ASSIGN.match(cmd[0]):
             name, _, value = cmd.pop(0).partition("=")
             env[name] = value

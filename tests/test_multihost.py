@@ -106,12 +106,11 @@ def _rows(ranges: str) -> set[int]:
     return out
 
 
-def test_two_processes_match_one(tmp_path):
-    """On a prepared dataset of many documents: the batches carry segment ids, and each process
-    puts only its rows (tokens, segment ids, positions) into the global batch."""
+def run_two_and_one(tmp_path, args) -> tuple[Path, Path]:
+    """(multi, single): the run directories of the trainer with `args` on two processes of 4
+    devices and on one of 8, run side by side (logs in tmp_path/{p0,p1,single}.{out,err})."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     dist = ["--coordinator-address", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
-    args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4"]
     procs = [
         _start(
             f"p{i}",
@@ -124,6 +123,14 @@ def test_two_processes_match_one(tmp_path):
     ]
     procs.append(_start("single", tmp_path, 8, ["--out", str(single), *args], log_info=True))
     _wait_all(procs, tmp_path, TIMEOUT_S)
+    return multi, single
+
+
+def test_two_processes_match_one(tmp_path):
+    """On a prepared dataset of many documents: the batches carry segment ids, and each process
+    puts only its rows (tokens, segment ids, positions) into the global batch."""
+    args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4"]
+    multi, single = run_two_and_one(tmp_path, args)
     for name in ("p0", "p1"):
         assert HIERARCHICAL in (tmp_path / f"{name}.err").read_text(), name
     assert "hierarchical ring" not in (tmp_path / "single.err").read_text()

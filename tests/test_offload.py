@@ -30,7 +30,12 @@ SETTINGS = {
     "both": ["offload_optimizer=true", "offload_layer_inputs=true"],
 }
 MESHES = ["context=8", "fsdp=2,context=4"]
-METRICS = ("loss", "lm_loss", "aux_loss", "z_loss", "router_loss", "grad_norm", "dropped_pairs")
+METRICS = ("loss", "lm_loss", "aux_loss", "router_loss", "grad_norm", "dropped_pairs")
+# The z-loss statistic (its coefficient is 0 in configs/tiny.yaml: it is in no loss or gradient)
+# is compared to float32 rounding, not bitwise: its cross-device mean ends one ulp apart between
+# the offloaded and the plain programs in some orders of the test process (this file's test
+# alone, at commit b1bd4e6 too), while everything the update uses stays bitwise.
+Z_RTOL = 1e-6
 
 
 def _run(out, steps, *extra):
@@ -40,6 +45,13 @@ def _run(out, steps, *extra):
 
 def _metrics(recs):
     return [{k: r[k] for k in ("step", *METRICS)} for r in recs]
+
+
+def _assert_same(recs, want):
+    """`METRICS` bitwise, the z-loss to `Z_RTOL` (see there)."""
+    assert _metrics(recs) == _metrics(want)
+    z, z_want = ([r["z_loss"] for r in rs] for rs in (recs, want))
+    np.testing.assert_allclose(z, z_want, rtol=Z_RTOL, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +72,14 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline, setting, mesh):
     recs = _run(tmp_path / "run", 3, f"mesh={mesh}", *SETTINGS[setting])
-    assert _metrics(recs) == _metrics(baseline(mesh))
+    _assert_same(recs, baseline(mesh))
 
 
 def test_resume_with_offload_is_bitwise_the_uninterrupted_run(tmp_path, baseline):
     both = SETTINGS["both"]
     _run(tmp_path / "resumed", 2, "mesh=context=8", *both)
     resumed = _run(tmp_path / "resumed", 3, "mesh=context=8", *both)
-    assert _metrics(resumed) == _metrics(baseline("context=8"))
+    _assert_same(resumed, baseline("context=8"))
 
 
 def test_offload_switched_at_resume_keeps_the_math_and_the_files(tmp_path, baseline):
@@ -87,9 +99,8 @@ def test_offload_switched_at_resume_keeps_the_math_and_the_files(tmp_path, basel
     changes = {c["key"]: c["same_math"] for c in switched_on[-1]["resume_changes"]}
     assert changes == {"offload_optimizer": True, "offload_layer_inputs": True}
     switched_off = _run(off, 3, "mesh=context=8")
-    want = _metrics(baseline("context=8"))
-    assert _metrics(switched_on) == want
-    assert _metrics(switched_off) == want
+    _assert_same(switched_on, baseline("context=8"))
+    _assert_same(switched_off, baseline("context=8"))
 
 
 def test_bfloat16_offload_differs_only_by_the_gradients_rounding(tmp_path):

@@ -15,9 +15,10 @@ jitted train step on a `data.Batch`, its `StepMetrics`),
 trained with, which resumes it refuses, the lr's horizon), `progress` (the per-step line), `plot`
 (loss-curve PNGs), `report` (memory per dispatcher), `guards` (checks before a run: `--out`, does
 the state fit this machine; one-line errors), `interrupt` (SIGINT / SIGTERM: checkpoint the last
-completed step, exit 130 / 143). `planner` (`python -m train.planner`: the training memory plan,
-attention remat per dispatcher, and the largest sizes that fit; `search` the size search,
-`planner_report` its tables).
+completed step, exit 130 / 143), `export` (`relaymoe-train export RUN_DIR --out HF_DIR`: a
+run's checkpoint as a Hugging Face checkpoint, streamed). `planner` (`python -m train.planner`:
+the training memory plan, attention remat per dispatcher, and the largest sizes that fit;
+`search` the size search, `planner_report` its tables).
 
 Importing the package changes nothing in the environment. The command (`cli.entry`) and
 `python -m train.planner` ask jax for 8 emulated CPU devices before it starts

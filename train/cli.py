@@ -17,7 +17,6 @@ import dataclasses
 import importlib.util
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -28,6 +27,7 @@ from relaymoe_jax.models.config_files import load_config, parse_overrides, unkno
 
 from . import distributed, guards, interrupt, report  # these need no package of the train extra
 from . import mesh as train_mesh
+from .cli_help import TRAIN_HELP, HelpFormatter, trainer_settings_help
 from .settings import (
     TRAIN_FIELDS,
     RunSettings,
@@ -40,7 +40,7 @@ from .settings import (
 
 TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib", "grain")  # pyproject's `train` extra
 try:  # without the extra, main() and entry() say what is missing (MissingExtraError)
-    from . import identity
+    from . import hf_init, identity
     from . import run as training_run
 except ModuleNotFoundError as e:
     if (e.name or "").split(".")[0] not in {m.split(".")[0] for m in TRAIN_EXTRA}:
@@ -73,89 +73,29 @@ def require_train_extra() -> None:
         )
 
 
-# --help's words for the trainer settings (`TrainConfig`; the defaults come from it)
-TRAIN_HELP = {
-    "batch_size": "global batch, in sequences per step",
-    "seq_len": "tokens per sequence",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr_ratio": "the cosine decays to lr * this",
-    "warmup_steps": "steps of linear warmup from 0",
-    "schedule_steps": "the cosine schedule's horizon in steps (unset: --steps)",
-    "weight_decay": "AdamW weight decay (never on 1-D parameters)",
-    "clip_norm": "global gradient-norm clipping",
-    "b1": "AdamW beta1",
-    "b2": "AdamW beta2",
-    "seed": "initialisation and data-order seed",
-    "save_every": "checkpoint every N steps (and at the last step)",
-    "synthetic": "train on a learnable synthetic stream instead of text files",
-    "mesh": "device mesh, e.g. data=2,expert=4 or node=2,expert=8 (axes data, fsdp, node, "
-    "expert, context, expert_tensor; one size may be -1)",
-    "compute_dtype": "float32 or bfloat16 (float32 master weights and optimizer either way)",
-    "loss_chunk": "tokens per device per LM-head / cross-entropy chunk",
-    "offload_optimizer": "float32 weights and AdamW moments in pinned host memory between "
-    "steps, streamed layer by layer (needs scan_layers=true; docs/planning.md)",
-}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The description and epilog as written; each optional flag's default appended to its help
-    (none, off for a switch, or the value) unless the help already says it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (
-            not action.option_strings
-            or action.required
-            or "default" in text
-            or action.default is argparse.SUPPRESS
-        ):
-            return text
-        if action.default is None or action.default == []:
-            return text + " (default: none)"
-        if action.default is False:
-            return text + " (default: off)"
-        return text + " (default: %(default)s)"
-
-
-def _trainer_settings_help() -> str:
-    rows = []
-    for f in dataclasses.fields(TrainConfig):
-        default = "unset" if f.default is None else f.default
-        rows.append(
-            textwrap.fill(
-                TRAIN_HELP.get(f.name, ""),
-                96,
-                initial_indent=f"  {f.name}={default}".ljust(26) + " ",
-                subsequent_indent=" " * 27,
-            )
-        )
-    notes = (
-        "Any other key=value sets a field of the model config (the YAML keys of "
-        "configs/*.yaml, e.g. dispatcher=alltoall routing=token capacity_factor=1.0). "
-        "Exit status: 0 done; 1 an error, said in one line on stderr; 2 bad arguments; "
-        "130 / 143 stopped by SIGINT / SIGTERM (after checkpointing the last completed "
-        "step: rerun the same command to resume)."
-    )
-    return (
-        "trainer settings, as key=value or --key VALUE (shown with their defaults):\n"
-        + "\n".join(rows)
-        + "\n\n"
-        + textwrap.fill(notes, 98)
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m {__package__}",
         description="Train a model config with the RelayMoE trainer "
         "(metrics, checkpoints, resume).",
-        epilog=_trainer_settings_help(),
+        epilog=trainer_settings_help(),
         formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--config",
-        required=True,
-        help="model config: configs/<name>.yaml, a path or a shipped config's name (required)",
+        default=None,
+        help="model config: configs/<name>.yaml, a path or a shipped config's name (required "
+        "unless --init-from-hf gives it)",
+    )
+    p.add_argument(
+        "--init-from-hf",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="start from a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint: the model config "
+        "is DIR/config.json (model key=value items still apply, unless they change a weight's "
+        "shape), the weights are loaded into the sharded train state, the optimizer starts "
+        "fresh; DIR/tokenizer.json, if there, tokenizes --data files (train.hf_init)",
     )
     p.add_argument(
         "--steps",
@@ -184,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a local Hugging Face tokenizer.json (default: byte-level); with a prepared "
         "--data DIR it must be the one the dataset was prepared with",
+    )
+    p.add_argument(
+        "--eval-data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a prepared dataset (relaymoe-train prepare, the training data's tokenizer) to "
+        "evaluate on every eval_every steps and at the last step: the mean next-token loss and "
+        "perplexity over eval_batches batches of its rows, in metrics.jsonl and loss.png "
+        "(train.evaluate)",
     )
     p.add_argument("--quiet", action="store_true", help="no per-step line")
     p.add_argument(
@@ -265,6 +215,24 @@ def _check_data_flags(args, tc: TrainConfig) -> None:
             )
 
 
+def _check_eval_flags(args, tc: TrainConfig, asked: set) -> None:
+    """ValueError for evaluation settings without --eval-data (they would be ignored), and for
+    --eval-data with --synthetic (no tokenizer to check the evaluation text against)."""
+    given = [
+        k for k in ("eval_every", "eval_batches") if k in asked or getattr(args, k) is not None
+    ]
+    if args.eval_data is None and given:
+        raise ValueError(
+            f"{given[0]}={getattr(tc, given[0])} without --eval-data: nothing to evaluate; add "
+            f"--eval-data DIR (a prepared dataset) or drop {' and '.join(given)}"
+        )
+    if args.eval_data is not None and tc.synthetic:
+        raise ValueError(
+            "--eval-data with --synthetic: the synthetic stream has no tokenizer to evaluate "
+            "text with; drop --eval-data or --synthetic"
+        )
+
+
 def _check_ignored_options(over: dict, cfg, memory_table: bool) -> None:
     """ValueError for an op option set on the command line that nothing of this run uses
     (`settings.check_options_used`): not the trained dispatcher, nor the --memory-table's rows
@@ -284,35 +252,48 @@ def parse(argv) -> RunSettings:
     args = build_parser().parse_intermixed_args(argv)
     over = parse_overrides(args.overrides)
     _check_keys(over)
+    asked = set(over)  # the key=value items (before _train_config takes the trainer's)
     tc = _train_config(args, over)
     _check_data_flags(args, tc)
+    _check_eval_flags(args, tc, asked)
     sizes = train_mesh.parse_mesh(tc.mesh, jax.device_count())
-    cfg = load_config(
-        args.config,
-        expert_size=train_mesh.expert_size(sizes),
-        other_keys={"trainer": TRAIN_FIELDS},
-        **over,
-    )
+    if (args.config is None) == (args.init_from_hf is None):
+        raise ValueError(
+            "give the model as --config FILE or --init-from-hf DIR (a Hugging Face checkpoint), "
+            + ("not both" if args.config else "one of them")
+        )
+    if args.init_from_hf is not None:
+        source = hf_init.open_source(args.init_from_hf)
+        cfg = hf_init.model_config(source, over, train_mesh.expert_size(sizes))
+    else:
+        cfg = load_config(
+            args.config,
+            expert_size=train_mesh.expert_size(sizes),
+            other_keys={"trainer": TRAIN_FIELDS},
+            **over,
+        )
     train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
     check_offload(cfg, tc, jax.devices()[0])
     _check_ignored_options(over, cfg, args.memory_table)
     if tc.seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"seq_len={tc.seq_len} exceeds max_position_embeddings="
-            f"{cfg.max_position_embeddings} of {args.config}"
+            f"{cfg.max_position_embeddings} of {args.config or args.init_from_hf}"
         )
     return RunSettings(
-        config=args.config,
+        config=args.config or str(args.init_from_hf),
         steps=args.steps,
         out=args.out,
         train=tc,
         model=cfg,
         data=None if args.data is None else tuple(args.data),
         tokenizer=args.tokenizer,
+        eval_data=args.eval_data,
         quiet=args.quiet,
         memory_table=args.memory_table,
         force=args.force,
         allow_changes=tuple(args.allow_changes),
+        init_from_hf=args.init_from_hf,
     )
 
 
@@ -341,6 +322,10 @@ def entry() -> None:
         from .data import prepare
 
         sys.exit(prepare.main(sys.argv[2:]))
+    if sys.argv[1:2] == ["export"]:  # `relaymoe-train export RUN_DIR --out DIR`: train/export.py
+        from . import export
+
+        sys.exit(export.main(sys.argv[2:]))
     try:
         require_train_extra()
         use_cpu_devices(CPU_DEVICES)

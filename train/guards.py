@@ -4,7 +4,8 @@ write).
 * `prepare_run_dir`: `--out` must be (or become) a writable directory: a file, a path under a
   file or a read-only directory is a `RunDirError` (a ValueError) before anything is built.
 * `check_fits`: before anything is allocated or compiled, the bytes the train state needs per
-  device (parameters, AdamW's two moments and the gradients, all float32 master copies, from
+  device (parameters, AdamW's two moments and the gradients, all float32 master copies, plus
+  with `grad_accum` > 1 the float32 gradient accumulator (`train.accumulate`), from
   `train_step.abstract_state`: shapes and shardings only, nothing allocated) against what the
   machine has: on a GPU or TPU its `memory_stats()["bytes_limit"]`; on CPU the host's available RAM
   (`MemAvailable` of /proc/meminfo, else physical pages), shared by the emulated devices. It is
@@ -101,7 +102,7 @@ def _os_message(e: OSError) -> str:
 class Estimate:
     params: int  # parameters of the model (`param_count`)
     state: int  # bytes per device of the train state in device memory (params, moments, rest)
-    grads: int  # bytes per device of the gradients (the parameters' shards)
+    grads: int  # bytes per device of the gradients (the parameters' shards; + accumulator)
     host: int = 0  # bytes per device of the train state in pinned host memory (offload_optimizer)
 
     @property
@@ -125,6 +126,8 @@ def estimate(cfg, tc, mesh) -> Estimate:
     if tc.offload_optimizer:  # the gradients (and the fetched weights) in the compute dtype
         itemsize = 2 if tc.compute_dtype == "bfloat16" else 4
         grads = 2 * grads * itemsize // 4
+    if tc.grad_accum > 1:  # the float32 accumulator of train.accumulate, like the gradients
+        grads += sum(_shard_bytes(x) for x in jax.tree.leaves(state.params))  # f32 params
     return Estimate(param_count(cfg)["total"], device, grads, host)
 
 

@@ -12,15 +12,17 @@ Every checkpoint's JSON metadata records
   and the tokenizer (the tokenizer.json's path and sha256, or null for the byte-level one),
   either with `"loader"`, how rows are packed (`train.data.loader.PACKING`: checkpoints of the
   trainer's earlier text packing, without it, read other rows), or `{"synthetic": true}`.
+* `init`: the weights the run started from: null (random, seeded), or a Hugging Face checkpoint
+  (`--init-from-hf`: its path and a sha256 of its content, `train.hf_init.source_identity`).
 
 A rerun on the same --out compares them, key by key, with its own (the checkpoint it restores;
 nothing is checked when it has nothing left to train):
 
 * **math changes are refused**, in one line naming each key old -> new and the flag that
   overrides it (`--allow-changes key1,key2`): any other model field (sizes, top-k, router losses,
-  rope_theta, initializer_range ...), any other trainer field (batch, sequence, optimizer,
-  schedule, seed, synthetic, compute_dtype), the data (by content: a moved file with the same
-  bytes is the same data) and the tokenizer;
+  rope_theta, initializer_range ...), any other trainer field (batch, grad_accum, sequence,
+  optimizer, schedule, seed, synthetic, compute_dtype), the data (by content: a moved file with
+  the same bytes is the same data), the tokenizer and `init` (another checkpoint, by content);
 * **same-math changes are allowed**: logged in one line, recorded on the first metrics line
   after the resume (`"resume_changes"`), marked on loss.png. They change how the step is
   computed, not what it computes (the same math up to float rounding: summation order):
@@ -29,7 +31,9 @@ nothing is checked when it has nothing left to train):
   the same softmax, online), `context_layout` (the same tokens in another order over the
   devices), `attention_remat`, `moe_remat` (recomputation is exact),
   `offload_layer_inputs` and `offload_optimizer` (values moved to host memory, not changed),
-  `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`; the `dispatcher`
+  `max_position_embeddings` (a bound on seq_len), `loss_chunk`, `save_every`, and the held-out
+  evaluation's `eval_every`, `eval_batches` and `--eval-data` (recorded as `eval_data`: the
+  dataset's path and manifest sha256; evaluation never changes training); the `dispatcher`
   and `capacity_factor` as long as nothing is dropped on either side (ring, reference and the
   all-to-all with capacity_factor null are all dropless; the all-to-all with a capacity factor
   drops (token, expert) pairs, so a change into, out of or between capacities is a math
@@ -67,7 +71,7 @@ from .optimizer import make_schedule, schedule_horizon
 from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
-DATA_KEYS = ("data", "tokenizer")
+DATA_KEYS = ("data", "tokenizer", "init")
 # same math up to float rounding (see the module docstring)
 SAME_MATH = frozenset(
     {
@@ -85,6 +89,8 @@ SAME_MATH = frozenset(
         "max_position_embeddings",
         "loss_chunk",
         "save_every",
+        "eval_every",  # the held-out evaluation (train.evaluate) never changes training
+        "eval_batches",
     }
 )
 DROP_KEYS = frozenset({"dispatcher", "capacity_factor", "mesh"})  # same math while dropless
@@ -104,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY[,KEY...]",
         help="resume even though these settings differ from the checkpoint's "
-        "(model config or trainer keys, 'data', 'tokenizer'). Without it a "
+        "(model config or trainer keys, 'data', 'tokenizer', 'init'). Without it a "
         "resume that changes the math (top-k, lr, data, the schedule's horizon, "
         "...) is refused; same-math changes (ring <-> dropless alltoall, "
         "routing, remat, chunk sizes) are always allowed and logged. The cosine "
@@ -121,7 +127,7 @@ def allowed_keys(items) -> frozenset:
     if unknown:
         raise ValueError(
             f"{ALLOW_FLAG}: unknown key(s) {unknown}; expected model config or "
-            f"trainer keys, 'data' or 'tokenizer'"
+            f"trainer keys, 'data', 'tokenizer' or 'init'"
         )
     return frozenset(keys)
 
@@ -211,6 +217,28 @@ def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
     return changes
 
 
+def _init_change(old: dict | None, new: dict | None) -> list[Change]:
+    """The `init` change (the weights the run started from: random, or a Hugging Face
+    checkpoint, compared by content) between a checkpoint's and this run's, as a list."""
+    sha = lambda d: None if d is None else d.get("sha256")
+    if sha(old) == sha(new):
+        return []
+    name = lambda d: "random" if d is None else f"{d['path']} (sha256 {d['sha256'][:12]})"
+    return [Change("init", name(old), name(new), False)]
+
+
+def _eval_change(meta: dict, new: dict | None) -> list[Change]:
+    """The held-out evaluation data's change (`--eval-data`, `train.evaluate`: by its manifest's
+    sha256), same math: it never changes training. Checkpoints that did not record it: none."""
+    if "eval_data" not in meta:
+        return []
+    old, sha = meta["eval_data"], lambda d: None if d is None else d.get("manifest_sha256")
+    if sha(old) == sha(new):
+        return []
+    name = lambda d: "none" if d is None else f"{d['path']} (manifest sha256 {sha(d)[:12]})"
+    return [Change("eval_data", name(old), name(new), True)]
+
+
 class RunIdentity:
     """This run's identity (`meta`, saved with every checkpoint) and the resume check
     (`check`, the `check_meta` hook of `train.checkpoint.restore`). `data`: what the data
@@ -226,11 +254,13 @@ class RunIdentity:
         allow=frozenset(),
         explicit_schedule: bool = True,
         out=None,
+        init: dict | None = None,
     ):
         self.model = json_value(cfg.as_dict())
         self.train = json_value(dataclasses.asdict(tc))
         self.data = data
         self.meta = {"model_config": self.model, "train_config": self.train, "data": self.data}
+        self.meta["init"] = init  # --init-from-hf: the checkpoint's path and sha256 (train.hf_init)
         self.steps, self.allow, self.explicit_schedule = steps, frozenset(allow), explicit_schedule
         self.out = out
         self._lr = np.asarray(make_schedule(tc)(np.arange(steps)), np.float64)
@@ -246,7 +276,10 @@ class RunIdentity:
         if step is not None and step >= self.steps:
             return  # nothing left to train
         where = f"{self.out} at step {step}" if self.out is not None else f"step {step}"
-        changes = compare(meta, self.model, self.train, self.data)
+        changes = compare(meta, self.model, self.train, self.data) + _init_change(
+            meta.get("init"), self.meta["init"]
+        )
+        changes += _eval_change(meta, self.meta.get("eval_data"))
         layout = [c for c in changes if c.layout]
         if layout:
             raise ResumeRefusedError(
@@ -286,6 +319,10 @@ class RunIdentity:
                 )
             )
 
+    def add_eval_data(self, eval_data: dict | None) -> None:
+        """Record the held-out evaluation data (`train.evaluate.identity`) in the metadata."""
+        self.meta["eval_data"] = eval_data
+
     def report(self, log) -> None:
         """Logs the notes of the last `check` (a warning and/or the accepted changes)."""
         for line in self.notes:
@@ -301,7 +338,9 @@ class RunIdentity:
         return rec
 
 
-def of_run(run: RunSettings, data: dict, log=print) -> tuple[RunSettings, RunIdentity]:
+def of_run(
+    run: RunSettings, data: dict, log=print, init: dict | None = None
+) -> tuple[RunSettings, RunIdentity]:
     """(settings, RunIdentity) for `run` training on `data` (the data source's identity,
     `train.data.Source.identity`): its `train.schedule_steps` resolved to the horizon
     (`optimizer.schedule_horizon`), with a warning if the lr will sit at its floor before the
@@ -335,5 +374,6 @@ def of_run(run: RunSettings, data: dict, log=print) -> tuple[RunSettings, RunIde
         allow=allow,
         explicit_schedule=explicit,
         out=run.out,
+        init=init,
     )
     return run.replace(train=tc), identity

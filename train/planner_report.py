@@ -9,6 +9,8 @@ import math
 from relaymoe_jax.models.sharding import rules_for
 from relaymoe_jax.op import topology
 
+from .accumulate import describe
+
 
 @dataclasses.dataclass(frozen=True)
 class LargestSize:
@@ -199,7 +201,7 @@ def summary(head: str, tc, found: Findings) -> str:
     text = (
         f"\n{head}\nexpert parallelism: "
         + "; ".join(found.rings)
-        + f"\nbatch {tc.batch_size} x seq {tc.seq_len}:\n"
+        + f"\n{describe(tc)}:\n"
         + table(found.reports)
         + "".join(f"\n- {n}" for n in found.notes)
     )

@@ -5,7 +5,10 @@ a label a run is named after its directory (or after the file's stem if it is no
 metrics.jsonl). One line per run: x = "step", y = the key (default "loss"). Lines of a metrics
 file that are not valid JSON, or lack "step" or the key, are skipped. Where a run resumed with
 changed settings (a record with "resume_changes", `train.identity`), a dashed vertical line just
-before that step is labelled with the changes. Drawn with matplotlib's Agg canvas (no pyplot, no
+before that step is labelled with the changes. A run that evaluated on held-out data
+(`--eval-data`, `train.evaluate`) also has its "eval_loss" points drawn beside its loss (key
+"loss" or "lm_loss"), markers in the run's colour (a resume that changed only the evaluation's
+settings is not marked: training is the same). Drawn with matplotlib's Agg canvas (no pyplot, no
 display, the global backend is left alone).
 """
 
@@ -60,6 +63,21 @@ def curves(runs: dict, key: str = "loss") -> dict[str, tuple[np.ndarray, np.ndar
     return out
 
 
+EVAL_KEY = "eval_loss"  # the held-out loss (train.evaluate), drawn beside these keys:
+EVAL_BESIDE = ("loss", "lm_loss")
+EVAL_CHANGES = ("eval_every", "eval_batches", "eval_data")  # not marked: training is the same
+
+
+def eval_curve(src, key: str = EVAL_KEY) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) float64 of the records of a run that have `key` (the steps that
+    evaluated), sorted by step; None when it has none."""
+    pts = sorted((r["step"], r[key]) for r in read_records(src) if "step" in r and key in r)
+    if not pts:
+        return None
+    steps, vals = zip(*pts)
+    return np.asarray(steps, dtype=np.float64), np.asarray(vals, dtype=np.float64)
+
+
 def changes(src) -> list[tuple[int, list[dict]]]:
     """(step, changes) of each resume with changed settings in a run, by step: the records'
     "resume_changes" lists of {"key", "old", "new", "same_math"}."""
@@ -108,7 +126,13 @@ def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
     ax = fig.subplots()
     for label, (steps, vals) in curves(runs, key).items():
         (line,) = ax.plot(steps, vals, label=label)
+        held = eval_curve(runs[label]) if key in EVAL_BESIDE else None
+        if held is not None:
+            ax.plot(*held, marker="o", ls=":", color=line.get_color(), label=f"{label}: held-out")
         for step, chs in changes(runs[label]):
+            chs = [c for c in chs if c.get("key") not in EVAL_CHANGES]  # training's curve only
+            if not chs:
+                continue
             ax.axvline(step - 0.5, color=line.get_color(), ls="--", lw=0.8)
             ax.text(
                 step - 0.5,

@@ -1,6 +1,7 @@
 """Per-step feedback: one line per step with a progress bar, the losses, grad norm, learning
-rate, tokens/s, step time and the time left. Plain lines (no carriage returns), so a log file
-reads the same as a terminal."""
+rate, the held-out loss and perplexity at the steps that evaluate (`train.evaluate`), tokens per
+optimizer step (every micro-batch of `grad_accum`), tokens/s, step time and the time left. Plain
+lines (no carriage returns), so a log file reads the same as a terminal."""
 
 import time
 
@@ -17,8 +18,9 @@ class StepProgress:
     time so far (the first step excluded once there are others: it may include warm-up) times
     the steps left."""
 
-    def __init__(self, start: int, total: int, width: int = 20):
+    def __init__(self, start: int, total: int, tokens_per_step: int | None = None, width: int = 20):
         self.start, self.total, self.width = start, total, width
+        self.tokens_per_step = tokens_per_step  # shown when given (all micro-batches of a step)
         self.times: list[float] = []
         self.t0 = time.perf_counter()
 
@@ -37,6 +39,12 @@ class StepProgress:
             f"(lm {rec['lm_loss']:.4f} aux {rec['aux_loss']:.4f} z {rec['z_loss']:.4f}) "
             f"gnorm {rec['grad_norm']:.3f} "
             + (f"lr {rec['lr']:.3g} " if "lr" in rec else "")
+            + (
+                f"eval {rec['eval_loss']:.4f} (ppl {rec['eval_perplexity']:.2f}) "
+                if "eval_loss" in rec
+                else ""
+            )
+            + (f"{self.tokens_per_step:,} tok/step " if self.tokens_per_step else "")
             + f"{rec['tokens_per_s']:,.0f} tok/s "
             f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "
             f"{_duration(time.perf_counter() - self.t0)}, left ~{_duration(left)}"

@@ -11,7 +11,6 @@ A signal (`train.interrupt.Stop`) stops the run after the step in progress, chec
 failed checkpoint save or metrics write is a `guards.WriteError` naming the path.
 """
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -23,9 +22,22 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding
 
+from . import (
+    accumulate,
+    distributed,
+    evaluate,
+    guards,
+    hf_init,
+    identity,
+    interrupt,
+    plot,
+    progress,
+    report,
+    run_io,
+    train_step,
+)
 from . import checkpoint as ckpt
 from . import data as data_mod
-from . import distributed, guards, identity, interrupt, plot, progress, report, train_step
 from . import mesh as train_mesh
 from .data import loader
 from .settings import RunSettings
@@ -48,18 +60,20 @@ class StepContext:
     metrics_path: Path
     run_identity: identity.RunIdentity
     stop: interrupt.Stop
+    evaluator: evaluate.Evaluator | None = None  # --eval-data (train.evaluate)
 
 
 def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     """The run `run`; 0 when done. While it trains, SIGINT and SIGTERM (`stop`, installed by the
     caller) checkpoint the last completed step and raise `interrupt.Interrupted`."""
     out = guards.prepare_run_dir(run.out)  # a writable directory, or one line now
+    run, source = hf_init.of_run(run, log=log)  # --init-from-hf: its tokenizer for --data files
     tc = run.train
     data = data_mod.make_source(
         run.data,
         synthetic=tc.synthetic,
         seq_len=tc.seq_len,
-        batch_size=tc.batch_size,
+        batch_size=tc.batch_size * tc.grad_accum,  # a step's rows, its micro-batches' too
         seed=tc.seed,
         vocab_size=run.model.vocab_size,
         tokenizer=run.tokenizer,
@@ -67,7 +81,10 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     )
     if (summary := data.summary()) is not None:
         log(summary)  # the dataset's documents, tokens and rows
-    run, ident = identity.of_run(run, data.identity(), log=log)  # schedule horizon, identity
+    eval_src = evaluate.open_eval_data(run, data) if run.eval_data is not None else None
+    init = hf_init.check_data(source, run, data.identity())  # the source's identity, or None
+    run, ident = identity.of_run(run, data.identity(), log=log, init=init)  # schedule, identity
+    ident.add_eval_data(None if eval_src is None else evaluate.identity(eval_src))
     tc, cfg = run.train, run.model
     mesh = train_mesh.make_mesh(tc.mesh)
     est = guards.check_fits(cfg, tc, mesh, force=run.force)  # before anything is allocated
@@ -77,13 +94,15 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         + (f" (+ {guards.fmt_bytes(est.host)} in host memory)" if est.host else "")
         + f", {jax.device_count()} {jax.default_backend()} devices"
     )
-    graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh)
+    fresh = source is not None and not run_io.committed_steps(out.resolve() / "checkpoints")
+    model = hf_init.load_model(source, cfg, mesh, log=log) if fresh else None  # else: resumes
+    graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh, model)
 
     mngr = ckpt.manager(out)
     metrics_path = out / "metrics.jsonl"
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
-    rows = _select_rows(data, ids_sharding, shape)
+    rows = _select_rows(data, *accumulate.step_batch(ids_sharding, *shape, tc.grad_accum))
     try:
         start = 0
         restored = ckpt.restore(mngr, state.as_saved(), check_meta=ident.check)
@@ -99,12 +118,23 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         if start >= run.steps:
             log(f"already at step {start} >= --steps {run.steps}; nothing to do")
         else:
-            _stop_before_training(stop, mngr)
+            run_io.stop_before_training(stop, mngr)
             compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding, stop, data.packed)
-            _stop_before_training(stop, mngr)  # a signal during the compile
+            run_io.stop_before_training(stop, mngr)  # a signal during the compile
+            evaluator = _evaluator(run, graphdef, state, ids_sharding, eval_src)
             stop.training = True  # from now on a signal lets the step and its save finish
             ctx = StepContext(
-                run, graphdef, compiled, data, rows, ids_sharding, mngr, metrics_path, ident, stop
+                run,
+                graphdef,
+                compiled,
+                data,
+                rows,
+                ids_sharding,
+                mngr,
+                metrics_path,
+                ident,
+                stop,
+                evaluator,
             )
             meta = {"config": run.config, "seed": tc.seed, **ident.meta}
             state = train(ctx, state, start, meta)
@@ -116,7 +146,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
         _finish(run, mesh, compiled, metrics_path, data.packed)
         return 0
     finally:
-        _close(mngr, failing=sys.exc_info()[1] is not None)
+        run_io.close(mngr, failing=sys.exc_info()[1] is not None)
 
 
 def _select_rows(data, ids_sharding, shape) -> list[int] | None:
@@ -124,11 +154,12 @@ def _select_rows(data, ids_sharding, shape) -> list[int] | None:
     reads alone (logged on every process, at INFO); None (all) for the synthetic stream."""
     if not isinstance(data, data_mod.PreparedSource):
         return None
-    rows = loader.rows_of_process(ids_sharding, shape)
+    rows = accumulate.rows_of_process(ids_sharding, shape)  # [N, B, S]: of N * B rows
     data.select_rows(rows)
     logging.getLogger(__name__).info(
         f"data: process {jax.process_index()} of {jax.process_count()} reads "
-        f"{len(rows)} of the {shape[0]} rows of each batch: {loader.row_ranges(rows)}"
+        f"{len(rows)} of the {math.prod(shape[:-1])} rows of each batch: "
+        f"{loader.row_ranges(rows)}"
     )
     return rows
 
@@ -149,23 +180,38 @@ def _resume_data(data, meta: dict, start: int) -> None:
         )
 
 
+def _evaluator(run: RunSettings, graphdef, state, ids_sharding, eval_src):
+    """The held-out evaluation of --eval-data (its rows read, its forward compiled), or None."""
+    if eval_src is None:
+        return None
+    tc = run.train
+    every = f"every {tc.eval_every} steps and " if tc.eval_every else ""
+    log(
+        f"evaluation on {run.eval_data} {every}at step {run.steps}: {tc.eval_batches} "
+        f"batch(es) of {tc.batch_size} x {tc.seq_len} ({eval_src.summary().removeprefix('data: ')})"
+    )
+    return evaluate.Evaluator(run, graphdef, state, ids_sharding, eval_src)
+
+
 def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, packed):
     """The step compiled for `state` (memoised in-process), with its start-up lines; None if a
     signal came first (`interrupt.unless_stopped`: the compile runs in a helper thread, so the
     signal is seen at once)."""
     tc, cfg = run.train, run.model
-    shape = (tc.batch_size, tc.seq_len)
+    sharding, shape = accumulate.step_batch(ids_sharding, tc.batch_size, tc.seq_len, tc.grad_accum)
     log(
         f"compiling the train step (dispatcher={cfg.moe.options.dispatcher}, mesh "
-        f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}) ..."
+        f"{dict(mesh.shape)}, {accumulate.describe(tc)}) ..."
     )
     t0 = time.perf_counter()
     offload = tc if tc.offload_optimizer else None
-    step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload)
+    step = train_step.make_step(
+        graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload, tc.grad_accum
+    )
     compiled = train_step.compile_step(
         step,
         state,
-        ids_sharding,
+        sharding,
         shape,
         key=train_step.step_key(cfg, tc, shape, mesh, packed),
         runner=lambda build: interrupt.unless_stopped(build, stop),
@@ -188,27 +234,34 @@ def train(t: StepContext, state, start: int, meta: dict):
     (`t.stop`), checkpoint the step just completed and raise `interrupt.Interrupted`. Returns the
     state."""
     run, tc = t.settings, t.settings.train
-    bar = progress.StepProgress(start, run.steps)
-    with _metrics_file(t.metrics_path) as mf:
+    bar = progress.StepProgress(start, run.steps, tc.batch_size * tc.grad_accum * tc.seq_len)
+    with run_io.metrics_file(t.metrics_path) as mf:
         for s in range(start + 1, run.steps + 1):
             state, rec = _step(t, state, s)
             if not math.isfinite(rec["loss"]):
-                _wait(t.mngr)
+                run_io.wait(t.mngr)
                 raise guards.NonFiniteLossError(
                     f"loss is {rec['loss']} at step {s} (lm_loss={rec['lm_loss']}, "
                     f"aux_loss={rec['aux_loss']}); stopping. The last good checkpoint is "
                     f"step {t.mngr.latest_step()} in {t.mngr.directory}"
                 )
+            if t.evaluator is not None and (
+                s % (tc.eval_every or run.steps) == 0 or s == run.steps
+            ):
+                rec.update(t.evaluator(state).record())  # the held-out loss (train.evaluate)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             if not run.quiet:
                 log(bar.line(rec))
             sig = t.stop.requested()  # every step (several processes: agreed among them)
             if s % tc.save_every == 0 or s == run.steps or sig is not None:
-                data_meta = {"data_position": s * tc.batch_size, "data_state": t.data.state()}
-                _save(t.mngr, s, state, {**meta, **data_meta})
+                data_meta = {
+                    "data_position": s * tc.batch_size * tc.grad_accum,  # rows read
+                    "data_state": t.data.state(),
+                }
+                run_io.save(t.mngr, s, state, {**meta, **data_meta})
             if sig is not None:
-                raise _interrupted(sig, t.mngr, s)
+                raise run_io.interrupted(sig, t.mngr, s)
     return state
 
 
@@ -218,7 +271,10 @@ def _step(t: StepContext, state, s: int):
     t0 = time.perf_counter()
     local = next(t.data)
     t1 = time.perf_counter()
-    state, m = t.compiled(state, train_step.put_batch(local, t.ids_sharding, tc.batch_size, t.rows))
+    sharding, shape = accumulate.step_batch(
+        t.ids_sharding, tc.batch_size, tc.seq_len, tc.grad_accum
+    )
+    state, m = t.compiled(state, accumulate.put_batch(local, sharding, shape, t.rows))
     if t.settings.model.moe.expert_bias:
         state = train_step.update_expert_bias(t.graphdef, state, m.expert_load)
     m = jax.device_get(m)
@@ -227,7 +283,7 @@ def _step(t: StepContext, state, s: int):
         "step": s,
         **m.record(),
         **t.run_identity.extra(s),
-        "tokens_per_s": tc.batch_size * tc.seq_len / dt,
+        "tokens_per_s": tc.batch_size * tc.grad_accum * tc.seq_len / dt,  # every micro-batch
         "step_time": dt,
         "data_time": t1 - t0,  # waiting for the batch (the loader reads ahead meanwhile)
     }
@@ -242,112 +298,15 @@ def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) 
         rows = report.memory_rows(cfg, tc, mesh, compiled, log=log, packed=packed)
         log(
             f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
-            f"{dict(mesh.shape)}, batch {tc.batch_size} x seq {tc.seq_len}, "
+            f"{dict(mesh.shape)}, {accumulate.describe(tc)}, "
             f"{tc.compute_dtype}; XLA memory_analysis of the compiled step):\n"
             + report.memory_table(rows)
         )
     if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
         label = plot.dispatcher_label(metrics_path, cfg.moe.options.dispatcher)
         png = plot.plot_losses(
-            {label: metrics_path}, run.out / "loss.png", title=f"{run.config}: training loss"
+            {label: metrics_path},
+            run.out / "loss.png",
+            title=f"{run.config}: training loss" + (" and held-out" if run.eval_data else ""),
         )
         log(f"loss curve: {png}")
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def _committed_steps(directory) -> list[int]:
-    """The checkpoint steps on disk (finalized step directories), sorted."""
-    try:
-        return sorted(int(p.name) for p in Path(str(directory)).iterdir() if p.name.isdigit())
-    except OSError:
-        return []
-
-
-def _write_error(e: BaseException, mngr) -> guards.WriteError | None:
-    """A WriteError for an operating-system failure of a checkpoint save (disk full, read-only
-    directory; orbax reports a failed asynchronous save at the next save or wait), else None."""
-    why = guards.os_error_text(e)
-    if why is None:
-        return None
-    steps = _committed_steps(mngr.directory)
-    last = f"step {steps[-1]}" if steps else "none"
-    return guards.WriteError(
-        f"saving a checkpoint in {mngr.directory} failed: {why} (the newest "
-        f"complete checkpoint: {last})"
-    )
-
-
-def _save(mngr, step: int, state: train_step.TrainState, meta: dict) -> None:
-    try:
-        ckpt.save(mngr, step, state.as_saved(), meta)
-    except Exception as e:
-        err = _write_error(e, mngr)
-        if err is None:
-            raise
-        raise err from e
-
-
-def _wait(mngr) -> None:
-    try:
-        mngr.wait_until_finished()
-    except Exception as e:
-        err = _write_error(e, mngr)
-        if err is None:
-            raise
-        raise err from e
-
-
-def _close(mngr, failing: bool) -> None:
-    """Wait for the last save and close the manager; while another error is on its way out,
-    one of these (the same failed save, reported again) is not raised over it."""
-    try:
-        _wait(mngr)
-        mngr.close()
-    except Exception:
-        if not failing:
-            raise
-
-
-@contextlib.contextmanager
-def _metrics_file(path: Path):
-    """metrics.jsonl opened for appending (process 0); an OSError while it is open (a write, the
-    flush, the close: disk full, ...) is a WriteError naming it. Checkpoint failures arrive as
-    WriteErrors already."""
-    try:
-        with distributed.open_on_main(path, "a") as f:
-            yield f
-    except OSError as e:
-        raise guards.WriteError(f"writing {path} failed: {guards.describe_write_error(e)}") from e
-
-
-# --------------------------------------------------------------------------- signals
-
-
-def _stop_before_training(stop: interrupt.Stop, mngr) -> None:
-    """`interrupt.Interrupted` if a signal came before the first step (nothing new to save)."""
-    sig = stop.requested()
-    if sig is not None:
-        steps = _committed_steps(mngr.directory)
-        where = (
-            f"the newest checkpoint is step {steps[-1]} in {mngr.directory}"
-            if steps
-            else "no checkpoint yet"
-        )
-        raise interrupt.Interrupted(
-            sig,
-            f"interrupted by {interrupt.signal_name(sig)} before "
-            f"the first step; nothing new to save ({where})",
-        )
-
-
-def _interrupted(sig: int, mngr, step: int) -> interrupt.Interrupted:
-    """After step `step`'s checkpoint was started: wait for it to be written."""
-    _wait(mngr)
-    return interrupt.Interrupted(
-        sig,
-        f"interrupted by {interrupt.signal_name(sig)} after step "
-        f"{step}: checkpoint step {step} saved in {mngr.directory}; "
-        f"rerun the same command to resume",
-    )

@@ -29,6 +29,7 @@ class TrainConfig:
     """Trainer settings (model settings are the `ModelConfig` of the YAML file)."""
 
     batch_size: int = 8
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (train.accumulate)
     seq_len: int = 64
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -47,6 +48,10 @@ class TrainConfig:
     # the float32 master weights and the AdamW moments in pinned host memory between steps,
     # streamed to the device layer by layer for the update (train.train_step, docs/planning.md)
     offload_optimizer: bool = False
+    # held-out evaluation on --eval-data (train.evaluate): every N steps and at the last step
+    # (unset: the last step only), over eval_batches batches of batch_size rows
+    eval_every: int | None = None
+    eval_batches: int = 4
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -55,6 +60,7 @@ _finite = math.isfinite
 # what each numeric trainer field must satisfy (a value outside is refused, never clamped)
 RANGES = {
     "batch_size": (lambda v: v >= 1, ">= 1"),
+    "grad_accum": (lambda v: v >= 1, ">= 1 (micro-batches per optimizer step)"),
     "seq_len": (lambda v: v >= 2, ">= 2"),
     "lr": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -66,6 +72,8 @@ RANGES = {
     "seed": (lambda v: v >= 0, ">= 0"),
     "save_every": (lambda v: v >= 1, ">= 1"),
     "loss_chunk": (lambda v: v >= 1, ">= 1 (tokens per device per chunk)"),
+    "eval_every": (lambda v: v is None or v >= 1, ">= 1 (steps between evaluations)"),
+    "eval_batches": (lambda v: v >= 1, ">= 1 (batches per evaluation)"),
 }
 
 
@@ -175,10 +183,12 @@ class RunSettings:
     model: ModelConfig  # the YAML file with its key=value overrides
     data: tuple[str, ...] | None = None  # --data files; None: the shipped text
     tokenizer: Path | None = None  # --tokenizer: a tokenizer.json; None: byte-level
+    eval_data: Path | None = None  # --eval-data: a prepared dataset to evaluate on
     quiet: bool = False  # --quiet: no per-step line
     memory_table: bool = False  # --memory-table
     force: bool = False  # --force: skip the memory check
     allow_changes: tuple[str, ...] = ()  # --allow-changes items, as given (train.identity)
+    init_from_hf: Path | None = None  # --init-from-hf: a Hugging Face checkpoint (train.hf_init)
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)

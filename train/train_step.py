@@ -27,14 +27,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models import QwenMoe
-from relaymoe_jax.models.loss import DEFAULT_CHUNK, lm_loss
+from relaymoe_jax.models.loss import DEFAULT_CHUNK
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
+from . import accumulate, objective
+from .accumulate import accumulated_value_and_grad, step_batch
 from .data.source import Batch
-from .offload import fetch_params, is_stacked, on_host, streamed_update
+from .objective import next_token_targets as next_token_targets  # (callers read it here)
+from .offload import fetch_params, on_host, streamed_update
 from .optimizer import make_optimizer
 from .settings import TrainConfig, check_offload
-from .storage import STORAGE_AXES, gather_stored, is_variable, stored_sharding
+from .storage import STORAGE_AXES, stored_sharding
+from .storage import gather_stored as gather_stored  # (tests read them from here)
+from .storage import is_variable as is_variable
 
 
 @jax.tree_util.register_dataclass
@@ -109,12 +114,13 @@ def _opt_shardings(tx, params, mesh, offload: bool = False):
     )
 
 
-def init_state(cfg, tc: TrainConfig, mesh):
-    """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`); with
-    an `fsdp` or `context` mesh axis the parameters (hence the optimizer moments) are stored per
-    `stored_sharding`."""
+def init_state(cfg, tc: TrainConfig, mesh, model=None):
+    """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`), or for
+    `model` (a `QwenMoe` of `cfg` on `mesh` with its weights: `train.hf_init`) and a fresh
+    optimizer; with an `fsdp` or `context` mesh axis the parameters (hence the optimizer moments)
+    are stored per `stored_sharding`."""
     check_offload(cfg, tc, mesh.devices.flat[0])
-    model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(tc.seed))
+    model = QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(tc.seed)) if model is None else model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if any(a in mesh.axis_names for a in STORAGE_AXES):
         params = jax.tree.map(lambda p: jax.device_put(p, stored_sharding(p, mesh)), params)
@@ -127,26 +133,6 @@ def init_state(cfg, tc: TrainConfig, mesh):
     state = TrainState(opt_state, params, rest, rng)
     state = jax.tree.map(lambda x: _replicated_if_needed(x, mesh), state)
     return graphdef, state, tx, model.rules
-
-
-def next_token_targets(ids_bs, seg_bs=None):
-    """(targets, weights) on ids' sharding: targets[b, s] = ids[b, s+1], weight 1 except 0 at the
-    last position and, with segment ids `seg_bs` (packed documents, 0 = padding), 0 where the
-    position is padding or its target is in another segment (the next document's first token:
-    nothing to learn across documents). Built on ids gathered over the sequence, as a sequence
-    dimension sharded over `context` cannot be sliced by one position."""
-    sharding = jax.typeof(ids_bs).sharding
-    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    gathered = NamedSharding(sharding.mesh, P(spec[0], None))
-    whole = jax.sharding.reshard(ids_bs, gathered)
-    targets = jax.sharding.reshard(jnp.roll(whole, -1, axis=1), sharding)
-    s = ids_bs.shape[1]
-    keep = jnp.broadcast_to(jnp.arange(s) < s - 1, ids_bs.shape)
-    if seg_bs is not None:
-        seg = jax.sharding.reshard(seg_bs, gathered)
-        keep = keep & (seg != 0) & (jnp.roll(seg, -1, axis=1) == seg)
-    weights = jax.sharding.reshard(keep.astype(jnp.float32), sharding)
-    return targets, weights
 
 
 class StepMetrics(NamedTuple):
@@ -170,6 +156,16 @@ class StepMetrics(NamedTuple):
         return rec
 
 
+def make_loss(
+    graphdef, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK, packed: bool = False
+):
+    """loss_fn(params, rest, batch) -> (lm_loss + router_loss, (lm_loss, aux)): the model's
+    next-token loss on `batch`, what the train step differentiates (`make_step`, which says how
+    the parameters are cast and the loss is chunked), built on the terms (`objective.make_terms`)
+    the held-out evaluation (`train.evaluate`) computes too: both compute the same loss."""
+    return objective.make_loss(graphdef, jnp.dtype(compute_dtype), loss_chunk, packed)
+
+
 def make_step(
     graphdef,
     tx,
@@ -177,6 +173,7 @@ def make_step(
     loss_chunk: int = DEFAULT_CHUNK,
     packed: bool = False,
     offload: TrainConfig | None = None,
+    grad_accum: int = 1,
 ):
     """step(state, batch) -> (state, StepMetrics): one AdamW update on next-token cross-entropy
     plus the router losses. `batch` is a `Batch` of [B, S] int32 arrays: its tokens, with
@@ -189,45 +186,24 @@ def make_step(
     runs (the stored master weights, the optimizer and the update stay float32; the
     router and the losses compute in float32 anyway). The LM head and cross-entropy run in chunks
     of `loss_chunk` tokens per device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab]
-    logits are ever built. The expert bias is not touched here: `update_expert_bias` (eager, as
-    `QwenMoe.update_expert_bias` needs concrete shardings) applies `metrics.expert_load`.
+    logits are ever built (`train.objective`). The expert bias is not touched here:
+    `update_expert_bias` (eager, as `QwenMoe.update_expert_bias` needs concrete shardings)
+    applies `metrics.expert_load`.
 
     `offload`: the trainer settings of a state whose weights and moments are in pinned host
     memory (`offload_optimizer`): the step then fetches the weights in the compute dtype, layer by
-    layer, and streams the update (`train.offload`; `tx` is then not called)."""
+    layer, and streams the update (`train.offload`; `tx` is then not called).
+
+    `grad_accum` N > 1: `batch` is a `Batch` of [N, B, S] arrays, N micro-batches whose gradients
+    a `lax.scan` sums in float32 before the one update (`train.accumulate`, which says how each
+    loss is averaged)."""
     dtype = jnp.dtype(compute_dtype)
-
-    def cast(v):
-        v = gather_stored(v)
-        x = v.get_value() if is_variable(v) else v
-        x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        return v.replace(x) if is_variable(v) else x
-
-    def loss_fn(params, rest, batch: Batch):
-        # a scanned model's layers are gathered and cast one at a time inside its scan; the
-        # rest (embedding, final norm, LM head) here
-        scanned = any(is_stacked(v) for v in jax.tree.leaves(params, is_leaf=is_variable))
-        prepare = lambda v: v if is_stacked(v) else cast(v)
-        model = nnx.merge(graphdef, jax.tree.map(prepare, params, is_leaf=is_variable), rest)
-        model.dtype = dtype
-        ids, seg = batch.tokens, batch.segment_ids
-        x_bsh, aux = model.hidden(
-            ids,
-            segment_ids=seg,
-            positions=batch.positions,
-            layer_weights=cast if scanned else None,  # one layer's slice, inside the scan
-        )
-        targets, weights = next_token_targets(ids, seg)
-        with jax.named_scope("lm_loss"):
-            nll = lm_loss(x_bsh, model.head_hv(), targets, weights, model.rules, chunk=loss_chunk)
-        if packed:  # at least one target per batch: the loader's rows are seq_len >= 2 tokens
-            lm = nll / jnp.maximum(jnp.sum(weights), 1.0)
-        else:
-            lm = nll / (ids.shape[0] * (ids.shape[1] - 1))
-        return lm + aux.router_loss, (lm, aux)
+    if grad_accum == 1:
+        grad_fn = jax.value_and_grad(make_loss(graphdef, dtype, loss_chunk, packed), has_aux=True)
+    else:  # N micro-batches, one lax.scan, the gradients summed in float32
+        grad_fn = accumulated_value_and_grad(graphdef, dtype, loss_chunk, packed, grad_accum)
 
     def step(state, batch: Batch):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if offload is not None:
             with jax.named_scope("fetch_params"):
                 compute = fetch_params(state.params, dtype)
@@ -261,9 +237,11 @@ _COMPILED: dict = {}
 
 
 def step_key(cfg, tc: TrainConfig, batch_shape, mesh, packed: bool = False):
-    """What the compiled step depends on (not the seed, save interval or data source, except
-    whether its batches carry segment ids)."""
-    opt = dataclasses.replace(tc, seed=0, save_every=1, synthetic=False)
+    """What the compiled step depends on (not the seed, save interval, evaluation settings or
+    data source, except whether its batches carry segment ids)."""
+    opt = dataclasses.replace(
+        tc, seed=0, save_every=1, synthetic=False, eval_every=None, eval_batches=1
+    )
     return (cfg, repr(opt), tuple(batch_shape), mesh, packed)
 
 
@@ -313,10 +291,11 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool
     graphdef, state, tx, rules = abstract_state(cfg, tc, mesh)
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
+    sharding, shape = step_batch(ids_sharding, *shape, tc.grad_accum)  # [N, B, S] if N > 1
     offload = tc if tc.offload_optimizer else None
-    step = make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload)
+    step = make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed, offload, tc.grad_accum)
     key = step_key(cfg, tc, shape, mesh, packed) if memo else None
-    return compile_step(step, state, ids_sharding, shape, key=key, packed=packed)
+    return compile_step(step, state, sharding, shape, key=key, packed=packed)
 
 
 def memory_summary(compiled) -> str:
@@ -343,21 +322,6 @@ def put_batch(batch: Batch, sharding, global_batch: int, rows=None) -> Batch:
     """The global batch of `global_batch` rows as a `Batch` of arrays on `sharding`: `batch` is
     this process's rows `rows` of it (default: all; `train.data.loader.rows_of_process` says
     which each process reads). Each process fills only its own devices' shards, so this also
-    works when the mesh spans several processes."""
-    rows = range(global_batch) if rows is None else rows
-    where = {r: i for i, r in enumerate(rows)}
-
-    def put(key, value):
-        if value is None:
-            return None
-        value = np.asarray(value, np.int32)
-        if value.shape[0] != len(where):
-            raise ValueError(f"{key}: {value.shape[0]} rows, this process reads {len(where)}")
-
-        def piece(idx):
-            picked = [where[r] for r in range(*idx[0].indices(global_batch))]
-            return value[picked][:, idx[1]]
-
-        return jax.make_array_from_callback((global_batch, value.shape[1]), sharding, piece)
-
-    return Batch(*(put(k, v) for k, v in batch._asdict().items()))
+    works when the mesh spans several processes (`accumulate.put_batch` with one micro-batch)."""
+    shape = (global_batch, np.shape(batch.tokens)[-1])
+    return accumulate.put_batch(batch, sharding, shape, rows)

@@ -26,17 +26,16 @@ default (`expert_layout="fused"` for the other).
 import json
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from relaymoe_jax.models.config import ModelConfig
-from relaymoe_jax.models.hf_config import config_from_hf, config_to_hf
+from relaymoe_jax.models.hf_config import config_from_hf
+from relaymoe_jax.models.hf_files import ShardWriter, hf_tensors_of, write_config
 from relaymoe_jax.models.hf_mapping import Entry, mapping
 from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.sharding import AxisRules
@@ -200,6 +199,7 @@ def from_pretrained(
     mesh: jax.sharding.Mesh,
     dtype=jnp.float32,
     rules: AxisRules | None = None,
+    storage=None,
     **overrides,
 ) -> QwenMoe:
     """Load a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint directory onto `mesh`.
@@ -208,7 +208,9 @@ def from_pretrained(
     (`dispatcher`, `routing`, `ring`, `capacity_factor`, `chunk_size`, `gmm_impl`) and the router
     options (`router_z_loss_coef`, `expert_bias`, ...); what the Hugging Face architecture does not
     have (another router or activation, biases: `hf_config.check_hf`) is refused. Parameters are
-    stored in `dtype`.
+    stored in `dtype`; `storage(abstract)`, if given, says where each is placed instead of its
+    model sharding (`abstract`: a `jax.ShapeDtypeStruct` on that sharding; the trainer stores its
+    state over `fsdp` and `context` too, `train.storage`).
     """
     with open(os.path.join(path, "config.json")) as f:
         cfg = config_from_hf(json.load(f), **overrides)
@@ -222,6 +224,9 @@ def from_pretrained(
     for var, entries in _grouped(model, wanted):
         names = var.get_metadata()["logical_axes"]
         sharding = model_rules.sharding(*names)
+        if storage is not None:
+            abstract = var.get_value()
+            sharding = storage(jax.ShapeDtypeStruct(abstract.shape, dtype, sharding=sharding))
         stacked = _variable(model, entries[0])[1] is not None
         var.set_value(
             _place(
@@ -269,41 +274,11 @@ def hf_tensors(model: QwenMoe, expert_layout: str = "per_expert"):
     """Yield (Hugging Face name, numpy array) in state-dict order, one stacked tensor at a time."""
     if expert_layout not in ("per_expert", "fused"):
         raise ValueError(f"expert_layout={expert_layout!r}: expected 'per_expert' or 'fused'")
-    cfg = model.config
-    entries = mapping(cfg)
+    entries = mapping(model.config)
     for n, entry in enumerate(entries):
-        a = _value(model, entry)
-        if entry.kind == "same":
-            yield entry.name, a
-        elif entry.kind == "reshape":
-            yield entry.name, a.reshape(-1)
-        elif entry.kind == "T":
-            yield (
-                entry.name,
-                np.ascontiguousarray(a.reshape(math.prod(a.shape[: entry.n_in]), -1).T),
-            )
-        elif expert_layout == "per_expert":
-            for e in range(a.shape[0]):
-                yield f"{entry.name}.{e}.{entry.which}_proj.weight", np.ascontiguousarray(a[e].T)
-        elif entry.which == "down":
-            yield f"{entry.name}.down_proj", np.ascontiguousarray(np.swapaxes(a, 1, 2))
-        elif entry.which == "up":  # gate was stacked just before: read it again
-            gate = _value(model, entries[n - 1])
-            yield (
-                f"{entry.name}.gate_up_proj",
-                np.ascontiguousarray(np.swapaxes(np.concatenate([gate, a], axis=2), 1, 2)),
-            )
-
-
-def _size_bytes(s) -> int:
-    if isinstance(s, int):
-        return s
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*", str(s), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"max_shard_size={s!r}: expected bytes or e.g. '200KB', '5GB', '2GiB'")
-    unit = m.group(2).upper()
-    base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base ** "KMG".index(unit[0]) * base)
+        fused_up = expert_layout == "fused" and entry.kind == "expert" and entry.which == "up"
+        gate = _value(model, entries[n - 1]) if fused_up else None  # stacked just before
+        yield from hf_tensors_of(entry, _value(model, entry), expert_layout, gate)
 
 
 def save_pretrained(
@@ -315,38 +290,11 @@ def save_pretrained(
     `max_shard_size` (bytes or a string like "200KB", "5GB", "2GiB"), files
     `model-0000i-of-0000n.safetensors` of at most that size (a larger tensor gets a file of its
     own) and `model.safetensors.index.json`: host memory then holds one file's tensors plus one
-    stacked tensor. Tensors are gathered from the devices one at a time.
+    stacked tensor. Tensors are gathered from the devices one at a time (`hf_files.ShardWriter`).
     """
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(model.config, model.dtype), f, indent=2)
-        f.write("\n")
-    limit = None if max_shard_size is None else _size_bytes(max_shard_size)
-    files, current, size = [], {}, 0
-
-    def flush():
-        nonlocal current, size
-        save_file(current, os.path.join(path, f"shard-{len(files)}.tmp"), metadata={"format": "pt"})
-        files.append({k: v.nbytes for k, v in current.items()})
-        current, size = {}, 0
-
+    write_config(path, model.config, model.dtype)
+    writer = ShardWriter(path, max_shard_size)
     for name, a in hf_tensors(model, expert_layout):
-        if limit is not None and current and size + a.nbytes > limit:
-            flush()
-        current[name] = a
-        size += a.nbytes
-    if current or not files:
-        flush()
-    if len(files) == 1:
-        os.replace(os.path.join(path, "shard-0.tmp"), os.path.join(path, "model.safetensors"))
-        return
-    weight_map, total = {}, 0
-    for i, names in enumerate(files):
-        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        os.replace(os.path.join(path, f"shard-{i}.tmp"), os.path.join(path, fname))
-        for name, nbytes in names.items():
-            weight_map[name] = fname
-            total += nbytes
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        f.write("\n")
+        writer.add(name, a)
+    writer.close()

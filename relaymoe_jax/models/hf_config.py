@@ -108,7 +108,9 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig, dtype) -> dict:
-    """The Hugging Face config.json dict of `cfg`."""
+    """The Hugging Face config.json dict of `cfg`, read alike by transformers 5.x (which writes
+    `dtype` and `rope_parameters`) and 4.x (`torch_dtype`, a top-level `rope_theta`): both kept.
+    `num_experts` is 4.x's key and, for Qwen3-MoE, 5.x's alias of `num_local_experts`."""
     check_hf(cfg, export=True)
     d = {k: v for k, v in cfg.as_dict().items() if k not in OURS_ONLY}
     if cfg.arch == "qwen3_moe":
@@ -119,12 +121,13 @@ def config_to_hf(cfg: ModelConfig, dtype) -> dict:
     d["mlp_only_layers"] = list(cfg.mlp_only_layers)
     if cfg.head_dim is None:
         d.pop("head_dim")
-    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
     d.update(
         architectures=[HF_ARCHS[cfg.arch]],
         model_type=cfg.arch,
         hidden_act="silu",
         use_sliding_window=False,
         dtype=jnp.dtype(dtype).name,
+        torch_dtype=jnp.dtype(dtype).name,
     )
     return dict(sorted(d.items()))
