@@ -135,9 +135,9 @@ def test_hf_reference_logits_equal_ours(runs, exports, name, dtype):
 
 
 @pytest.mark.parametrize("name", RUNS)
-def test_config_json_reads_in_transformers_4_and_5(exports, name):
+def test_config_json_has_the_keys_transformers_4_and_5_read(exports, name):
     """The keys and spellings of the fixtures' transformers-written config.json, plus 4.x's
-    `torch_dtype` and top-level `rope_theta`."""
+    `torch_dtype` and top-level `rope_theta` (transformers itself is not installed here)."""
     for dtype in ("float32", "bfloat16"):
         c = json.loads((exports[name, dtype] / "config.json").read_text())
         arch = "Qwen3MoeForCausalLM" if name.startswith("qwen3") else "Qwen2MoeForCausalLM"

@@ -116,7 +116,7 @@ def open_source(path) -> HFSource:
 def _param_shapes(cfg: ModelConfig) -> dict:
     """{parameter path: shape} of a `QwenMoe` of `cfg` per layer (no layer scan): abstract."""
     cfg = cfg.replace(scan_layers=False) if cfg.scan_layers else cfg
-    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.local_devices()[:1])
     model = nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     return {p: tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(params)}
