@@ -11,10 +11,10 @@ With `--target h100|h200` the model is `--config` at its real size (none of SCAL
 experiment's settings: chunked attention, every attention and MoE block recomputed), bf16, on
 `--hosts` hosts of 8 abstract GPUs (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra, no GPU),
 and `--memory` defaults to 0.9 x the target's. `--seqs` finds the longest of the listed sequence
-lengths that fits (the paper's 40K-150K; `train.search.largest_listed`: the smallest, the largest,
-then where the measured peaks' line crosses the memory), `--max-seq` also searches the largest
-that fits (doubling and bisection from `--seq-step`); every probe is one compile of the whole
-train step by XLA:GPU.
+lengths that fits (the paper's 40K-150K; `train.planner.search.largest_listed`: the smallest,
+the largest, then where the measured peaks' line crosses the memory), `--max-seq` also searches
+the largest that fits (doubling and bisection from `--seq-step`); every probe is one compile of
+the whole train step by XLA:GPU.
 
 Model: configs/qwen3-30b-a3b.yaml with the paper's routing (E=128 experts, top-8) and the
 sizes of SCALED below (hidden 256, expert FFN 96, 4 layers, 4 query heads and 1 kv head of 64,
@@ -59,9 +59,9 @@ from capacity_report import MIB, capacity_table, plot, recompute_table
 
 from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config_files import load_config, parse_overrides
-from train import mesh as train_mesh
-from train import planner
+from train.planner import plan as planner
 from train.settings import TRAIN_FIELDS, TrainConfig
+from train.step import mesh as train_mesh
 
 CONFIG = "configs/qwen3-30b-a3b.yaml"
 # --target: the experiment's settings on a full-size config (paper §4.4: full recomputation)
@@ -108,8 +108,8 @@ def configs(overrides: dict, mesh, config: str = CONFIG, scaled: dict | None = N
 def probe(cfgs: dict, tc: TrainConfig, mesh, memory: int, seqs: list[int]) -> dict:
     """{variant: (longest of `seqs` that fits or None, search record of every probe)}: the fully
     recomputed step, one compile per probe, at as few of the listed lengths as
-    `train.search.largest_listed` needs (the smallest, the largest, then where the line through
-    the measured peaks crosses `memory`)."""
+    `train.planner.search.largest_listed` needs (the smallest, the largest, then where the line
+    through the measured peaks crosses `memory`)."""
     found = {}
     for name, cfg in cfgs.items():
         print(

@@ -4,9 +4,9 @@
 
 Each row is a fresh process (no compilation cache shared between rows): the train step of
 `--config` with `num_hidden_layers` set, compiled (never run) from abstract shapes on 8 emulated
-CPU devices, as `train.train_step.compile_abstract` does. Columns: seconds to build the abstract
-state, to trace and lower, to compile; the compiled HLO's size and while loops; temporaries per
-device.
+CPU devices, as `train.step.train_step.compile_abstract` does. Columns: seconds to build the
+abstract state, to trace and lower, to compile; the compiled HLO's size and while loops;
+temporaries per device.
 The first output line is the command that reproduces the table.
 """
 
@@ -28,10 +28,10 @@ def measure(config: str, layers: int, scan: bool, mesh: str) -> dict:
     import jax
 
     from relaymoe_jax.models.config_files import load_config
-    from train import mesh as tm
-    from train import train_step
     from train.data import Batch
     from train.settings import TrainConfig
+    from train.step import mesh as tm
+    from train.step import train_step
 
     cfg = load_config(config, num_hidden_layers=layers, scan_layers=scan)
     tc = TrainConfig(mesh=mesh)

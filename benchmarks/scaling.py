@@ -124,7 +124,7 @@ def compile_variant(shape, mesh, variant, gmm):
     fns = memory.layer_fns(shape, mesh, base, AXES, extra)
     args = memory.abstract_args(shape, mesh, AXES)
     out, secs = [], []
-    with jax.set_mesh(mesh):  # with the options the trainer compiles with (train/train_step.py)
+    with jax.set_mesh(mesh):  # the options the trainer compiles with (train/step/train_step.py)
         for fn in fns:
             t0 = time.perf_counter()
             out.append(jax.jit(fn).trace(*args).lower().compile(compiler_options=XLA_OPTIONS))

@@ -22,7 +22,9 @@ if __name__ == "__main__":
 
 from relaymoe_jax.cli.argtypes import positive_int
 from relaymoe_jax.cli.devices import use_cpu_devices
-from train import cli, plot
+from train import cli
+from train.errors import WriteError
+from train.run import guards, plot
 
 DISPATCHERS = {"ring": ["dispatcher=ring"], "alltoall": ["dispatcher=alltoall"]}
 
@@ -96,5 +98,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, OSError, cli.guards.NonFiniteLossError, cli.guards.WriteError) as e:
+    except (ValueError, OSError, guards.NonFiniteLossError, WriteError) as e:
         sys.exit(f"train_parity.py: error: {e}")

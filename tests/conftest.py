@@ -68,9 +68,9 @@ def _release_compiled_programs():
     memoised steps), so that a worker's XLA:CPU executables (each a few memory mappings of JIT
     code) do not pile up over the run."""
     yield
-    train_step = sys.modules.get("train.train_step")
+    train_step = sys.modules.get("train.step.train_step")
     if train_step is not None:
-        train_step._COMPILED.clear()
+        train_step.clear_compiled()
     jax.clear_caches()
     gc.collect()
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_cases import mesh
-from relaymoe_jax import ACTIVATIONS, Activation, moe_ffn, moe_ffn_local, testing
+from relaymoe_jax import ACTIVATIONS, Activation, moe_ffn, testing
 from relaymoe_jax.dispatch.reference import reference_moe
 
 # gpt_oss at a small limit, so that both clamps (min on g, clip on u at both ends) are hit
@@ -118,71 +118,69 @@ def test_reference_matches_float64_numpy(name):
     assert_reference_matches_f64(a, inp)
 
 
-MODES = [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
+# (activation, dispatcher, routing): each activation through a dispatcher, the clamped GPT-OSS
+# one (the backward that differs most from SwiGLU's) through the ring and the all-to-all, each
+# ring routing with at least one. A dispatcher applies the activation in one place for both ring
+# routings (`dispatch.hop`: the forward's expert_mlp, the backward's jax.vjp of it) and in one for
+# the all-to-all (expert_mlp, autodiff), so this covers every activation's code in each; SwiGLU,
+# the default, runs through every dispatcher, routing and mesh in test_dispatch.py.
+DISPATCH_CASES = [
+    ("gpt_oss_clamped", "ring", "expert"),
+    ("gpt_oss_clamped", "alltoall", "auto"),
+    ("geglu", "ring", "expert"),
+    ("geglu_exact", "ring", "token"),
+    ("gpt_oss", "alltoall", "auto"),
+]
 
 
-@pytest.mark.parametrize("dispatcher,routing", MODES)
-@pytest.mark.parametrize("name", sorted(CASES))
+@functools.cache
+def reference(name):
+    """The reference on (data=2, expert=4) with activation `name`: one object per activation, so
+    its program is compiled once for every dispatcher compared with it."""
+    return functools.partial(
+        moe_ffn, mesh=mesh("dp2_ep4"), dispatcher="reference", activation=CASES[name]
+    )
+
+
+@pytest.mark.parametrize("name,dispatcher,routing", DISPATCH_CASES)
 def test_dispatchers_match_the_reference_on_every_routing(name, dispatcher, routing):
     """(data=2, expert=4), tokens over both: values and every gradient on each adversarial
-    routing of relaymoe_jax.testing (one program per function: the routings are data)."""
+    routing of relaymoe_jax.testing (one program per function: the routings are data).
+
+    Also covers what the removed cross product did ([swiglu-*], [geglu-ring-token],
+    [geglu-alltoall-auto], [geglu_exact-ring-expert], [geglu_exact-alltoall-auto],
+    [gpt_oss-ring-expert], [gpt_oss-ring-token], [gpt_oss_clamped-ring-token]): see
+    DISPATCH_CASES (token routing runs the clamped activation with biases in
+    test_expert_biases.py too). The clamped GPT-OSS case
+    also covers what test_other_grouped_matmuls_with_gpt_oss did with the default (blocked XLA)
+    grouped matmul; ragged_dot and the Pallas kernel with it run in
+    test_expert_biases.py::test_other_grouped_matmuls_with_biases and
+    test_dispatchers_with_biases_match_the_reference (clamped GPT-OSS, with biases)."""
     a = CASES[name]
     m = mesh("dp2_ep4")
     e, k, t = 16, 4, 64
     ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, activation=a)
-    ref = functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a)
     tok = NamedSharding(m, P(("data", "expert")))
     for case, ids in testing.routing_cases(t, k, e, 4, seed=2).items():
         inp = testing.moe_inputs(ids, e, seed=2)
         args = [jax.device_put(v, tok) for v in inp.args[:3]] + list(inp.args[3:])
         try:
-            testing.assert_moe_parity(ours, ref, *args)
+            testing.assert_moe_parity(ours, reference(name), *args)
         except AssertionError as err:
             raise AssertionError(f"routing case {case!r}: {err}") from None
 
 
-@pytest.mark.parametrize("gmm_impl", ["ragged_dot", "pallas-interpret"])
-@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("alltoall", "auto")])
-def test_other_grouped_matmuls_with_gpt_oss(gmm_impl, dispatcher, routing):
-    """The blocked XLA matmul runs in the test above; the others here, on the clamped GPT-OSS
-    activation (the one whose backward differs most from SwiGLU's)."""
-    a = CASES["gpt_oss_clamped"]
-    m = mesh("ep8")
-    ids = testing.routing_case("ragged", 64, 4, 16, 8, seed=4)
-    inp = testing.moe_inputs(ids, 16, seed=4)
-    ours = functools.partial(
-        moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, gmm_impl=gmm_impl, activation=a
-    )
-    ref = functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a)
-    testing.assert_moe_parity(ours, ref, *inp.args)
-
-
-def test_hierarchical_ring_and_moe_ffn_local_take_the_activation():
-    """moe_ffn_local in the caller's shard_map, on a (node, local) ring of rounds."""
-    a = CASES["geglu"]
-    m = jax.make_mesh((2, 4), ("node", "local"))
-    ea = ("node", "local")
-    ids = testing.routing_case("uniform", 64, 4, 16, 8, seed=5)
-    inp = testing.moe_inputs(ids, 16, seed=5)
-    tok, exp = NamedSharding(m, P(ea)), NamedSharding(m, P(ea))
-    args = [jax.device_put(v, tok) for v in inp.args[:3]]
-    args += [jax.device_put(v, exp) for v in inp.args[3:]]
-    body = functools.partial(moe_ffn_local, expert_axis=ea, ring="hierarchical", activation=a)
-    ours = jax.shard_map(body, mesh=m, in_specs=(P(ea),) * 6, out_specs=P(ea))
-    ref = functools.partial(moe_ffn, mesh=m, expert_axis=ea, dispatcher="reference", activation=a)
-    testing.assert_moe_parity(ours, ref, *args)
-
-
 def test_the_activation_changes_the_result():
-    """A control: each activation gives a different y from the others on the same inputs (a
-    dispatcher that ignored `activation` would fail the parity tests above)."""
-    m = mesh("ep8")
+    """A control: with each activation the dense reference gives a different y from the others
+    on the same inputs, so a dispatcher that ignored `activation` (or applied another one) would
+    fail the parity tests, which compare it with the reference of its activation. (The
+    hierarchical ring and moe_ffn_local with an activation, test_hierarchical_ring_and_moe_ffn_
+    local_take_the_activation here before, run in test_expert_biases.py::
+    test_moe_ffn_local_with_biases[hierarchical ring], GeGLU against its reference.)"""
     ids = testing.routing_case("uniform", 64, 4, 16, 8, seed=6)
     inp = testing.moe_inputs(ids, 16, seed=6)
-    ys = {
-        n: np.asarray(jax.jit(functools.partial(moe_ffn, mesh=m, activation=a))(*inp.args))
-        for n, a in CASES.items()
-    }
+    every = jax.jit(lambda *a: {n: reference_moe(*a, activation=act) for n, act in CASES.items()})
+    ys = {n: np.asarray(y) for n, y in every(*inp.args).items()}
     names = sorted(ys)
     for i, n1 in enumerate(names):
         for n2 in names[i + 1 :]:

@@ -67,43 +67,58 @@ def test_no_sequence_sized_temporaries_beyond_the_statistics():
     assert pallas * 20 < chunked, (pallas, chunked)
 
 
-def test_every_kernel_call_takes_16_bit_tiles():
-    """Forward + backward, head_dim 128 and 64: three Mosaic GPU calls (the forward, dq, dk/dv),
-    each with bf16 q/k/v/o/dO tiles and only its float32 row statistics wider (the grouped
-    matmul's Triton calls: none here)."""
-    for d in (128, 64):
-        text = _compiled_attention("pallas", 4096, d).as_text()
-        calls = triton_calls.mosaic_calls(text)
-        assert len(calls) == 3, [c.kernel for c in calls]
-        assert not triton_calls.wide_float_calls(text), calls
-        tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
-        assert tiles and {t for t, _ in tiles} == {"bf16"}, tiles
-
-
+# One subprocess (the PTX dump is configured when the CUDA plugin starts) compiles the kernel's
+# forward + backward at head_dim 128 and 64 and writes each program's HLO text beside the PTX.
 PTX_SCRIPT = """
-import jax, jax.numpy as jnp
+import pathlib, sys
 from test_attention_gpu_compile import _compiled_attention
 for d in (128, 64):
-    _compiled_attention("pallas", 1024, d)
+    text = _compiled_attention("pallas", 1024, d).as_text()
+    pathlib.Path(sys.argv[1], f"hlo_{d}.txt").write_text(text)
 """
 
 
-def test_ptx_issues_wgmma_on_bf16_operands(tmp_path):
-    """The CUDA plugin's Mosaic GPU compile, its PTX dumped (`MOSAIC_GPU_DUMP_TO`, read when
-    the process starts: a subprocess): each of the 6 kernels (forward, dq, dk/dv at head_dim
-    128 and 64) issues `wgmma.mma_async` with bf16 operands accumulating in f32, and none any
-    other wgmma."""
+@pytest.fixture(scope="module")
+def kernel_dump(tmp_path_factory):
+    """(PTX dump directory, {head_dim: HLO text}) of the subprocess above."""
+    ptx, hlo = tmp_path_factory.mktemp("ptx"), tmp_path_factory.mktemp("hlo")
     env = {
         **os.environ,
-        "MOSAIC_GPU_DUMP_TO": str(tmp_path),
+        "MOSAIC_GPU_DUMP_TO": str(ptx),
         "MOSAIC_GPU_DUMP_PTX": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
     }
     run = subprocess.run(
-        [sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", PTX_SCRIPT, str(hlo)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    kernels = triton_calls.mosaic_wgmma_kernels(tmp_path)
+    return ptx, {d: (hlo / f"hlo_{d}.txt").read_text() for d in (128, 64)}
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_every_kernel_call_takes_16_bit_tiles(kernel_dump, d):
+    """Forward + backward, head_dim 128 and 64: three Mosaic GPU calls (the forward, dq, dk/dv),
+    each with bf16 q/k/v/o/dO tiles and only its float32 row statistics wider (the grouped
+    matmul's Triton calls: none here). Read from the programs whose PTX the test below reads
+    (1,024 tokens; this test compiled its own at 4,096 before: the same kernels)."""
+    text = kernel_dump[1][d]
+    calls = triton_calls.mosaic_calls(text)
+    assert len(calls) == 3, [c.kernel for c in calls]
+    assert not triton_calls.wide_float_calls(text), calls
+    tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
+    assert tiles and {t for t, _ in tiles} == {"bf16"}, tiles
+
+
+def test_ptx_issues_wgmma_on_bf16_operands(kernel_dump):
+    """The CUDA plugin's Mosaic GPU compile, its PTX dumped (`MOSAIC_GPU_DUMP_TO`, read when
+    the process starts: a subprocess): each of the 6 kernels (forward, dq, dk/dv at head_dim
+    128 and 64) issues `wgmma.mma_async` with bf16 operands accumulating in f32, and none any
+    other wgmma."""
+    kernels = triton_calls.mosaic_wgmma_kernels(kernel_dump[0])
     assert len(kernels) == 6, kernels
     for name, shapes in kernels.items():
         assert shapes and all(sh.endswith(".f32.bf16.bf16") for sh in shapes), (name, shapes)
@@ -132,11 +147,16 @@ def test_train_step_calls_the_kernel_in_every_layer(name):
     """The whole train step (packed documents, compute_dtype=bfloat16, layer scan, moe_remat)
     compiled for 8 H100s with the trainer's options: the scanned layer calls the three Mosaic
     GPU kernels (forward, dq, dk/dv), all on 16-bit tiles, and no kernel (the grouped matmul's
-    Triton calls included) takes a wider float it multiplies."""
+    Triton calls included) takes a wider float it multiplies.
+
+    [tiny-expert8-auto] is the ring's step with the layer scan and `moe_remat` (each layer's
+    weights cast to bf16 inside the MoE block's checkpoint, its gradient leaving it in
+    float32): it also covers what test_gpu_compile.py's
+    test_train_step_kernels_take_16_bit_operands[ring-False-True] checked (its Triton calls)."""
     from relaymoe_jax.models.config_files import load_config
-    from train import mesh as train_mesh
-    from train import train_step
     from train.settings import TrainConfig
+    from train.step import mesh as train_mesh
+    from train.step import train_step
 
     path, overrides, mesh_name, impl, batch, seq = TRAIN_STEPS[name]
     tc = TrainConfig(batch_size=batch, seq_len=seq, compute_dtype="bfloat16", mesh=mesh_name)
@@ -156,7 +176,8 @@ def test_train_step_calls_the_kernel_in_every_layer(name):
     calls = triton_calls.mosaic_calls(text)
     kernels = sorted(c.kernel for c in calls)
     assert kernels == ["attention_bwd_dkv", "attention_bwd_dq", "flash_fwd"], kernels
-    assert triton_calls.triton_calls(text)  # the experts' grouped matmuls
+    grouped = triton_calls.triton_calls(text)  # the experts' grouped matmuls
+    assert len(grouped) >= 9 * cfg.num_hidden_layers, [c.kernel for c in grouped]
     assert not triton_calls.wide_float_calls(text)
     tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
     assert {t for t, _ in tiles} == {"bf16"}, tiles

@@ -92,12 +92,26 @@ def _packed(b, s, seed):
     return jnp.asarray(seg), jnp.asarray(pos)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-@pytest.mark.parametrize("shape,names", [((4,), ("context",)), ((2, 4), ("data", "context"))])
+ONE_LAYER = dict(num_hidden_layers=1)
+
+# Each mesh once, each with or without packed documents: the packed case on the mesh that also
+# shards the batch (its segment ids and positions move over data and context).
+MODEL_CASES = [((4,), ("context",), False), ((2, 4), ("data", "context"), True)]
+
+
+@pytest.mark.parametrize(
+    "shape,names,packed", MODEL_CASES, ids=["context4-unpacked", "data2_context4-packed"]
+)
 def test_the_model_in_zigzag_order_equals_the_contiguous_layout(shape, names, packed):
-    """Loss, gradients and logits of the tiny model (chunked attention, 8-token blocks: each
-    device's two pieces are one block each) in the zigzag layout equal the contiguous one's;
-    the router logits come back in the natural order."""
+    """Loss, gradients and logits of the tiny model (one decoder layer, chunked attention,
+    8-token blocks: each device's two pieces are one block each) in the zigzag layout equal the
+    contiguous one's; the router logits come back in the natural order.
+
+    Also covers the former cases [shape0-names0-packed] (packed documents: here on
+    data=2,context=4, where the segment ids move over both axes) and [shape1-names1-unpacked]
+    (the (data, context) mesh: here packed; unpacked on context=4). One layer: the zigzag
+    order is entered before the first layer and left after the last, and a second layer would
+    run the same attention and MoE again (the layer-to-layer path is the residual stream)."""
     m = mesh(shape, names)
     b, s = 2, 64
     assert context.zigzag_size("zigzag", "chunked", rules_for(m), b, s) == 4  # it applies
@@ -106,7 +120,9 @@ def test_the_model_in_zigzag_order_equals_the_contiguous_layout(shape, names, pa
     seg, pos = _packed(b, s, seed=3) if packed else (None, None)
     got = {}
     for layout in ("zigzag", "contiguous"):
-        cfg = tiny(attention_impl="chunked", attention_block_k=8, context_layout=layout)
+        cfg = tiny(
+            attention_impl="chunked", attention_block_k=8, context_layout=layout, **ONE_LAYER
+        )
         model = QwenMoe(cfg, mesh=m, rngs=nnx.Rngs(0))
 
         def loss(model, ids):
@@ -129,7 +145,9 @@ def test_the_model_in_zigzag_order_equals_the_contiguous_layout(shape, names, pa
         assert np.abs(a - c_).max() <= 1e-5 * max(np.abs(c_).max(), 1e-12)
     # and the contiguous layout is the unsharded model's (the reference of both)
     plain = QwenMoe(
-        tiny(attention_impl="chunked", attention_block_k=8), mesh=mesh(), rngs=nnx.Rngs(0)
+        tiny(attention_impl="chunked", attention_block_k=8, **ONE_LAYER),
+        mesh=mesh(),
+        rngs=nnx.Rngs(0),
     )
     ref = nnx.jit(lambda mo, i: lm_loss(mo, i))(plain, ids) if not packed else None
     if ref is not None:

@@ -134,7 +134,8 @@ def test_a_missing_or_mistyped_key_is_one_line_naming_it(dataset, tmp_path, edit
 def test_the_trainer_refuses_an_edited_manifest_before_building(dataset, tmp_path, monkeypatch):
     """`--data DIR` with a shard's count raised: the one-line DatasetError (which the trainer
     prints as `error: ...`) comes from the data source, before the model is built or compiled."""
-    from train import cli, train_step
+    from train import cli
+    from train.step import train_step
 
     def refuse(*args, **kwargs):
         raise AssertionError("got as far as building the model")

@@ -219,7 +219,7 @@ ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 KEY_VALUE = re.compile(r"^([a-z_][a-z0-9_]*)=")
 REPO_PATH = re.compile(r"^(configs|benchmarks|train|relaymoe_jax)/\S+\.(yaml|py)$")
 OK_MODULES = ("venv", "pytest")  # not this repository's, but what the setup commands run
-SUBCOMMANDS = {"prepare": "train.data.prepare", "export": "train.export"}  # `relaymoe-train X`
+SUBCOMMANDS = {"prepare": "train.data.prepare", "export": "train.hf.export"}  # `relaymoe-train X`
 
 
 def commands(code: str) -> list[list[str]]:

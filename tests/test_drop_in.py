@@ -16,7 +16,6 @@ from moe_cases import mesh
 from relaymoe_jax import moe_ffn, moe_ffn_local, testing
 
 E, K = 16, 4
-MODES = [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
 
 
 def inputs(lead, m, spec, seed=0, e=E, k=K):
@@ -32,31 +31,41 @@ def inputs(lead, m, spec, seed=0, e=E, k=K):
     return x, ids, wts, inp.w_gate, inp.w_up, inp.w_down
 
 
+@functools.cache
 def reference(m):
+    """The reference on mesh m: one object per mesh, so its program (per input shape and
+    sharding) is compiled once for every function compared with it."""
     return functools.partial(moe_ffn, mesh=m, dispatcher="reference")
 
 
-@pytest.mark.parametrize("dispatcher,routing", MODES)
-@pytest.mark.parametrize(
-    "mesh_name,lead,spec",
-    [
-        ("dp2_ep4", (4, 16), P("data", "expert")),  # [B, S, H], the sequence sharded
-        ("ep8", (4,), P()),  # a decode step: 4 tokens, 8 devices
-        ("ep8", (4, 1), P()),  # the same as [B, 1, H]
-        ("dp2_ep4", (2, 3), P("data")),  # 3 tokens per device over 4 expert devices
-        ("ep8", (60,), P()),  # 60 tokens do not divide 8 shards
-    ],
-)
-def test_caller_shaped_inputs_and_outputs(dispatcher, routing, mesh_name, lead, spec):
+# (mesh, x's leading dimensions, their sharding, dispatcher, routing). Flattening the leading
+# dimensions and splitting them (padded) over the expert axes they are not sharded over is the op's
+# front door, the same for every dispatcher; each dispatcher gets a split, padded case (its own
+# way of never reading the NaN-poisoned padding: ids -1, weight 0).
+CALLER_CASES = [
+    ("dp2_ep4", (4, 16), P("data", "expert"), "ring", "expert"),  # [B, S, H], the sequence sharded
+    ("ep8", (4,), P(), "alltoall", "auto"),  # a decode step: 4 tokens, 8 devices
+    ("dp2_ep4", (2, 3), P("data"), "ring", "expert"),  # 3 tokens per device over 4 expert devices
+    ("ep8", (60, 1), P(), "ring", "token"),  # [B, 1, H]; 60 tokens do not divide 8 shards
+]
+
+
+@pytest.mark.parametrize("mesh_name,lead,spec,dispatcher,routing", CALLER_CASES)
+def test_caller_shaped_inputs_and_outputs(mesh_name, lead, spec, dispatcher, routing):
     """y has x's shape and sharding; token counts that do not divide the shards are padded
-    inside the op, exactly (padding NaN-poisoned)."""
+    inside the op, exactly (padding NaN-poisoned). y is read from the parity run (one program).
+
+    Also covers the removed shape x dispatcher cases (each shape ran with all three): the shape
+    handling runs before the dispatcher, and each dispatcher keeps a split, padded case here
+    (ring expert routing (2, 3), token routing (60, 1), the all-to-all (4,)); the dispatchers'
+    other layouts run in test_dispatch.py. (60, 1) merges the removed [B, 1, H] case (4, 1) and
+    60 tokens over 8 shards (60,)."""
     m = mesh(mesh_name)
     args = inputs(lead, m, spec)
     ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing)
-    testing.assert_moe_parity(ours, reference(m), *args)
-    y = jax.jit(ours)(*args)
-    assert y.shape == args[0].shape
-    assert y.sharding.is_equivalent_to(args[0].sharding, y.ndim)
+    got, _ = testing.assert_moe_parity(ours, reference(m), *args)
+    assert got.y.shape == args[0].shape
+    assert got.y.sharding.is_equivalent_to(args[0].sharding, got.y.ndim)
 
 
 def test_a_sharded_sequence_is_flattened_without_moving_data():
@@ -72,7 +81,8 @@ def test_a_sharded_sequence_is_flattened_without_moving_data():
 
 def test_residual_add_on_an_explicit_mesh_of_three_axes():
     """jax-llm-examples' layout: Explicit axes x, y, z, the batch over x only, experts over all
-    three. The output comes back like x, so the residual add type-checks."""
+    three. The output comes back like x, so the residual add type-checks (y read from the
+    parity run: one program)."""
     m = jax.make_mesh((2, 2, 2), ("x", "y", "z"))
     args = inputs((4, 8), m, P("x", None))
     ea = ("x", "y", "z")
@@ -84,9 +94,8 @@ def test_residual_add_on_an_explicit_mesh_of_three_axes():
     def block_ref(x, ids, wts, wg, wu, wd):
         return x + moe_ffn(x, ids, wts, wg, wu, wd, mesh=m, expert_axis=ea, dispatcher="reference")
 
-    testing.assert_moe_parity(block, block_ref, *args[:3], *ws)
-    out = jax.jit(block)(*args[:3], *ws)
-    assert out.sharding.is_equivalent_to(args[0].sharding, out.ndim)
+    got, _ = testing.assert_moe_parity(block, block_ref, *args[:3], *ws)
+    assert got.y.sharding.is_equivalent_to(args[0].sharding, got.y.ndim)
 
 
 def test_out_sharding_puts_y_where_asked():
@@ -165,10 +174,13 @@ def local_layer(m, tokens, etp=None, check_vma=True, **kw):
     return layer
 
 
-@pytest.mark.parametrize("dispatcher,routing", MODES)
+@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("alltoall", "auto")])
 def test_moe_ffn_local_in_the_callers_shard_map(dispatcher, routing):
     """(data=2, expert=4), tokens [B, S, H] over both: the weight gradients are summed over data
-    (read from the varying axes)."""
+    (read from the varying axes). The ring sums them once for both routings (`_ring_op`'s
+    backward, over the reduce axes the op reads): [ring-token], removed, is covered by
+    test_moe_ffn_local_without_check_vma (token routing, same mesh and tokens) and
+    test_dispatch.py's data x expert case of token routing."""
     m = mesh("dp2_ep4")
     tokens = P("data", "expert")
     args = inputs((4, 8), m, tokens)
@@ -178,20 +190,25 @@ def test_moe_ffn_local_in_the_callers_shard_map(dispatcher, routing):
 
 @pytest.mark.parametrize("tokens_over_etp", [True, False])
 def test_moe_ffn_local_with_an_expert_tensor_axis(tokens_over_etp):
+    """Ring token routing (explicitly: `auto` picks it here too) with expert tensor parallelism,
+    tokens gathered over it or replicated: this is where token routing runs under ETP without
+    biases (test_dispatch.py's ETP layouts run expert routing and the all-to-all)."""
     m = mesh("ep4_etp2")
     tokens = P(("expert", "expert_tensor")) if tokens_over_etp else P("expert")
     args = inputs((64,), m, tokens)
-    ours = local_layer(m, tokens, etp="expert_tensor")
+    ours = local_layer(m, tokens, etp="expert_tensor", routing="token")
     testing.assert_moe_parity(ours, reference(m), *args)
 
 
 def test_moe_ffn_local_without_check_vma():
     """Under check_vma=False shard_map's transpose sums the weight gradients over data itself
-    (the op must not sum them again: that would double them)."""
+    (the op must not sum them again: that would double them). Ring token routing, on the
+    inputs of test_moe_ffn_local_in_the_callers_shard_map (its reference program is shared)."""
     m = mesh("dp2_ep4")
-    tokens = P(("data", "expert"))
-    args = inputs((64,), m, tokens)
-    testing.assert_moe_parity(local_layer(m, tokens, check_vma=False), reference(m), *args)
+    tokens = P("data", "expert")
+    args = inputs((4, 8), m, tokens)
+    ours = local_layer(m, tokens, check_vma=False, routing="token")
+    testing.assert_moe_parity(ours, reference(m), *args)
 
 
 @pytest.mark.parametrize("tokens_over_etp", [True, False])
@@ -206,7 +223,12 @@ def test_moe_ffn_local_with_an_expert_tensor_axis_without_check_vma(tokens_over_
     ):
         jax.jit(local_layer(m, tokens, etp="expert_tensor", check_vma=False))(*args)
     ours = local_layer(
-        m, tokens, etp="expert_tensor", check_vma=False, tokens_sharded_over_etp=tokens_over_etp
+        m,
+        tokens,
+        etp="expert_tensor",
+        check_vma=False,
+        tokens_sharded_over_etp=tokens_over_etp,
+        routing="token",
     )
     testing.assert_moe_parity(ours, reference(m), *args)
 

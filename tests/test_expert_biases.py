@@ -45,21 +45,51 @@ def with_biases(fn, names=NAMES):
 
 LAYOUTS = {
     "data x expert": dict(m="dp2_ep4", tokens=P(("data", "expert")), kw={}),
-    "ETP, tokens gathered": dict(
-        m="ep4_etp2", tokens=P(("expert", "expert_tensor")), kw={"expert_tensor_axis": ETP}
-    ),
     "ETP, tokens replicated": dict(
         m="ep4_etp2", tokens=P("expert"), kw={"expert_tensor_axis": ETP}
     ),
 }
-MODES = [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
+# (layout, dispatcher, routing, gmm_impl). Every dispatcher on (data, expert), where each sums
+# its weight and bias gradients over data its own way (the ring's recomputing backward, the
+# all-to-all's autodiff). Expert tensor parallelism, whose gather/psum and b_down-once mask sit
+# above the dispatcher (`dispatch.local`), once through moe_ffn (tokens replicated, ring token
+# routing) and twice through moe_ffn_local (test_moe_ffn_local_with_biases: tokens gathered, ring
+# expert routing, whose biases travel with the weights; tokens replicated, the all-to-all).
+# ragged_dot rides on two cases: the biases are added outside the grouped matmul, the same for
+# every implementation but the Pallas kernel's fused row gather (test_other_grouped_matmuls_...).
+DISPATCH_CASES = [
+    ("data x expert", "ring", "expert", "xla"),
+    ("data x expert", "ring", "token", "ragged_dot"),
+    ("data x expert", "alltoall", "auto", "ragged_dot"),
+    ("ETP, tokens replicated", "ring", "token", "xla"),
+]
 
 
-@pytest.mark.parametrize("dispatcher,routing", MODES)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_dispatchers_with_biases_match_the_reference(layout, dispatcher, routing):
+@functools.cache
+def reference(mesh_name, activation="gpt_oss_clamped", names=NAMES):
+    """The reference with biases on `mesh_name`: one object per mesh, so its program is compiled
+    once for every dispatcher compared with it."""
+    a = CASES.get(activation, activation)
+    return with_biases(
+        functools.partial(moe_ffn, mesh=mesh(mesh_name), dispatcher="reference", activation=a),
+        names,
+    )
+
+
+@pytest.mark.parametrize("layout,dispatcher,routing,gmm_impl", DISPATCH_CASES)
+def test_dispatchers_with_biases_match_the_reference(layout, dispatcher, routing, gmm_impl):
     """GPT-OSS's clamped activation with all three biases, on each adversarial routing:
-    b_down is added once with expert tensor parallelism (not once per rank)."""
+    b_down is added once with expert tensor parallelism (not once per rank).
+
+    Also covers what the removed layout x dispatcher cases did (see DISPATCH_CASES):
+    [ETP, tokens gathered-ring-expert] and [ETP, tokens replicated-ring-expert]
+    (test_moe_ffn_local_with_biases[ETP, tokens gathered], expert routing: the token layout is
+    handled above the ring), [ETP, tokens gathered-ring-token] ([ETP, tokens replicated-ring-
+    token] here, the same ring code under ETP), [ETP, tokens gathered-alltoall-auto] and
+    [ETP, tokens replicated-alltoall-auto] (test_moe_ffn_local_with_biases[ETP, tokens
+    replicated, all-to-all]); and test_other_grouped_matmuls_with_biases[*-ragged_dot]
+    (ragged_dot here on (data, expert) for ring token routing, whose hop code is expert
+    routing's too, and for the all-to-all)."""
     where = LAYOUTS[layout]
     m = mesh(where["m"])
     a = CASES["gpt_oss_clamped"]
@@ -69,50 +99,67 @@ def test_dispatchers_with_biases_match_the_reference(layout, dispatcher, routing
             mesh=m,
             dispatcher=dispatcher,
             routing=routing,
+            gmm_impl=gmm_impl,
             activation=a,
             **where["kw"],
         )
     )
-    ref = with_biases(functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a))
     tok = NamedSharding(m, where["tokens"])
     bb = biases(E, H, F)
     for case, ids in testing.routing_cases(T, K, E, 4, seed=3).items():
         inp = testing.moe_inputs(ids, E, seed=3)
         args = [jax.device_put(v, tok) for v in inp.args[:3]] + list(inp.args[3:])
         try:
-            testing.assert_moe_parity(ours, ref, *args, *bb)
+            testing.assert_moe_parity(ours, reference(where["m"]), *args, *bb)
         except AssertionError as err:
             raise AssertionError(f"routing case {case!r}: {err}") from None
 
 
-@pytest.mark.parametrize("names", [("b_down",), ("b_gate", "b_up")])
-def test_some_biases_only(names):
-    """The others are zero, and only the given ones are differentiated."""
+@pytest.mark.parametrize(
+    "names,dispatcher", [(("b_down",), "alltoall"), (("b_gate", "b_up"), "ring")]
+)
+def test_some_biases_only(names, dispatcher):
+    """The others are zero, and only the given ones are differentiated. The given biases change
+    y: the same compiled program with them zeroed gives another y. The missing biases are filled
+    in by the op's front door (`Experts.complete`) before any dispatcher: one case each."""
     m = mesh("dp2_ep4")
     ids = testing.routing_case("uniform", T, K, E, 4, seed=5)
     inp = testing.moe_inputs(ids, E, seed=5)
     given = [b for n, b in zip(NAMES, biases(E, H, F, seed=5)) if n in names]
-    ours = with_biases(functools.partial(moe_ffn, mesh=m), names)
-    ref = with_biases(functools.partial(moe_ffn, mesh=m, dispatcher="reference"), names)
-    testing.assert_moe_parity(ours, ref, *inp.args, *given)
-    plain = jax.jit(functools.partial(moe_ffn, mesh=m))(*inp.args)
-    assert np.max(np.abs(np.asarray(jax.jit(ours)(*inp.args, *given)) - plain)) > 1e-3
+    ours = with_biases(functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher), names)
+    got, _ = testing.assert_moe_parity(
+        ours, reference("dp2_ep4", "swiglu", names), *inp.args, *given
+    )
+    plain = testing.moe_value_and_grads(ours, *inp.args, *(jnp.zeros_like(b) for b in given))
+    assert np.max(np.abs(np.asarray(got.y) - np.asarray(plain.y))) > 1e-3
 
 
-@pytest.mark.parametrize("gmm_impl", ["ragged_dot", "pallas-interpret"])
-@pytest.mark.parametrize("dispatcher,routing", [("ring", "expert"), ("alltoall", "auto")])
-def test_other_grouped_matmuls_with_biases(gmm_impl, dispatcher, routing):
+def test_other_grouped_matmuls_with_biases():
+    """The ring with the Pallas kernel (in its interpreter), clamped GPT-OSS with all three
+    biases: the kernel reads the chunk's rows by index (a fused gather), and the biases' rows,
+    b_down's gradient and its router-weight term are gathered beside it (`dispatch.hop`).
+
+    Also covers test_activations.py::test_other_grouped_matmuls_with_gpt_oss (the same
+    activation, without biases, was its case) and what the removed [alltoall-auto-pallas-
+    interpret] did: the all-to-all adds the biases outside the grouped matmul, the same code for
+    every implementation (test_dispatchers_with_biases_match_the_reference, ragged_dot and xla);
+    its Pallas calls run in test_dispatch_pallas.py. The ragged_dot cases moved to
+    test_dispatchers_with_biases_match_the_reference."""
     m = mesh("ep8")
     ids = testing.routing_case("ragged", T, K, E, 8, seed=6)
     inp = testing.moe_inputs(ids, E, seed=6)
-    a = CASES["gpt_oss"]
+    a = CASES["gpt_oss_clamped"]
     ours = with_biases(
         functools.partial(
-            moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing, gmm_impl=gmm_impl, activation=a
+            moe_ffn,
+            mesh=m,
+            dispatcher="ring",
+            routing="expert",
+            gmm_impl="pallas-interpret",
+            activation=a,
         )
     )
-    ref = with_biases(functools.partial(moe_ffn, mesh=m, dispatcher="reference", activation=a))
-    testing.assert_moe_parity(ours, ref, *inp.args, *biases(E, H, F, seed=6))
+    testing.assert_moe_parity(ours, reference("ep8"), *inp.args, *biases(E, H, F, seed=6))
 
 
 def _local_layer(m, tokens, ea, etp=None, **kw):
@@ -137,6 +184,12 @@ def _local_layer(m, tokens, ea, etp=None, **kw):
     ["hierarchical ring", "ETP, tokens gathered", "ETP, tokens replicated, all-to-all"],
 )
 def test_moe_ffn_local_with_biases(case):
+    """moe_ffn_local in the caller's shard_map with all three biases: the hierarchical ring (with
+    GeGLU: this also covers what test_activations.py::test_hierarchical_ring_and_moe_ffn_local_
+    take_the_activation did), and expert tensor parallelism with tokens gathered (ring, expert
+    routing: also covers test_dispatchers_with_biases_match_the_reference[ETP, tokens gathered-
+    ring-expert] and [ETP, tokens replicated-ring-expert]) or replicated (the all-to-all: also
+    covers its [ETP, tokens replicated-alltoall-auto] and [ETP, tokens gathered-alltoall-auto])."""
     ids = testing.routing_case("uniform", T, K, E, 8, seed=7)
     inp = testing.moe_inputs(ids, E, seed=7)
     bb = biases(E, H, F, seed=7)
@@ -147,8 +200,8 @@ def test_moe_ffn_local_with_biases(case):
     else:
         m, ea = mesh("ep4_etp2"), "expert"
         tokens = P(("expert", "expert_tensor")) if "gathered" in case else P("expert")
-        dispatcher = "alltoall" if "all-to-all" in case else "ring"
-        ours = _local_layer(m, tokens, ea, "expert_tensor", dispatcher=dispatcher)
+        mode = dict(dispatcher="alltoall") if "all-to-all" in case else dict(routing="expert")
+        ours = _local_layer(m, tokens, ea, "expert_tensor", **mode)
         ref_kw = dict(expert_axis=ea)
     ref = with_biases(functools.partial(moe_ffn, mesh=m, dispatcher="reference", **ref_kw))
     testing.assert_moe_parity(ours, ref, *inp.args, *bb)

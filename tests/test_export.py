@@ -1,5 +1,5 @@
-"""`relaymoe-train export RUN_DIR --out HF_DIR` (train/export.py): a trained run's checkpoint as a
-Hugging Face checkpoint.
+"""`relaymoe-train export RUN_DIR --out HF_DIR` (train/hf/export.py): a trained run's checkpoint as
+a Hugging Face checkpoint.
 
 Two short runs (module fixtures): tiny-qwen2 (Qwen2-MoE: q/k/v biases, a shared expert, a dense
 layer, tied embeddings) on the default mesh, and tiny (Qwen3-MoE) with `scan_layers=true` on
@@ -9,6 +9,9 @@ transformers 5.24 to <= 7e-6; no torch here) on the exported directory equal our
 checkpoint's params (restored whole by orbax, here only); `from_pretrained` gives the params back
 bitwise; the index and file sizes; the host never holds more than one saved leaf (orbax's restore
 is spied on); bad input is one line, exit status 1, nothing left behind.
+
+Our model's forward is jitted once (`_FORWARD`: one compile per model, shared by its float32 and
+bfloat16 checks), and each checkpoint's params are restored once (`checkpoint_params`, cached).
 """
 
 import importlib.util
@@ -33,7 +36,7 @@ from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.hf_files import size_bytes
 from relaymoe_jax.models.hf_mapping import mapping
 from train import cli
-from train import export as ex
+from train.hf import export as ex
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["seq_len=32", "batch_size=8", "warmup_steps=0", "save_every=1", "--quiet", "--steps", "2"]
@@ -87,8 +90,24 @@ def _meta(run, step=2):
     return json.loads((run / "checkpoints" / str(step) / "meta" / "metadata").read_text())
 
 
+_RESTORED: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_restored():
+    yield
+    _RESTORED.clear()
+
+
 def checkpoint_params(run, step=2) -> dict:
-    """{saved leaf path: array} of every params leaf, the whole tree restored by orbax."""
+    """{saved leaf path: array} of every params leaf, the whole tree restored by orbax (once per
+    run and step: the arrays are only read)."""
+    if (run, step) not in _RESTORED:
+        _RESTORED[run, step] = _restore_params(run, step)
+    return _RESTORED[run, step]
+
+
+def _restore_params(run, step) -> dict:
     meta = _meta(run, step)
     keys = [f"{i:06d}" for i in range(len(meta["leaf_paths"]))]
     args = ocp.args.PyTreeRestore(
@@ -97,6 +116,9 @@ def checkpoint_params(run, step=2) -> dict:
     with ocp.PyTreeCheckpointer() as c:
         tree = c.restore(run / "checkpoints" / str(step) / "state", args=args)
     return {p: tree[k] for p, k in zip(meta["leaf_paths"], keys) if p.startswith("['params']")}
+
+
+_FORWARD = nnx.jit(lambda m, x: m(x)[0])  # one program per model config (nnx's static graph)
 
 
 def our_logits(cfg, params, ids, cast=None):
@@ -111,7 +133,7 @@ def our_logits(cfg, params, ids, cast=None):
         a = a if cast is None else a.astype(cast).astype(np.float32)
         leaves.append(jax.device_put(a, x.sharding))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
-    return np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, jnp.asarray(ids)))
+    return np.asarray(_FORWARD(model, jnp.asarray(ids)))
 
 
 def _ids():

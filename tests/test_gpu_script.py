@@ -4,6 +4,12 @@ The kernels run in their interpreters (Pallas interpret=True, Mosaic GPU under
 force_gpu_interpret_mode) and the layer and the hop with gmm_impl="pallas-interpret", on a
 1-device mesh. One run (module fixture) feeds every check, its `--json` file included, which the
 cost model's loader must read back.
+
+The grouped-matmul section runs at one of the script's three tiny kernel shapes (its first,
+`gpu.TINY_SHAPES[:1]`, set for this module): every kernel, block config, pass and group pattern
+(balanced, and skewed with empty groups) still runs and is checked against the float64
+reference; the other two shapes differed only in K, N and G, and each cost a compile of every
+kernel's three passes and two runs of the Mosaic GPU interpreter per pass and pattern.
 """
 
 import contextlib
@@ -11,6 +17,7 @@ import io
 import json
 import math
 import re
+import sys
 
 import pytest
 
@@ -21,7 +28,14 @@ from scripts import load_script
 
 @pytest.fixture(scope="module")
 def gpu():
-    return load_script("benchmarks/gpu.py", "gpu_bench")
+    """The script, with its kernel section cut to the first tiny shape (see the module doc) for
+    this module: the section's module is shared by the process, so the shape list is put back
+    afterwards."""
+    script = load_script("benchmarks/gpu.py", "gpu_bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(script, "TINY_SHAPES", script.TINY_SHAPES[:1])
+        mp.setattr(sys.modules["gpu_kernel_section"], "TINY_SHAPES", script.TINY_SHAPES)
+        yield script
 
 
 @pytest.fixture(scope="module")

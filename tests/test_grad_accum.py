@@ -1,4 +1,4 @@
-"""Gradient accumulation, `grad_accum=N` (`train/accumulate.py`).
+"""Gradient accumulation, `grad_accum=N` (`train/step/accumulate.py`).
 
 - One and two optimizer steps of grad_accum=4, batch_size=2 equal those of batch_size=8 (the same
   rows: packed documents of a multi-document corpus, read by the trainer's loader), with the
@@ -8,9 +8,14 @@
   micro-batch's gradients by the ordinary batch_size=2 loss (no scan), combined as documented (LM
   part by token weights, router part 1/N each), then one AdamW update; and that differs from
   batch_size=8 (the aux loss is averaged per micro-batch, not computed on the whole batch).
-- The trainer runs grad_accum=2 (reading the rows batch_size=4 reads), resumes bitwise, refuses a
-  resume that changes grad_accum, and refuses grad_accum=0 in one line.
+- The trainer runs grad_accum=2 (reading the rows batch_size=16 reads), resumes bitwise, refuses
+  a resume that changes grad_accum, and refuses grad_accum=0 in one line; two processes of 4
+  devices train as that one process of 8 (its run, shared: `accum_runs`).
 - The accumulated step's temporaries are one micro-batch's plus the float32 accumulator.
+
+The model is the tiny config with one layer (`num_hidden_layers=1`): each layer is the same
+program, and one already drops, duplicates or misweights a (token, expert) pair visibly; the
+compiled programs are built once per module and shared by the tests (`vg`, `accum_runs`).
 
 Why the parameters are compared to 1e-6 where the gradient is >= 1e-5 (about 80% of them here):
 AdamW's first update of an element is lr * g / (|g| + 1e-8), whose derivative in g is large
@@ -32,10 +37,13 @@ from corpora import word_corpus
 from jax.sharding import NamedSharding
 
 from relaymoe_jax.models.config_files import load_config
-from train import accumulate, cli, identity, train_step
+from relaymoe_jax.models.loss import DEFAULT_CHUNK
+from train import cli
 from train import data as data_mod
-from train import mesh as tm
 from train.settings import TrainConfig
+from train.state import identity
+from train.step import accumulate, objective, train_step
+from train.step import mesh as tm
 
 S = 16
 LR = 3e-3
@@ -43,7 +51,9 @@ TIMING = ("tokens_per_s", "step_time", "data_time")
 
 
 def _cfg(**over):
-    return load_config("configs/tiny.yaml").replace(dispatcher="ring", **over)  # dropless
+    """The tiny config with one layer, the ring dispatcher (dropless)."""
+    tiny = load_config("configs/tiny.yaml")
+    return tiny.replace(dispatcher="ring", num_hidden_layers=1, **over)
 
 
 def _tc(b: int, n: int = 1) -> TrainConfig:
@@ -114,6 +124,33 @@ def packed_rows(tmp_path_factory):
     return _rows(word_corpus(tmp_path_factory.mktemp("docs"), 60, max_words=6), 2)
 
 
+@pytest.fixture(scope="module")
+def vg():
+    """vg(cfg) -> (jitted value_and_grad of the ordinary packed loss, no scan; its graphdef, the
+    initial state, tx, rules, mesh at batch_size=2), built once per cfg for the module (jax
+    compiles it once per batch shape)."""
+    built = {}
+
+    def get(cfg):
+        if cfg not in built:
+            mesh = tm.make_mesh("expert=-1")
+            graphdef, state, tx, rules = train_step.init_state(cfg, _tc(2), mesh)
+            loss = objective.make_loss(graphdef, jnp.float32, DEFAULT_CHUNK, packed=True)
+            fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+            built[cfg] = fn, (graphdef, state, tx, rules, mesh)
+        return built[cfg]
+
+    return get
+
+
+def _micro(rows, n: int, b: int):
+    """The n micro-batches of b rows of a global batch (numpy), in order."""
+    return [
+        data_mod.Batch(*(None if x is None else x[i * b : (i + 1) * b] for x in rows))
+        for i in range(n)
+    ]
+
+
 def test_accumulated_steps_equal_one_batch(packed_rows):
     cfg = _cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, expert_bias=True)
     ref = _train(cfg, 8, 1, packed_rows, packed=True)
@@ -131,21 +168,29 @@ def test_accumulated_steps_equal_one_batch(packed_rows):
         assert _rel(x, y) < 1e-4
 
 
-def test_summed_gradient_equals_one_batch(packed_rows):
+def test_summed_gradient_equals_one_batch(packed_rows, vg):
+    """The grad_accum=4 gradient of 4 micro-batches of 2 rows (the scan) equals the gradient of
+    their batch of 8 (float32, 1e-6): the ordinary loss's gradients of the micro-batches one by
+    one, combined by their target counts (the batch's mean is over its targets, so this is the
+    batch of 8's gradient), and the loss is the batch's mean."""
     cfg = _cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
-    tc = _tc(8)
-    mesh = tm.make_mesh(tc.mesh)
-    graphdef, state, _, rules = train_step.init_state(cfg, tc, mesh)
-    one = jax.jit(jax.value_and_grad(train_step.make_loss(graphdef, packed=True), has_aux=True))
+    one, (graphdef, state, _, rules, mesh) = vg(cfg)
     summed = jax.jit(accumulate.accumulated_value_and_grad(graphdef, jnp.float32, 1024, True, 4))
-    ids8 = NamedSharding(mesh, rules.fit((8, S), "batch", "seq"))
     ids2 = NamedSharding(mesh, rules.fit((2, S), "batch", "seq"))
     sharding, shape = accumulate.step_batch(ids2, 2, S, 4)
     b = packed_rows[0]
-    (_, (lm1, _)), g1 = one(state.params, state.rest, accumulate.put_batch(b, ids8, (8, S)))
+    micro = _micro(b, 4, 2)
+    w = np.array([_target_weight(mb) for mb in micro]) / _target_weight(b)
+    assert len(set(w)) > 1  # the micro-batches weigh differently: a plain mean would be off
+    lm1, parts = 0.0, []
+    for wi, mb in zip(w, micro):
+        (_, (lm, _)), g = one(state.params, state.rest, accumulate.put_batch(mb, ids2, (2, S)))
+        lm1 += wi * float(lm)
+        parts.append(jax.tree.map(lambda x, wi=wi: wi * x, g))
+    g1 = jax.tree.map(lambda *xs: sum(xs), *parts)
     batch = accumulate.put_batch(b, sharding, shape)
     (_, (lm4, _)), g4 = summed(state.params, state.rest, batch)
-    assert float(lm4) == pytest.approx(float(lm1), rel=1e-6)
+    assert float(lm4) == pytest.approx(lm1, rel=1e-6)
     for x, y in zip(_leaves(g4), _leaves(g1)):
         assert x.dtype == np.float32 and _rel(x, y) < 1e-6
 
@@ -156,7 +201,7 @@ def _target_weight(batch) -> float:
     return float(np.sum((seg[:, :-1] != 0) & (seg[:, 1:] == seg[:, :-1])))
 
 
-def test_aux_loss_is_averaged_per_micro_batch(packed_rows):
+def test_aux_loss_is_averaged_per_micro_batch(packed_rows, vg):
     """The accumulated step with the aux and z losses on equals the documented combination of
     per-micro-batch gradients of the ordinary step's loss, and not batch_size=8's."""
     n, b = 4, 2
@@ -165,17 +210,10 @@ def test_aux_loss_is_averaged_per_micro_batch(packed_rows):
     s0, (s_acc, m_acc) = _train(cfg, b, n, [rows], packed=True)
     # the reference: the B=2 micro-batches one by one through the ordinary loss (no scan), with
     # the router losses and without (the same weights: the LM part alone)
-    mesh = tm.make_mesh("expert=-1")
-    graphdef, state, tx, rules = train_step.init_state(cfg, _tc(b), mesh)
-    lm_cfg = _cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
-    lm_graphdef = train_step.init_state(lm_cfg, _tc(b), mesh)[0]
-    vg = lambda g: jax.jit(jax.value_and_grad(train_step.make_loss(g, packed=True), has_aux=True))
-    full, lm_only = vg(graphdef), vg(lm_graphdef)
+    full, (_, state, tx, rules, mesh) = vg(cfg)
+    lm_only, _ = vg(_cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0))
     ids = NamedSharding(mesh, rules.fit((b, S), "batch", "seq"))
-    micro = [
-        data_mod.Batch(*(None if x is None else x[i * b : (i + 1) * b] for x in rows))
-        for i in range(n)
-    ]
+    micro = _micro(rows, n, b)
     w_total = sum(_target_weight(mb) for mb in micro)
     total, aux_losses = None, []
     for mb in micro:
@@ -217,7 +255,10 @@ def test_micro_batches_are_consecutive_rows_of_the_global_batch():
 
 # --------------------------------------------------------------------------- the trainer
 
-TRAIN = ["--config", "configs/tiny.yaml", "--quiet", f"seq_len={S}", "schedule_steps=10"]
+# test_multihost's trainer arguments (tiny, seq_len=32, batch_size=8) with one layer, a fixed
+# schedule (runs of 2 and 3 steps share it, and their compiled step), grad_accum=2 on the
+# two-process mesh; `accum_runs` adds --data
+ACCUM = ["schedule_steps=10", "num_hidden_layers=1", "mesh=node=2,expert=4", "grad_accum=2"]
 
 
 def _metrics(out) -> list[dict]:
@@ -229,63 +270,94 @@ def _meta(out, step: int) -> dict:
     return json.loads((out / "checkpoints" / str(step) / "meta" / "metadata").read_text())
 
 
-def test_trainer_accumulates_resumes_and_refuses_a_change(tmp_path):
-    accum = [*TRAIN, "batch_size=2", "grad_accum=2"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert cli.main([*accum, "--steps", "3", "--out", str(whole)]) == 0
-    assert cli.main([*accum, "--steps", "2", "--out", str(cut)]) == 0
-    assert _meta(cut, 2)["data_position"] == 2 * 2 * 2  # rows: optimizer steps x 4
-    assert cli.main([*accum, "--steps", "3", "--out", str(cut)]) == 0
+@pytest.fixture(scope="module")
+def accum_runs(tmp_path_factory):
+    """The trainer with grad_accum=2 (8-row micro-batches, 16 rows per optimizer step) on a
+    packed word corpus: in this process of 8 devices 3 steps ("whole"), 2 steps then resumed to
+    3 ("cut"), batch_size=16 without accumulation ("b16"); and as two processes of 4 devices
+    (`test_multihost`'s set-up, started first, run alongside: "multi", 2 steps, logs p0/p1)."""
+    from test_multihost import ARGS, TIMEOUT_S, free_port, start_process, wait_all
+
+    tmp = tmp_path_factory.mktemp("accum")
+    args = [*ARGS, *ACCUM, "--data", str(word_corpus(tmp / "docs", 400))]
+    dist = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    multi = ["--out", str(tmp / "multi"), *dist, "--steps", "2"]
+    procs = [
+        start_process(f"p{i}", tmp, 4, [*multi, "--process-id", str(i), *args[len(ARGS) :]], True)
+        for i in range(2)
+    ]
+    try:
+        whole, cut, b16 = tmp / "whole", tmp / "cut", tmp / "b16"
+        assert cli.main([*args, "--steps", "3", "--out", str(whole)]) == 0
+        assert cli.main([*args, "--steps", "2", "--out", str(cut)]) == 0
+        cut_position = _meta(cut, 2)["data_position"]
+        assert cli.main([*args, "--steps", "3", "--out", str(cut)]) == 0
+        single = [
+            {"grad_accum=2": "grad_accum=1", "batch_size=8": "batch_size=16"}.get(a, a)
+            for a in args
+        ]
+        assert cli.main([*single, "--steps", "3", "--out", str(b16)]) == 0
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    wait_all(procs, tmp, TIMEOUT_S)
+    return dict(tmp=tmp, args=args, whole=whole, cut=cut, b16=b16, cut_position=cut_position)
+
+
+def test_trainer_accumulates_resumes_and_refuses_a_change(accum_runs):
+    whole, cut = accum_runs["whole"], accum_runs["cut"]
+    assert accum_runs["cut_position"] == 2 * 16  # rows: optimizer steps x 16
     assert _metrics(cut) == _metrics(whole)  # bitwise: the same floats
     assert [m["step"] for m in _metrics(whole)] == [1, 2, 3]  # one line per optimizer step
-    # the same rows as batch_size=4, in the same order: the same losses
-    four = tmp_path / "four"
-    assert cli.main([*TRAIN, "batch_size=4", "--steps", "3", "--out", str(four)]) == 0
-    for a, b in zip(_metrics(whole), _metrics(four)):
+    # the same rows as batch_size=16, in the same order: the same losses
+    for a, b in zip(_metrics(whole), _metrics(accum_runs["b16"]), strict=True):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-6)
     # grad_accum changes the math (the aux loss's averaging, the rows per step)
+    argv = [{"grad_accum=2": "grad_accum=4"}.get(a, a) for a in accum_runs["args"]]
     with pytest.raises(identity.ResumeRefusedError, match=r"grad_accum 2 -> 4 would change"):
-        cli.main([*TRAIN, "batch_size=2", "grad_accum=4", "--steps", "4", "--out", str(cut)])
+        cli.main([*argv, "--steps", "4", "--out", str(cut)])
 
 
-def test_progress_line_shows_tokens_per_optimizer_step(tmp_path, capsys):
-    argv = [a for a in TRAIN if a != "--quiet"]
-    out = tmp_path / "run"
-    assert cli.main([*argv, "batch_size=2", "grad_accum=2", "--steps", "1", "--out", str(out)]) == 0
+def test_progress_line_shows_tokens_per_optimizer_step(accum_runs, tmp_path, capsys):
+    argv = [a for a in accum_runs["args"] if a != "--quiet"]  # the step "whole" compiled
+    assert cli.main([*argv, "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any("grad_accum 2 (4 rows, 64 tokens per optimizer step)" in x for x in lines)
-    assert any(" 64 tok/step " in x and "step 1/1" in x for x in lines)
+    assert any("grad_accum 2 (16 rows, 512 tokens per optimizer step)" in x for x in lines)
+    assert any(" 512 tok/step " in x and "step 1/1" in x for x in lines)
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_grad_accum_below_1_is_refused(tmp_path, value):
+    argv = ["--config", "configs/tiny.yaml", "--steps", "1", "--out", str(tmp_path / "x")]
     with pytest.raises(ValueError) as e:
-        cli.parse([*TRAIN, "--steps", "1", "--out", str(tmp_path / "x"), f"grad_accum={value}"])
+        cli.parse([*argv, f"grad_accum={value}"])
     assert str(e.value) == (
         f"trainer option grad_accum={value}: expected >= 1 (micro-batches per optimizer step)"
     )
 
 
-def test_two_processes_read_their_rows_of_every_micro_batch(tmp_path):
+def test_two_processes_read_their_rows_of_every_micro_batch(accum_runs):
     """Two processes of 4 devices (`test_multihost.py`'s set-up) with grad_accum=2 train as one
-    process of 8: each reads, of every micro-batch, the rows its devices hold."""
-    from test_multihost import _rows as row_set
-    from test_multihost import run_two_and_one
+    process of 8 (`accum_runs`' in-process "whole" run, the same arguments: it stands for the
+    third subprocess the test started before): each reads, of every micro-batch, the rows its
+    devices hold."""
+    from test_multihost import row_set
 
-    args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4", "grad_accum=2"]
-    multi, single = run_two_and_one(tmp_path, [*args, "--steps", "2"])
+    tmp = accum_runs["tmp"]
     read = {}
-    for name in ("p0", "p1", "single"):
+    for name in ("p0", "p1"):
         (found,) = re.findall(
             r"reads (\d+) of the 16 rows of each batch: ([\d, -]+)",
-            (tmp_path / f"{name}.err").read_text(),
+            (tmp / f"{name}.err").read_text(),
         )
         read[name] = row_set(found[1])
-    assert read["single"] == set(range(16)) and read["p0"] | read["p1"] == read["single"]
+    assert read["p0"] | read["p1"] == set(range(16))
     for name in ("p0", "p1"):  # 4 rows of each micro-batch of 8, the same ones in both
         first = {r for r in read[name] if r < 8}
         assert len(first) == 4 and read[name] == first | {r + 8 for r in first}
-    got, want = _metrics(multi), _metrics(single)
+    got, want = _metrics(tmp / "multi"), _metrics(accum_runs["whole"])[:2]
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2]
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -299,7 +371,7 @@ def test_peak_is_one_micro_batch_plus_the_accumulator():
     (compile only): below batch 32's, and at most batch 8's plus the float32 accumulator (the
     parameters' device shards) plus 5% of batch 8's (the per-micro-batch losses, the step's
     target count, the scan's bookkeeping)."""
-    cfg = load_config("configs/tiny.yaml")
+    cfg = load_config("configs/tiny.yaml").replace(num_hidden_layers=1)
     temp = {}
     for b, n in [(8, 1), (32, 1), (8, 4)]:
         tc = TrainConfig(batch_size=b, grad_accum=n, seq_len=64)

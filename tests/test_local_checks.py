@@ -306,6 +306,23 @@ BIAS_DEBUG = {
 }
 
 
+@functools.cache
+def _bias_debug_call(m, b_spec):
+    """(in_specs, jit(shard_map(moe_ffn_local with biases, debug_checks=True))) for biases on
+    b_spec: one program for both replicated cases (they differ in values only)."""
+    specs = (TOKENS,) * 3 + (EXPERTS,) * 3 + (b_spec,) * 3
+    run = jax.shard_map(
+        lambda *a: moe_ffn_local(
+            *a[:6], **dict(zip(BIAS_NAMES, a[6:])), expert_axis="expert", debug_checks=True
+        ),
+        mesh=m,
+        in_specs=specs,
+        out_specs=TOKENS,
+        check_vma=False,
+    )
+    return specs, jax.jit(run)
+
+
 @pytest.mark.parametrize("case", sorted(BIAS_DEBUG))
 def test_debug_checks_cover_the_biases(case, caplog):
     """check_vma=False: biases of one device's shape [E / EP, ...] given replicated over the
@@ -318,19 +335,10 @@ def test_debug_checks_cover_the_biases(case, caplog):
     bb = [np.asarray(b) for b in biases(E, 16, 24, seed=5, scale=scale)]
     if b_spec == P():
         bb = [b[: E // ep] for b in bb]  # one device's rows, on every device
-    specs = (TOKENS,) * 3 + (EXPERTS,) * 3 + (b_spec,) * 3
-    run = jax.shard_map(
-        lambda *a: moe_ffn_local(
-            *a[:6], **dict(zip(BIAS_NAMES, a[6:])), expert_axis="expert", debug_checks=True
-        ),
-        mesh=m,
-        in_specs=specs,
-        out_specs=TOKENS,
-        check_vma=False,
-    )
+    specs, run = _bias_debug_call(m, b_spec)
     placed = [jax.device_put(a, NamedSharding(m, s)) for a, s in zip((*args, *bb), specs)]
     with caplog.at_level(logging.WARNING, logger="relaymoe_jax"):
-        jax.block_until_ready(jax.jit(run)(*placed))
+        jax.block_until_ready(run(*placed))
         jax.effects_barrier()
     found = [r.getMessage() for r in caplog.records if "debug_checks=True" in r.getMessage()]
     if match is None:
@@ -363,12 +371,16 @@ def test_fsdp_weights_gathered_invarying_match_the_reference():
 
 # ------------------------------------------------ partial-manual shard_map
 
-# the Pallas interpreter is slow: ring-expert and the all-to-all cover its calls
+# Each dispatcher (ring expert, ring token, all-to-all) and each grouped matmul (xla, ragged_dot,
+# the Pallas interpreter) at least once, each dispatcher with two: the grouped matmul is the same
+# code under either dispatcher (what partial-manual changes is the manual/auto axis types of the
+# ops both run). The Pallas interpreter is slow: ring-expert and the all-to-all cover its calls.
 PARTIAL_MANUAL = [
-    (dispatcher, routing, gmm_impl, gmm_impl != "pallas-interpret")
-    for dispatcher, routing in [("ring", "expert"), ("ring", "token"), ("alltoall", "auto")]
-    for gmm_impl in ["xla", "ragged_dot", "pallas-interpret"]
-    if not (gmm_impl == "pallas-interpret" and routing == "token")
+    ("ring", "expert", "xla", True),
+    ("ring", "expert", "pallas-interpret", False),
+    ("ring", "token", "ragged_dot", True),
+    ("alltoall", "auto", "xla", True),
+    ("alltoall", "auto", "pallas-interpret", False),
 ]
 
 
@@ -376,7 +388,12 @@ PARTIAL_MANUAL = [
 def test_partial_manual_shard_map(dispatcher, routing, gmm_impl, check_vma):
     """MaxText's way: shard_map(axis_names={'expert'}) on an Auto (data, expert) mesh, data left
     to the compiler. Values and every gradient against the reference (NaN-poisoned padding).
-    jax 0.12's searchsorted failed there with an AssertionError on the manual axis type."""
+    jax 0.12's searchsorted failed there with an AssertionError on the manual axis type.
+
+    Also covers the former cases [ring-token-xla-True] (the xla grouped matmul: ring-expert-xla;
+    the token relay: ring-token-ragged_dot), [ring-expert-ragged_dot-True] and
+    [alltoall-auto-ragged_dot-True] (ragged_dot: ring-token-ragged_dot; both dispatchers: their
+    xla and Pallas cases)."""
     m = mesh("dp2_ep4", explicit=False)
     args = inputs((64,), m, EXPERTS)
     ours = local_call(
@@ -414,6 +431,15 @@ def _expected_stats(ids_tk, devices: int, e: int):
     return dropped, ignored
 
 
+@functools.cache
+def _global_alltoall(m):
+    return jax.jit(
+        functools.partial(
+            moe_ffn, mesh=m, dispatcher="alltoall", capacity_factor=CF, return_stats=True
+        )
+    )
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_stats_are_the_same_under_both_check_vma_settings(check_vma):
     """Tokens over (data, expert): the stats are summed over every device holding tokens under
@@ -444,14 +470,6 @@ def test_stats_are_the_same_under_both_check_vma_settings(check_vma):
     stats = jax.jit(run)(*args[:3], *ws)
     assert int(stats["dropped_pairs"]) == dropped
     assert int(stats["ignored_pairs"]) == ignored
-    _, global_stats = jax.jit(
-        functools.partial(
-            moe_ffn,
-            mesh=m,
-            dispatcher="alltoall",
-            capacity_factor=CF,
-            return_stats=True,
-        )
-    )(*args)
+    _, global_stats = _global_alltoall(m)(*args)  # compiled once for both settings
     assert int(global_stats["dropped_pairs"]) == dropped
     assert int(global_stats["ignored_pairs"]) == ignored

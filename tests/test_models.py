@@ -102,44 +102,72 @@ def assert_close(a, b, rel=1e-5, what=""):
 # dispatchers
 
 
+# The dispatchers are compared on one-layer models (a second layer runs the same op again and
+# doubles each compile); the router losses and the expert bias on two layers (`bias_run`).
+DISPATCH_LAYERS = 1
+MESHES = {
+    "expert8": ((8,), ("expert",)),
+    "data2_expert4": ((2, 4), ("data", "expert")),
+    "folded_data2_context4": ((2, 4), ("data", "context")),
+}
+
+
 @functools.cache
 def reference_run(arch):
     extra = dict(shared_expert_intermediate_size=24) if arch == "qwen2_moe" else {}
-    model = QwenMoe(tiny(arch=arch, dispatcher="reference", **extra), mesh=mesh(), rngs=nnx.Rngs(0))
+    cfg = tiny(arch=arch, dispatcher="reference", num_hidden_layers=DISPATCH_LAYERS, **extra)
+    model = QwenMoe(cfg, mesh=mesh(), rngs=nnx.Rngs(0))
     ids = input_ids()
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     return model, ids, logits, aux, loss, flat(grads)
 
 
-@pytest.mark.parametrize(
-    "arch,dispatcher,routing",
-    [
-        ("qwen3_moe", "ring", "expert"),
-        ("qwen3_moe", "ring", "token"),
-        ("qwen3_moe", "alltoall", "auto"),
-        ("qwen2_moe", "ring", "expert"),
-    ],
-)
-def test_dispatchers_agree(arch, dispatcher, routing):
-    """Same weights, three dispatchers: the logits, losses and every parameter's gradient match
-    the dense reference dispatcher (the shared expert is outside the op: one dispatcher suffices
-    for qwen2_moe)."""
+DISPATCH_CASES = [
+    ("qwen3_moe", "ring", "expert", "folded_data2_context4"),
+    ("qwen3_moe", "ring", "token", "data2_expert4"),
+    ("qwen3_moe", "alltoall", "auto", "expert8"),
+    ("qwen2_moe", "ring", "expert", "expert8"),
+]
+
+
+@pytest.mark.parametrize("arch,dispatcher,routing,layout", DISPATCH_CASES)
+def test_dispatchers_agree(arch, dispatcher, routing, layout):
+    """Same weights, three dispatchers on three meshes: the logits, losses, router logits and
+    load, and every parameter's gradient match the dense reference dispatcher on EP=8 (the
+    shared expert is outside the op: one dispatcher suffices for qwen2_moe).
+
+    Also covers the former test_other_meshes_match (each mesh once, with a dispatcher that
+    the former dispatcher cases ran on EP=8): [folded_data2_context4] is the ring-expert case
+    (experts over the folded (data, context) axes, the sequence over context), [data2_expert4]
+    the ring-token case (tokens over (data, expert), weight gradients summed over data); and the
+    former [qwen3_moe-ring-expert] / [qwen3_moe-ring-token] cases on EP=8 (expert routing on
+    EP=8: the qwen2_moe case; token routing: on (data, expert), the same relay)."""
     ref_model, ids, ref_logits, ref_aux, ref_loss, ref_grads = reference_run(arch)
     cfg = ref_model.config
+    m = mesh(*MESHES[layout])
+    rules = rules_for(m)
+    if layout == "folded_data2_context4":
+        assert rules.expert_axis == ("data", "context") and rules.axes("seq") == ("context",)
+    elif layout == "data2_expert4":
+        assert rules.expert_axis == "expert" and rules.token_axes == ("data", "expert")
     model = transplant(
         ref_model,
         QwenMoe(
             tiny(
                 **{
-                    **{k: cfg.as_dict()[k] for k in ("arch", "shared_expert_intermediate_size")},
+                    **{
+                        k: cfg.as_dict()[k]
+                        for k in ("arch", "shared_expert_intermediate_size", "num_hidden_layers")
+                    },
                     "dispatcher": dispatcher,
                     "routing": routing,
                 }
             ),
-            mesh=mesh(),
+            mesh=m,
             rngs=nnx.Rngs(1),
         ),
     )
+    assert model.layers[0].mlp.w_gate.get_value().sharding.spec[0] == rules.expert_axis
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     assert logits.shape == (B, S, TINY["vocab_size"])
     assert_close(logits, ref_logits, what="logits")
@@ -234,9 +262,25 @@ def test_losses_match_float64_numpy():
     np.testing.assert_array_equal(np.stack([s[3] for s in stats]), counts)
 
 
+@functools.cache
+def bias_run():
+    """The two-layer reference-dispatcher model with an expert bias (zero until updated, so its
+    routing is plain top-k) and its loss_and_grads: model, ids, aux, flat grads."""
+    model = QwenMoe(
+        tiny(expert_bias=True, expert_bias_rate=0.5, dispatcher="reference"),
+        mesh=mesh(),
+        rngs=nnx.Rngs(0),
+    )
+    ids = input_ids()
+    (_, (_, aux)), grads = loss_and_grads(model, ids)
+    return model, ids, aux, flat(grads)
+
+
 def test_model_aux_matches_numpy_of_its_router_logits():
-    _, _, _, aux, _, _ = reference_run("qwen3_moe")
+    """Two MoE layers (concatenated and per-layer balance losses differ), the expert bias zero."""
+    _, _, aux, _ = bias_run()
     rl = np.asarray(aux.router_logits).reshape(len(aux.z_loss_per_layer), B * S, -1)
+    assert rl.shape[0] == 2
     concat, per_layer, z, counts = numpy_losses(rl, TINY["num_experts_per_tok"])
     np.testing.assert_allclose(aux.aux_loss, concat, rtol=1e-5)
     np.testing.assert_allclose(aux.aux_loss_per_layer, per_layer, rtol=1e-5)
@@ -274,16 +318,12 @@ def test_expert_bias_changes_selection_not_weights():
 
 
 def test_model_expert_bias_update():
-    model = QwenMoe(
-        tiny(expert_bias=True, expert_bias_rate=0.5, dispatcher="reference"),
-        mesh=mesh(),
-        rngs=nnx.Rngs(0),
-    )
-    ids = input_ids()
-    (_, (_, aux)), grads = loss_and_grads(model, ids)
+    """The update from the model's own load, then a large bias on one expert (the same compiled
+    loss_and_grads program, new bias values)."""
+    model, ids, aux, grads = bias_run()
     load = np.asarray(aux.expert_load)
     assert load.shape == (2, 8) and np.all(load.sum(1) == B * S * 2)
-    assert not any("expert_bias" in k for k in flat(grads))  # not a Param: no gradient
+    assert not any("expert_bias" in k for k in grads)  # not a Param: no gradient
     model.update_expert_bias(aux.expert_load)
     for n, i in enumerate(model.moe_layers):
         bias = np.asarray(model.layers[i].mlp.expert_bias[...])
@@ -294,8 +334,8 @@ def test_model_expert_bias_update():
         var.set_value(
             jax.device_put(np.eye(8, dtype=np.float32)[3] * 100, var.get_value().sharding)
         )
-    _, aux = forward(model, ids)
-    assert np.all(np.asarray(aux.expert_load)[:, 3] == B * S)
+    (_, (_, biased)), _ = loss_and_grads(model, ids)
+    assert np.all(np.asarray(biased.expert_load)[:, 3] == B * S)
 
 
 def test_expert_bias_update_inside_jit_equals_eager():
@@ -329,6 +369,8 @@ def test_model_expert_bias_update_refuses_a_load_of_the_wrong_shape(shape):
 
 
 def test_dense_and_moe_layer_placement():
+    """Which layers are MoE, the MLP shapes, and the aux shapes of the 5-layer model's forward
+    (traced: nnx.eval_shape; running it would show no more); the all-dense model run."""
     cfg = tiny(
         num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=(3,), dispatcher="reference"
     )
@@ -339,7 +381,7 @@ def test_dense_and_moe_layer_placement():
     assert model.layers[0].mlp.gate_proj.shape == (32, 48)
     assert model.layers[1].mlp.w_gate.shape == (8, 32, 16)
     assert model.layers[1].mlp.w_down.shape == (8, 16, 32)
-    _, aux = forward(model, input_ids())
+    _, aux = nnx.eval_shape(lambda mo, ids: mo(ids, return_router_logits=True), model, input_ids())
     assert aux.expert_load.shape == (1, 8) and aux.router_logits.shape == (1, B, S, 8)
     # no MoE layer at all
     dense = QwenMoe(tiny(num_experts=0, dispatcher="reference"), mesh=mesh(), rngs=nnx.Rngs(0))
@@ -384,32 +426,6 @@ def test_checkpoint_names_in_loss_jaxpr():
 
 # ---------------------------------------------------------------------------------------------
 # other meshes
-
-
-@pytest.mark.parametrize("layout", ["data2_expert4", "folded_data2_context4"])
-def test_other_meshes_match(layout):
-    ref_model, ids, ref_logits, ref_aux, ref_loss, ref_grads = reference_run("qwen3_moe")
-    shape, names = (
-        (2, 4),
-        (("data", "expert") if layout == "data2_expert4" else ("data", "context")),
-    )
-    m = mesh(shape, names)
-    rules = rules_for(m)
-    if layout.startswith("folded"):
-        assert rules.expert_axis == ("data", "context") and rules.axes("seq") == ("context",)
-    else:
-        assert rules.expert_axis == "expert" and rules.token_axes == ("data", "expert")
-    model = transplant(
-        ref_model, QwenMoe(tiny(dispatcher="ring", routing="expert"), mesh=m, rngs=nnx.Rngs(1))
-    )
-    assert model.layers[0].mlp.w_gate.get_value().sharding.spec[0] == rules.expert_axis
-    (loss, (logits, aux)), grads = loss_and_grads(model, ids)
-    assert_close(logits, ref_logits, what="logits")
-    assert_close(aux.router_logits, ref_aux.router_logits, what="router_logits")
-    np.testing.assert_array_equal(aux.expert_load, ref_aux.expert_load)
-    assert_close(loss, ref_loss, what="loss")
-    for k, g in flat(grads).items():
-        assert_close(g, ref_grads[k], what=f"grad {k}")
 
 
 def test_folded_mesh_shards_sequence():

@@ -11,9 +11,10 @@ from relaymoe_jax import remat
 from relaymoe_jax.models import ModelConfig, rules_for
 from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.op import topology
-from train import cli, train_step
-from train import mesh as tm
+from train import cli
 from train.settings import TrainConfig
+from train.step import mesh as tm
+from train.step import train_step
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ own byte count for its storage.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -18,17 +19,15 @@ import pytest
 
 from relaymoe_jax.analysis import gpu_mesh
 from relaymoe_jax.models.config_files import load_config
-from train import cli, guards, report, train_step
-from train import mesh as tm
+from train import cli
+from train.planner import fit, memory
 from train.settings import TrainConfig
+from train.step import mesh as tm
+from train.step import optimizer, train_step
 
 REMAT = ["scan_layers=true", "moe_remat=true", "attention_remat=full"]
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", *REMAT]
-SETTINGS = {
-    "optimizer": ["offload_optimizer=true"],
-    "layer_inputs": ["offload_layer_inputs=true"],
-    "both": ["offload_optimizer=true", "offload_layer_inputs=true"],
-}
+BOTH = ["offload_optimizer=true", "offload_layer_inputs=true"]
 MESHES = ["context=8", "fsdp=2,context=4"]
 METRICS = ("loss", "lm_loss", "aux_loss", "router_loss", "grad_norm", "dropped_pairs")
 # The z-loss statistic (its coefficient is 0 in configs/tiny.yaml: it is in no loss or gradient)
@@ -69,14 +68,21 @@ def baseline(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline, setting, mesh):
-    recs = _run(tmp_path / "run", 3, f"mesh={mesh}", *SETTINGS[setting])
+def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline, mesh):
+    """Both offloads at once (`offload_optimizer` and `offload_layer_inputs`), per mesh: also
+    covers what test_offload_trains_to_bitwise_the_same_losses[optimizer-<mesh>] and
+    [layer_inputs-<mesh>] did, each offload alone on each mesh. Each one's code runs here as it
+    runs alone (the update streamed from host memory; each layer's input to the host and back),
+    so a dropped or misweighted value in either changes these losses. (Each alone: the layer
+    inputs' step, loss and gradients bitwise in tests/test_offload_layer_inputs.py; the
+    offloaded optimizer at bf16 in test_bfloat16_offload_differs_only_by_the_gradients_rounding;
+    both on context=8 in test_resume_with_offload_is_bitwise_the_uninterrupted_run too.)"""
+    recs = _run(tmp_path / "run", 3, f"mesh={mesh}", *BOTH)
     _assert_same(recs, baseline(mesh))
 
 
 def test_resume_with_offload_is_bitwise_the_uninterrupted_run(tmp_path, baseline):
-    both = SETTINGS["both"]
+    both = BOTH
     _run(tmp_path / "resumed", 2, "mesh=context=8", *both)
     resumed = _run(tmp_path / "resumed", 3, "mesh=context=8", *both)
     _assert_same(resumed, baseline("context=8"))
@@ -85,7 +91,7 @@ def test_resume_with_offload_is_bitwise_the_uninterrupted_run(tmp_path, baseline
 def test_offload_switched_at_resume_keeps_the_math_and_the_files(tmp_path, baseline):
     """A checkpoint is the same files with or without offload: a run saved without it resumes
     with it (and the other way round), bitwise on the uninterrupted run's losses."""
-    both = SETTINGS["both"]
+    both = BOTH
     on, off = tmp_path / "on", tmp_path / "off"
     _run(on, 2, "mesh=context=8")
     _run(off, 2, "mesh=context=8", *both)
@@ -119,15 +125,20 @@ def _state_bytes(state) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("mesh", ["context=8", "fsdp=2,context=4"])
-def test_the_train_state_is_stored_over_every_device(mesh):
+@pytest.mark.parametrize("mesh", MESHES)
+def test_the_train_state_is_stored_over_every_device(tmp_path, baseline, mesh):
     """With no `expert` axis the state was stored sharded over `fsdp` only: `mesh=context=8`
     held the dense weights and their moments on every device. Now each device's share of the
-    state (the step's arguments, from `memory_analysis`) is within 5% of total / 8."""
-    cfg = load_config("configs/tiny.yaml")
-    tc = TrainConfig(batch_size=8, seq_len=32, mesh=mesh)
+    state (the step's arguments, from `memory_analysis`) is within 5% of total / 8. The step is
+    `baseline`'s (the trainer's settings, read by `cli.parse`, with the schedule's horizon the
+    run resolves; the layers scanned, as in every run here): the program its run compiled,
+    memoised, not compiled again."""
+    run = cli.parse([*ARGS, "--out", str(tmp_path / "x"), "--steps", "3", f"mesh={mesh}"])
+    cfg, tc = run.model, run.train
+    tc = dataclasses.replace(tc, schedule_steps=optimizer.schedule_horizon(tc, run.steps))
     m = tm.make_mesh(mesh)
-    compiled = train_step.compile_abstract(cfg, tc, m, memo=False)
+    baseline(mesh)  # compiles (and memoises) the step
+    compiled = train_step.compile_abstract(cfg, tc, m)
     _, state, _, _ = train_step.abstract_state(cfg, tc, m)
     per_device = compiled.memory_analysis().argument_size_in_bytes
     assert abs(per_device / (_state_bytes(state) / 8) - 1) < 0.05, per_device
@@ -144,8 +155,8 @@ def test_offloaded_state_is_in_host_memory_and_counted_there():
     assert kind(adam.count) == kind(state.rng) == {"device"}
     # the start-up estimate: the weights and moments on the host, f32 gradients and weights'
     # compute copy on the device
-    est = guards.estimate(cfg, tc, mesh)
-    plain = guards.estimate(cfg, TrainConfig(batch_size=8, seq_len=32, mesh="context=8"), mesh)
+    est = fit.estimate(cfg, tc, mesh)
+    plain = fit.estimate(cfg, TrainConfig(batch_size=8, seq_len=32, mesh="context=8"), mesh)
     assert est.host == _state_bytes(state.params) * 3 // 8
     assert est.state + est.host == plain.state
     assert est.grads == 2 * plain.grads
@@ -186,19 +197,28 @@ def test_a_backend_without_host_memory_is_refused():
     check_offload(cfg, TrainConfig(), Device())  # nothing asked, nothing refused
 
 
+@functools.cache
+def _gpu_mesh():
+    """8 abstract H100s over `fsdp`, made once: a mesh made again is another mesh (not equal),
+    so the programs compiled for it would not be shared (`_gpu_memory`)."""
+    return gpu_mesh.mesh((8,), ("fsdp",))
+
+
 def _gpu_dense_scanned(**over):
     """(config, train config, mesh): a small dense scanned model (weights dominate, tiny
     activations), bf16 compute, stored over `fsdp=8` of 8 abstract H100s."""
     tc = TrainConfig(batch_size=8, seq_len=64, mesh="fsdp=8", compute_dtype="bfloat16")
-    mesh = gpu_mesh.mesh((8,), ("fsdp",))
+    mesh = _gpu_mesh()
     sizes = dict(num_experts=0, hidden_size=512, intermediate_size=2048, num_hidden_layers=6)
     return load_config("configs/tiny.yaml", scan_layers=True, **sizes, **over), tc, mesh
 
 
 def _gpu_memory(cfg, tc, mesh):
+    """memory_analysis() of the step compiled by XLA:GPU, memoised (`compile_abstract`): the
+    tests below share their programs."""
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        return train_step.compile_abstract(cfg, tc, mesh, memo=False).memory_analysis()
+        return train_step.compile_abstract(cfg, tc, mesh).memory_analysis()
 
 
 @pytest.mark.gpu_compile
@@ -210,15 +230,17 @@ def test_offloaded_optimizer_lowers_the_gpu_peak_not_only_the_arguments():
     the bf16 compute copy that the step fetches to the device (2 bytes): 10 bytes per parameter,
     taken at 3/4 for the rest of the step's noise; the host holds at least the moved bytes. (A
     naive fetch of the whole state inside the step moves it from arguments to temporaries and
-    leaves the peak where it was.)"""
+    leaves the peak where it was.) The model without checkpoints: with each layer one
+    checkpoint (`moe_remat`, attention `full`) the offloaded step took XLA:GPU 274 s to compile
+    on 2 cores (the suite's slowest test, 2026-12-06), against seconds for this one."""
     cfg, tc, mesh = _gpu_dense_scanned()
     _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
     params_per_device = _state_bytes(state.params) // 4 // 8
     plain = _gpu_memory(cfg, tc, mesh)
     off = _gpu_memory(cfg, dataclasses.replace(tc, offload_optimizer=True), mesh)
     assert off.host_argument_size_in_bytes >= 12 * params_per_device * 0.99
-    fall = report.footprint(plain) - report.footprint(off)
-    assert fall >= 0.75 * 10 * params_per_device, (report.footprint(plain), report.footprint(off))
+    fall = memory.footprint(plain) - memory.footprint(off)
+    assert fall >= 0.75 * 10 * params_per_device, (memory.footprint(plain), memory.footprint(off))
 
 
 @pytest.mark.gpu_compile

@@ -2,7 +2,7 @@
 residual its checkpoint keeps, goes to pinned host memory in the forward and comes back for that
 layer's backward (`models/qwen.py`, `remat.options.layer_policy`).
 
-- The same loss and gradients, bitwise, as without it: the trainer's step (`train.train_step`'s
+- The same loss and gradients, bitwise, as without it: the trainer's step (`train.step.train_step`'s
   `make_step` on `init_state`'s state) on 8 CPU devices, scanned on the trainer's meshes
   `context=8` (the tiny MoE model) and `fsdp=2,context=4` (its dense variant), unscanned on the
   latter. XLA:CPU compiles the move to nothing:
@@ -35,10 +35,11 @@ from jax.sharding import NamedSharding
 from relaymoe_jax.analysis import gpu_mesh
 from relaymoe_jax.models import ModelConfig, QwenMoe
 from relaymoe_jax.models.config_files import load_config
-from train import mesh as train_mesh
-from train import report, train_step
 from train.data.source import Batch
+from train.planner import memory
 from train.settings import TrainConfig
+from train.step import mesh as train_mesh
+from train.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,8 +193,8 @@ def test_gpu_program_keeps_the_layer_inputs_in_host_memory():
     (plain, on_device, on_host), (off, off_device, off_host) = runs[False], runs[True]
     host = off.host_temp_size_in_bytes + off.host_output_size_in_bytes
     assert plain.host_temp_size_in_bytes == 0 and host >= L * per_layer, (host, L * per_layer)
-    fall = report.footprint(plain) - report.footprint(off)
-    assert fall >= 0.75 * L * per_layer, (report.footprint(plain), report.footprint(off))
+    fall = memory.footprint(plain) - memory.footprint(off)
+    assert fall >= 0.75 * L * per_layer, (memory.footprint(plain), memory.footprint(off))
     assert on_device and not on_host, "without offload the scan stacks the inputs on the device"
     assert off_host and not off_device, "with offload: in host memory, and not on the device too"
 

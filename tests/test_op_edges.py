@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_cases import mesh
-from relaymoe_jax import moe_ffn, testing
+from relaymoe_jax import moe_ffn, poison_unwritten, testing
 from relaymoe_jax.op import global_call
+from relaymoe_jax.testing import grads as testing_grads
 
 E = 16
 
@@ -23,7 +24,9 @@ def args_on(m, seed=0, t=64, k=4):
     return [jax.device_put(a, tok) for a in inp.args[:3]] + list(inp.args[3:])
 
 
+@functools.cache
 def reference(m):
+    """One object per mesh: its programs (per shape, and per x64 setting) compile once."""
     return functools.partial(moe_ffn, mesh=m, dispatcher="reference")
 
 
@@ -79,15 +82,20 @@ def test_inputs_not_on_the_mesh_are_placed_by_the_op(dispatcher):
 
 @pytest.mark.parametrize("dispatcher", ["reference", "ring", "alltoall"])
 def test_a_nan_expert_stays_in_its_tokens(dispatcher):
-    """NaN in one expert's weights: y and dx are NaN exactly in the tokens routed to it."""
+    """NaN in one expert's weights: y and dx are NaN exactly in the tokens routed to it (y and
+    its vjp in one program)."""
     m = mesh("ep8")
     args = args_on(m, seed=3)
     args[3] = args[3].at[5].set(jnp.nan)
     routed = np.any(np.asarray(args[1]) == 5, axis=1)
     assert 0 < routed.sum() < len(routed)
     f = lambda x: moe_ffn(x, *args[1:], mesh=m, dispatcher=dispatcher)
-    y, vjp = jax.jit(lambda x: jax.vjp(f, x))(args[0])
-    dx = jax.jit(vjp)(jnp.ones_like(y))[0]
+
+    def y_and_dx(x):
+        y, vjp = jax.vjp(f, x)
+        return y, vjp(jnp.ones_like(y))[0]
+
+    y, dx = jax.jit(y_and_dx)(args[0])
     np.testing.assert_array_equal(np.isnan(np.asarray(y)).any(1), routed)
     np.testing.assert_array_equal(np.isnan(np.asarray(dx)).any(1), routed)
 
@@ -108,7 +116,6 @@ def test_grad_of_grad_raises_not_implemented(dispatcher, routing):
 
 
 X64 = [
-    ("ring", "expert", "xla", jnp.int64),
     ("ring", "token", "xla", jnp.int32),
     ("ring", "expert", "pallas-interpret", jnp.int64),
     ("ring", "token", "ragged_dot", jnp.int64),
@@ -120,7 +127,10 @@ X64 = [
 
 @pytest.mark.parametrize("dispatcher,routing,gmm_impl,ids_dtype", X64)
 def test_x64(dispatcher, routing, gmm_impl, ids_dtype):
-    """jax_enable_x64=True, int32 and int64 ids: values and gradients against the reference."""
+    """jax_enable_x64=True, int32 and int64 ids: values and gradients against the reference.
+    Also covers the former case [ring-expert-xla-int64]: the ring's expert routing under x64 with
+    int64 ids is ring-expert-pallas-interpret-int64 (the grouped matmul is called with the same
+    ids), the xla grouped matmul with int64 ids alltoall-auto-xla-int64."""
     m = mesh("ep8")
     with jax.enable_x64(True):
         args = args_on(m)
@@ -133,24 +143,30 @@ def test_x64(dispatcher, routing, gmm_impl, ids_dtype):
 
 
 def test_chunk_size_is_capped_at_the_pairs_there_are():
-    """chunk_size=10**9 for 8 tokens x 4 slots per device compiles to the same buffers as 32
-    (XLA:CPU buffer assignment, forward and backward), and computes the same."""
+    """chunk_size=2**31-1 for 8 tokens x 4 slots per device lowers to the very program of 32
+    (the value-and-gradients program, forward and backward; so XLA:CPU assigns it the same
+    buffers), whose buffers stay small, and computes the same as the reference (values and every
+    gradient). Also covers the former chunk_size=10**9 (capped the same way; 2**31-1 is also the
+    largest int32); the former compared the two compiled programs' temp bytes, this the programs
+    themselves (one compile, not three)."""
     m = mesh("ep8")
     args = args_on(m)
+    huge = moe_fn(2**31 - 1)
+    testing.assert_moe_parity(huge, reference(m), *args)
 
-    def temp(chunk):
-        f = jax.jit(
-            jax.grad(
-                lambda *a: jnp.sum(moe_ffn(*a, mesh=m, routing="expert", chunk_size=chunk) ** 2),
-                argnums=(0, 3),
-            )
-        )
-        return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    def lowered(fn):  # testing's cached jit of the parity run (the program run just now)
+        run = testing_grads.value_and_grads_fn(fn, (0, 2, 3, 4, 5), False, True, True)
+        r = testing_grads.random_cotangent(fn, args, False, 0)
+        with poison_unwritten():
+            return run.lower(r, *args)
 
-    assert temp(10**9) == temp(32)
-    assert temp(10**9) < 2 * 1024 * 1024
-    ours = functools.partial(moe_ffn, mesh=m, chunk_size=2**31 - 1)
-    testing.assert_moe_parity(ours, reference(m), *args)
+    assert lowered(huge).as_text() == lowered(moe_fn(32)).as_text()
+    assert lowered(huge).compile().memory_analysis().temp_size_in_bytes < 2 * 1024 * 1024
+
+
+@functools.cache
+def moe_fn(chunk):
+    return functools.partial(moe_ffn, mesh=mesh("ep8"), routing="expert", chunk_size=chunk)
 
 
 @pytest.mark.parametrize(
@@ -161,13 +177,15 @@ def test_chunk_size_is_capped_at_the_pairs_there_are():
     ],
 )
 def test_an_options_record_runs_the_op_it_describes(options):
-    """moe_ffn(options=MoEOptions(...)) computes what the same keywords compute, and matches the
-    dense reference in values and every gradient (a misrouted pair would show in both)."""
+    """moe_ffn(options=MoEOptions(...)) lowers to the program the same keywords lower to (so it
+    computes what they compute), and matches the dense reference in values and every gradient
+    (a misrouted pair would show)."""
     from relaymoe_jax import MoEOptions
 
     m = mesh("ep8")
     args = args_on(m, seed=3)
     record = functools.partial(moe_ffn, mesh=m, options=MoEOptions(**options))
     testing.assert_moe_parity(record, reference(m), *args)
-    keywords = jax.jit(functools.partial(moe_ffn, mesh=m, **options))(*args)
-    np.testing.assert_array_equal(np.asarray(jax.jit(record)(*args)), np.asarray(keywords))
+    # the same program as the keywords' (lowered, not compiled again)
+    keywords = functools.partial(moe_ffn, mesh=m, **options)
+    assert jax.jit(record).lower(*args).as_text() == jax.jit(keywords).lower(*args).as_text()

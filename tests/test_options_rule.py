@@ -204,8 +204,9 @@ class _Compiled:
 def test_the_memory_table_has_the_trained_runs_row(monkeypatch, over, labels):
     """An all-to-all run at capacity 0.5 (or the reference) had no row of its own; * marks the
     trained step's row, the others are compiled (stubbed here) from the rows' configs."""
-    from train import report, train_step
+    from train.planner import memory
     from train.settings import TrainConfig
+    from train.step import train_step
 
     compiled = []
 
@@ -215,7 +216,7 @@ def test_the_memory_table_has_the_trained_runs_row(monkeypatch, over, labels):
 
     monkeypatch.setattr(train_step, "compile_abstract", compile_abstract)
     cfg = load_config("configs/tiny.yaml", **over)
-    rows = report.memory_rows(cfg, TrainConfig(), None, _Compiled("trained"), log=lambda m: None)
+    rows = memory.memory_rows(cfg, TrainConfig(), None, _Compiled("trained"), log=lambda m: None)
     assert [lbl + ("*" if how == "trained" else "") for lbl, _, how in rows] == labels
     assert all((m == "trained") == (how == "trained") for _, m, how in rows)
     assert cfg.moe.options.applicable() not in compiled and len(compiled) == len(rows) - 1

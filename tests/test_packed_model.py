@@ -33,15 +33,23 @@ CASES = {
 
 @pytest.mark.parametrize("kw", list(CASES.values()), ids=list(CASES))
 def test_each_packed_document_gets_its_own_logits(kw):
+    """Two programs per case: the packed row with its segment ids and positions, and the plain
+    model (no segment ids) on a batch of the same row unmasked (the control) and each document
+    alone at the start of a row of its own: the model is causal and routes token by token, so
+    the zeros after a document cannot change its logits."""
     model = QwenMoe(tiny(**kw), mesh=mesh(), rngs=nnx.Rngs(0))
     ids, seg, pos = packed_row(input_ids(seed=4, b=1, s=32)[0])
     run = nnx.jit(lambda m, i, s, p: m(i, segment_ids=s, positions=p)[0])
     packed = np.asarray(run(model, ids, seg, pos), np.float64)
-    unmasked = np.asarray(nnx.jit(lambda m, i: m(i)[0])(model, ids), np.float64)
-    start = 0
+    rows, start = [np.asarray(ids[0])], 0
     for length in DOC_LENGTHS:
-        doc = ids[:, start : start + length]
-        alone = np.asarray(nnx.jit(lambda m, i: m(i)[0])(model, doc), np.float64)
+        rows.append(np.zeros(ids.shape[1], np.int32))
+        rows[-1][:length] = ids[0, start : start + length]
+        start += length
+    plain = np.asarray(nnx.jit(lambda m, i: m(i)[0])(model, jnp.asarray(rows)), np.float64)
+    unmasked, start = plain[:1], 0
+    for n, length in enumerate(DOC_LENGTHS, 1):
+        alone = plain[n : n + 1, :length]
         got = packed[:, start : start + length]
         scale = np.abs(alone).max()
         assert np.abs(got - alone).max() <= 2e-5 * scale, (start, length)

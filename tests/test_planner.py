@@ -1,7 +1,9 @@
 """train.planner: the remat plan's budget comes from the compiled fully-recomputed step, the planned
 step is compiled and fits, and its recompute FLOPs (cost_analysis) fall as the budget grows."""
 
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +13,24 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.analysis import gpu_mesh
 from relaymoe_jax.models.config_files import load_config
-from train import mesh as tm
-from train import planner, planner_args, planner_report, report, train_step
+from train.planner import args as planner_args
+from train.planner import memory
+from train.planner import plan as planner
+from train.planner import report as planner_report
 from train.settings import TrainConfig
+from train.step import mesh as tm
+from train.step import train_step
 
 TC = TrainConfig(batch_size=8, seq_len=256)
 
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config("configs/tiny.yaml")
+    """The dense variant of the tiny model (its MLP in place of the MoE block: nothing the
+    attention's plan reads, and it compiles in half the time; the MoE block is compiled by
+    test_moe_remat_plan_fits_its_compiled_step), its mesh and its compiled fully recomputed
+    step."""
+    cfg = load_config("configs/tiny.yaml", num_experts=0)
     mesh = tm.make_mesh(TC.mesh)
     full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
     return cfg, mesh, full
@@ -93,7 +103,9 @@ def test_parse_memory_errors(text):
 
 def test_chunked_attention_cuts_the_step_peak():
     """At seq 2048 the XLA attention's [S, S] scores dominate the fully recomputed step; the
-    chunked attention keeps O(S x block) (measured 332.5 -> 126.6 MiB per device)."""
+    chunked attention keeps O(S x block) (measured 328.5 -> 29.7 MiB per device). One layer of
+    the dense variant (the peak is one layer's attention recomputed in the backward, whatever
+    the MLP block and the number of layers; a third of the tiny MoE's compile time)."""
     tc = TrainConfig(batch_size=8, seq_len=2048)
     mesh = tm.make_mesh(tc.mesh)
     peak = {
@@ -103,6 +115,8 @@ def test_chunked_attention_cuts_the_step_peak():
                 attention_impl=impl,
                 attention_remat="full",
                 max_position_embeddings=4096,
+                num_experts=0,
+                num_hidden_layers=1,
             ),
             tc,
             mesh,
@@ -120,9 +134,14 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     XLA's cost_analysis counts a while loop's body once, so with 2 x 2 blocks it sees one pair of
     blocks, half the causal count (and the softmax's elementwise FLOPs, ~7 per score, on top:
     hence the 20%). save_all saves no more FLOPs, so even an unlimited budget plans
-    save_attn_out."""
+    save_attn_out. The dense variant of the tiny model: without moe_remat the MLP block is
+    not recomputed in either step, so the FLOPs saved are the attention's whatever the block
+    (the MoE block under the chunked attention is compiled by the next test)."""
     cfg = load_config(
-        "configs/tiny.yaml", attention_impl="chunked", attention_block_k=TC.seq_len // 2
+        "configs/tiny.yaml",
+        attention_impl="chunked",
+        attention_block_k=TC.seq_len // 2,
+        num_experts=0,
     )
     mesh = tm.make_mesh(TC.mesh)
     costs = planner.remat.option_costs(
@@ -148,39 +167,90 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     assert unlimited.options == ("save_attn_out", "save_attn_out")
 
 
-@pytest.mark.gpu_compile
-@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
-def test_target_plans_on_the_gpu_compiler(capsys):
-    """--target h100: the steps are compiled by XLA:GPU for abstract H100s (mesh over 8 of them,
-    memory the H100's), the planned step fits, and the missing cost_analysis is said, not faked."""
-    assert (
-        planner.main(
+def test_moe_remat_plan_fits_its_compiled_step():
+    """With moe_remat, `full` is one checkpoint around the whole layer, and any other option
+    keeps the MLP block's input too: the solver counts it (it did not, and planned over its
+    budget). Compiled on XLA:CPU (chunked attention, no [S, S] scores): a budget that the
+    attention's bytes alone would fit but the plan does not gets all `full`; one that fits the
+    whole cost gets the plan, whose compiled peak is the full peak plus what the solver
+    counted (within 1%)."""
+    cfg = load_config(
+        "configs/tiny.yaml", moe_remat=True, attention_impl="chunked", attention_block_k=128
+    )
+    mesh = tm.make_mesh(TC.mesh)
+    sh = planner.remat.AttentionShape.of(
+        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), "float32"
+    )
+    qkv = planner.remat.option_costs(sh)["save_qkv"].bytes
+    mlp_input = sh.b * sh.s * sh.H * sh.e
+    full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
+    below = planner.plan_remat(cfg, TC, mesh, full.peak + qkv - mlp_input + 1024)
+    assert below.plan.options == ("full", "full") and below.fits
+    r = planner.plan_remat(cfg, TC, mesh, full.peak + qkv + 1024)
+    assert r.plan.options == ("save_qkv", "full") and r.plan.bytes == qkv
+    assert r.fits and not r.misses
+    grew = r.planned.peak - full.peak
+    assert abs(grew - qkv) < 0.01 * qkv, (grew, qkv)
+    assert grew > qkv - mlp_input + 1024  # the attention's bytes alone: over that budget
+
+
+@pytest.fixture(scope="module")
+def target_two_hosts():
+    """The planner's output for `--target h100 --hosts 2 mesh=node=2,expert=8` (16 experts, one
+    layer, batch 16 x seq 32, ring, `--usable 0.5`), run once: the fully recomputed and the
+    planned step compiled by XLA:GPU for 2 abstract hosts of 8 H100s. The next two tests read
+    it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = planner.main(
             [
                 "--config",
                 "configs/tiny.yaml",
                 "--target",
                 "h100",
+                "--hosts",
+                "2",
                 "--batch",
-                "8",
+                "16",
                 "--seq",
-                "128",
+                "32",
                 "--dispatchers",
                 "ring",
                 "--usable",
                 "0.5",
+                "mesh=node=2,expert=8",
+                "num_experts=16",
+                "num_hidden_layers=1",
             ]
         )
-        == 0
-    )
-    out = capsys.readouterr().out
-    assert "XLA:GPU buffer assignment for 8 abstract NVIDIA H100 80GB HBM3" in out
+    assert status == 0
+    return out.getvalue()
+
+
+def _ring_row(out):
+    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
+def test_target_plans_on_the_gpu_compiler(target_two_hosts):
+    """--target h100: the steps are compiled by XLA:GPU for abstract H100s (mesh over 16 of
+    them, memory the H100's), the planned step fits, and the missing cost_analysis is said, not
+    faked. Read from `target_two_hosts`' run, which also covers what this test's own run (8
+    H100s of one host, mesh expert=8, two layers, seq 128) did: the --target path (abstract GPU
+    mesh, the H100's memory at --usable, --host-memory's default, no cost_analysis, the
+    formula's FLOPs, the planned step compiled and fitting) is the same for one host and two;
+    the flat ring over one host is compiled by XLA:GPU in tests/test_gpu_compile.py."""
+    out = target_two_hosts
+    assert "XLA:GPU buffer assignment for 16 abstract NVIDIA H100 80GB HBM3" in out
     assert f"usable memory {0.5 * gpu_mesh.device_memory('h100') / 2**20:,.1f} MiB" in out
     assert (
         f"{0.5 * 2**38 / 2**20:,.1f} MiB of host memory per device (0.5 x 256 GiB: an 8-GPU H100 "
         "node's 2 TiB of RAM per GPU, --host-memory's default)"
     ) in out
-    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = _ring_row(out)
+    assert cells[6] == "1x save_all"  # a plan other than `full`: the planned step compiled
     assert cells[8] == "yes" and cells[9] == "n/a" and float(cells[10]) > 0
     mib = lambda c: float(c.replace(",", ""))
     assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[7]) + 1e3  # state < peak
@@ -204,41 +274,18 @@ def test_target_argument_errors(argv, match):
 
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra")
-def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(capsys):
+def test_target_two_hosts_node_mesh_runs_the_hierarchical_ring(target_two_hosts):
     """--hosts 2 mesh=node=2,expert=8: the step compiles for 2 abstract hosts of 8 H100s with the
     experts over ("node", "expert"), and ring="auto" picks the hierarchical ring (node across
-    the hosts, expert within each), said in the header."""
-    assert (
-        planner.main(
-            [
-                "--config",
-                "configs/tiny.yaml",
-                "--target",
-                "h100",
-                "--hosts",
-                "2",
-                "--batch",
-                "16",
-                "--seq",
-                "32",
-                "--dispatchers",
-                "ring",
-                "mesh=node=2,expert=8",
-                "num_experts=16",
-                "num_hidden_layers=1",
-            ]
-        )
-        == 0
-    )
-    out = capsys.readouterr().out
+    the hosts, expert within each), said in the header (`target_two_hosts`' run)."""
+    out = target_two_hosts
     assert "mesh {'node': 2, 'expert': 8}" in out
     assert "XLA:GPU buffer assignment for 16 abstract NVIDIA H100 80GB HBM3" in out
     assert (
         "expert parallelism: ring: hierarchical (ring=auto): inner ring over 'expert' "
         "(8 devices, within a host), outer over 'node' (2, across hosts)"
     ) in out
-    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
-    assert [c.strip() for c in row.strip("|").split("|")][8] == "yes"
+    assert _ring_row(out)[8] == "yes"
 
 
 # --------------------------------------------------------------------------- sizes the model takes
@@ -343,33 +390,6 @@ def test_a_plan_over_capacity_is_planned_again(monkeypatch):
     assert r.planned == r.full and r.fits
 
 
-def test_moe_remat_plan_fits_its_compiled_step():
-    """With moe_remat, `full` is one checkpoint around the whole layer, and any other option
-    keeps the MLP block's input too: the solver counts it (it did not, and planned over its
-    budget). Compiled on XLA:CPU (chunked attention, no [S, S] scores): a budget that the
-    attention's bytes alone would fit but the plan does not gets all `full`; one that fits the
-    whole cost gets the plan, whose compiled peak is the full peak plus what the solver
-    counted (within 1%)."""
-    cfg = load_config(
-        "configs/tiny.yaml", moe_remat=True, attention_impl="chunked", attention_block_k=128
-    )
-    mesh = tm.make_mesh(TC.mesh)
-    sh = planner.remat.AttentionShape.of(
-        cfg, TC.batch_size, TC.seq_len, dict(mesh.shape), "float32"
-    )
-    qkv = planner.remat.option_costs(sh)["save_qkv"].bytes
-    mlp_input = sh.b * sh.s * sh.H * sh.e
-    full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
-    below = planner.plan_remat(cfg, TC, mesh, full.peak + qkv - mlp_input + 1024)
-    assert below.plan.options == ("full", "full") and below.fits
-    r = planner.plan_remat(cfg, TC, mesh, full.peak + qkv + 1024)
-    assert r.plan.options == ("save_qkv", "full") and r.plan.bytes == qkv
-    assert r.fits and not r.misses
-    grew = r.planned.peak - full.peak
-    assert abs(grew - qkv) < 0.01 * qkv, (grew, qkv)
-    assert grew > qkv - mlp_input + 1024  # the attention's bytes alone: over that budget
-
-
 @pytest.mark.parametrize(
     "extra, said",
     [  # a TypeError traceback, a misleading "nothing fits", a TypeError traceback before
@@ -386,6 +406,22 @@ def test_trainer_keys_are_checked_before_compiling(monkeypatch, extra, said):
     with pytest.raises(ValueError) as e:
         planner.main([*PLAN, "--seq", "128", *extra])
     assert str(e.value).startswith(said) and calls == [], str(e.value)
+
+
+def test_run_only_trainer_keys_are_refused_before_compiling(monkeypatch):
+    """Trainer keys the compiled step never reads (`settings.RUN_ONLY_FIELDS`) cannot change its
+    memory: refused in one line naming them, in the command line's order, before compiling."""
+    calls = []
+    monkeypatch.setattr(planner, "step_cost", _fake_step_cost(calls))
+    extra = ["seed=3", "lr=1e-4", "save_every=5", "eval_batches=2"]
+    with pytest.raises(ValueError) as e:
+        planner.main([*PLAN, "--seq", "128", *extra])
+    said = "seed, save_every, eval_batches: trainer settings that do not change a step's memory"
+    assert str(e.value).startswith(said) and calls == [], str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).endswith("drop them")
+    with pytest.raises(ValueError, match=r"^synthetic: .*: drop it$"):
+        planner_args.refuse_run_only({"synthetic": True, "mesh": "expert=8"})
+    planner_args.refuse_run_only({"lr": 0.1, "grad_accum": 2, "mesh": "expert=8"})  # compiled in
 
 
 # --------------------------------------------------------------------------- the dispatchers
@@ -470,10 +506,10 @@ def test_host_bytes_of_a_deviceless_gpu_compile():
         plain = jax.jit(lambda a: a * 2, donate_argnums=0).trace(x).lower().compile()
     m = off.memory_analysis()
     assert m.host_argument_size_in_bytes == m.host_output_size_in_bytes == 2**20
-    assert report.host_footprint(m) == 2**20  # argument + output - the alias
+    assert memory.host_footprint(m) == 2**20  # argument + output - the alias
     cost = planner.StepCost.of(off)
     assert (cost.state, cost.host_state, cost.host) == (0, 2**20, 2**20)
-    assert cost.peak == report.footprint(m) >= 2**20  # the copy on the device
+    assert cost.peak == memory.footprint(m) >= 2**20  # the copy on the device
     cost = planner.StepCost.of(plain)
     assert (cost.state, cost.host_state, cost.host, cost.peak) == (2**20, 0, 0, 2**20)
 

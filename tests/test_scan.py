@@ -29,9 +29,9 @@ from relaymoe_jax.models import (
 from relaymoe_jax.models import router_losses as router
 from relaymoe_jax.models.config_files import load_config
 from relaymoe_jax.models.decoder import DecoderLayer
-from train import train_step
 from train.data import Batch
 from train.settings import TrainConfig
+from train.step import train_step
 
 B, S = 2, 8
 TINY = dict(
@@ -215,8 +215,10 @@ def test_stacked_layout_and_same_weights():
 
 @functools.cache
 def reference():
-    """The unscanned model on EP=8 (ring, no remat): ids, loss, logits, aux, grads."""
-    model = QwenMoe(tiny(), mesh=mesh(), rngs=nnx.Rngs(0))
+    """The unscanned model on EP=8 (the dense reference dispatcher, whose program compiles in
+    about half the ring's time; no remat): ids, loss, logits, aux, grads. The scanned models
+    below run the ring and the all-to-all."""
+    model = QwenMoe(tiny(dispatcher="reference"), mesh=mesh(), rngs=nnx.Rngs(0))
     ids = input_ids()
     (loss, (logits, aux)), grads = loss_and_grads(model, ids)
     return ids, loss, logits, aux, per_layer(grads)
@@ -234,10 +236,10 @@ def reference():
 )
 def test_scanned_matches_unscanned(layout, over):
     """Same weights: the scanned model's logits, losses, router logits and load, and every
-    parameter's gradient equal the unscanned model's (EP=8, ring, no remat), with padding rows
-    NaN-poisoned, on two more meshes (the folded one with context parallelism), both
+    parameter's gradient equal the unscanned model's (EP=8, reference dispatcher, no remat), with
+    padding rows NaN-poisoned, on two more meshes (the folded one with context parallelism), both
     dispatchers and remat options. (Unscanned models on these meshes match EP=8:
-    test_models.test_other_meshes_match; the fsdp mesh: the train step test below.)"""
+    test_models.test_dispatchers_agree; the fsdp mesh: the train step test below.)"""
     ids, ref_loss, ref_logits, ref_aux, ref_grads = reference()
     m = {
         "data2_expert4": mesh((2, 4), ("data", "expert")),

@@ -1,6 +1,7 @@
 """Trainer data (`train.data`): --data files prepared into the cache with a local HF
 tokenizer.json and the byte-level default, prepared directories checked against the model, and
-the loss-curve plot (`train.plot`). The byte-level determinism/cycling test is in test_train.py."""
+the loss-curve plot (`train.run.plot`). The byte-level determinism/cycling test is in
+test_train.py."""
 
 import json
 import subprocess
@@ -9,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from train import plot
 from train.data import DatasetError, make_source, prepare, prepared
 from train.data.tokenizers import byte_tokenize
+from train.run import plot
 
 TEXTS = [
     "the cat sat on the mat\nthe dog sat on the log\n",
@@ -152,7 +153,7 @@ def test_default_data_does_not_import_tokenizers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---- train.plot ----
+# ---- train.run.plot ----
 
 RUN_A = [{"step": s, "loss": 5.0 / s, "lm_loss": 4.0 / s} for s in range(1, 6)]
 RUN_B = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(1, 9)]

@@ -21,9 +21,13 @@ import pytest
 
 from relaymoe_jax.models.config_files import load_config
 from scripts import load_script
-from train import cli, guards, interrupt, optimizer, planner, train_step
-from train import mesh as tm
+from train import cli, errors
+from train.planner import fit
+from train.planner import plan as planner
+from train.run import guards, interrupt
 from train.settings import TrainConfig
+from train.step import mesh as tm
+from train.step import optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--steps", "1"]
@@ -96,11 +100,11 @@ def test_out_read_only_directory_one_line(tmp_path):
 def test_paper_config_refused_before_building(tmp_path, no_build):
     """Qwen3-30B-A3B's train state on this machine's emulated devices: refused in seconds
     (abstract shapes only), naming both sizes and --force."""
-    if (guards.host_available() or 0) > 600 * 2**30:
+    if (fit.host_available() or 0) > 600 * 2**30:
         pytest.skip("this host could hold Qwen3-30B-A3B's train state on 8 devices")
     t0 = time.perf_counter()
     with pytest.raises(
-        guards.DoesNotFitError,
+        fit.DoesNotFitError,
         match=r"the train state alone needs [\d,.]+ GiB \([\d,.]+ GiB per device x "
         r"8 cpu devices: 30\.53B parameters.*more than the [\d,.]+ GiB of "
         r"available host RAM.*--force to try anyway",
@@ -119,9 +123,9 @@ def test_paper_config_refused_before_building(tmp_path, no_build):
 
 
 def test_fit_check_host_ram_and_force(tmp_path, no_build, monkeypatch):
-    monkeypatch.setattr(guards, "host_available", lambda: 2**20)
+    monkeypatch.setattr(fit, "host_available", lambda: 2**20)
     with pytest.raises(
-        guards.DoesNotFitError,
+        fit.DoesNotFitError,
         match=r"more than the 1\.0 MiB of available host "
         r"RAM",
     ):
@@ -140,15 +144,15 @@ class _FakeGPU:
 def test_fit_check_uses_an_accelerators_bytes_limit():
     tc = TrainConfig(seq_len=32)
     cfg, mesh = load_config("configs/tiny.yaml"), tm.make_mesh(tc.mesh)
-    est = guards.estimate(cfg, tc, mesh)
+    est = fit.estimate(cfg, tc, mesh)
     assert est.params == 255_360 and est.grads < est.state < 4 * est.grads
     with pytest.raises(
-        guards.DoesNotFitError,
+        fit.DoesNotFitError,
         match=r"needs 1\.\d MiB \(per device: .*more than the 1\.0 MiB of memory "
         r"of one FakeGPU 1MB \(bytes_limit\)",
     ):
-        guards.check_fits(cfg, tc, mesh, devices=[_FakeGPU()])
-    assert guards.check_fits(cfg, tc, mesh, devices=[_FakeGPU()], force=True) == est
+        fit.check_fits(cfg, tc, mesh, devices=[_FakeGPU()])
+    assert fit.check_fits(cfg, tc, mesh, devices=[_FakeGPU()], force=True) == est
 
 
 # --------------------------------------------------------------------------- keys and files
@@ -400,13 +404,13 @@ def test_describe_write_error():
         '"/run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12": Failed to write '
         "310345 bytes to file 6: No space left on device [os_error_code='28']"
     )
-    assert guards.describe_write_error(ts) == (
+    assert errors.describe_write_error(ts) == (
         "No space left on device (ENOSPC): /run/checkpoints/1.orbax-checkpoint-tmp/state/d/ab12"
     )
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = PermissionError(13, "Permission denied", "/ro/x")
-    assert guards.describe_write_error(wrapped) == "Permission denied (EACCES): /ro/x"
-    assert guards.os_error_text(TypeError("a bug")) is None
+    assert errors.describe_write_error(wrapped) == "Permission denied (EACCES): /ro/x"
+    assert errors.os_error_text(TypeError("a bug")) is None
 
 
 # --------------------------------------------------------------------------- planner, benchmarks

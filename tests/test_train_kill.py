@@ -1,19 +1,28 @@
-"""Crash safety of the trainer: `python -m train` run as a subprocess and SIGKILLed.
+"""Crash safety of the trainer: `python -m train` run as a subprocess, interrupted and killed.
 
 Every scenario restarts the same command and must log exactly (bitwise, on CPU) the metrics of
-one uninterrupted run, shared by the tests (and by pytest-xdist workers, under a file lock):
+one uninterrupted run, shared by the tests (and by pytest-xdist workers, under a file lock).
 
-* killed mid-training;
-* killed during a checkpoint write (`RELAYMOE_TRAIN_FAULT=kill-during-save:9`, the hook in
-  `train.checkpoint`): the temporary directory of step 9 is left behind and never restored;
-* the newest finalized checkpoint damaged on disk: the restart falls back to the previous step.
+The scenarios run as one chain of trainer processes on one run directory (`chain`, a module
+fixture; each process pays the interpreter's and jax's start-up, so one process per scenario),
+each restart resuming where the previous process stopped, and the last one ending at the
+uninterrupted run's metrics:
 
-SIGINT and SIGTERM stop a run after its current step with that step checkpointed (exit status
-130 / 143, one line; a second SIGTERM during that save lets it finish), and the restart again
-logs the uninterrupted run's metrics. A file that cannot grow (RLIMIT_FSIZE: EFBIG, as a full
-disk gives ENOSPC) during a checkpoint save or a metrics write is one line and exit status 1.
+1. SIGINT once 4 steps are logged: stops after its current step with that step checkpointed
+   (exit status 130, one line);
+2. the restart resumes from that step; SIGTERM, and a second SIGTERM during the stop's
+   checkpoint, let the save finish (exit status 143) -- the restart resumes from that step;
+3. killed during a checkpoint write (`RELAYMOE_TRAIN_FAULT=kill-during-save:9`, the hook in
+   `train.state.checkpoint`): the temporary directory of step 9 is left behind and never
+   restored;
+4. the newest finalized checkpoint damaged on disk: the restart falls back to the previous
+   step and trains to the end, logging the uninterrupted run's metrics.
 
-The in-process tests check `train.checkpoint.restore` on a toy state: silent bit flips are
+SIGINT during the first compile stops at once. A file that cannot grow (RLIMIT_FSIZE: EFBIG, as
+a full disk gives ENOSPC) during a checkpoint save or a metrics write is one line and exit
+status 1.
+
+The in-process tests check `train.state.checkpoint.restore` on a toy state: silent bit flips are
 caught by the checksums, a wrong structure is refused, and all-corrupt runs fail clearly.
 """
 
@@ -26,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -35,7 +45,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from train import checkpoint as ckpt
+from train.state import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 10, 3
@@ -166,71 +176,9 @@ def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def test_sigkill_mid_training_then_restart_matches(tmp_path, reference):
-    """Killed once step 3 is committed and at least 5 steps are logged: resumes from 3 or 6."""
-    out = tmp_path / "run"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(
-            _cmd(out), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            _wait_until(
-                lambda: _lines(out / "metrics.jsonl") >= 5 and (out / "checkpoints" / "3").is_dir(),
-                proc,
-                TIMEOUT_S,
-            )
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(timeout=30) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    logged = len(_metrics(out))
-    assert 5 <= logged < STEPS
-    log = _run_ok(out)
-    start = _resumed_step(log)
-    assert start in (3, 6) and start <= logged
-    assert _values(out) == reference[1]
-
-
-def test_sigkill_during_checkpoint_write_is_never_restored(tmp_path, reference):
-    out = tmp_path / "run"
-    proc = _run(out, fault="kill-during-save:9")
-    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:]
-    names = _listing(out)
-    tmp = [n for n in names if n.startswith("9" + ckpt.TMP_MARK)]
-    assert [n for n in names if n not in tmp] == ["3", "6"] and len(tmp) == 1, names
-    written = [p for p in (out / "checkpoints" / tmp[0]).rglob("*") if p.is_file()]
-    assert any(p.parent.name == "d" for p in written), written  # array data was written
-    logged = [r["step"] for r in _metrics(out)]  # step 10 runs while 9 is written
-    assert logged in (list(range(1, 10)), list(range(1, 11))), logged
-
-    log = _run_ok(out)
-    assert _resumed_step(log) == 6
-    assert _values(out) == reference[1]
-    _assert_checkpoints_intact(out, [9, 10])
-
-
 def _largest_data_file(step_dir: Path) -> Path:
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     return max(files, key=lambda p: p.stat().st_size)
-
-
-def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, reference):
-    out = tmp_path / "run"
-    shutil.copytree(reference[0], out)
-    victim = _largest_data_file(out / "checkpoints" / "10")
-    os.truncate(victim, victim.stat().st_size // 2)
-
-    log = _run_ok(out)
-    assert "checkpoint step 10" in log and "cannot be restored" in log, log[-3000:]
-    assert _resumed_step(log) == 9
-    assert _values(out) == reference[1]
-    assert (out / "corrupt_checkpoints" / "10").is_dir()
-    _assert_checkpoints_intact(out, [9, 10])
-
-
-# --- SIGINT / SIGTERM: checkpoint the last completed step, exit 130 / 143 -------------------
 
 
 def _tmp_dirs(out: Path, min_step: int = 0) -> list[Path]:
@@ -240,22 +188,40 @@ def _tmp_dirs(out: Path, min_step: int = 0) -> list[Path]:
     return [p for p in names if int(p.name.split(".")[0]) >= min_step]
 
 
-def _interrupt(tmp_path: Path, signum: int, again_while_saving: bool = False):
-    """Run the trainer, send `signum` once 4 steps are logged (and, with `again_while_saving`,
-    again as soon as the temporary directory of a checkpoint of step 4 or later appears: the
-    stop's save, not step 3's periodic one that may still be running); (out, returncode, stdout,
-    stderr, whether the second signal was sent while the process ran)."""
-    out = tmp_path / "run"
-    with open(tmp_path / "out.log", "w") as so, open(tmp_path / "err.log", "w") as se:
+@dataclass
+class Stage:
+    """One trainer process of the chain: its exit status, output, and the run directory as it
+    left it."""
+
+    code: int
+    stdout: str
+    err: str = ""
+    sent_again: bool = False  # the second signal went while the process ran
+    listing: list | None = None  # the checkpoints/ directory's entries
+    logged: list | None = None  # the steps in metrics.jsonl
+    tmp_files: list | None = None  # the files in a temporary checkpoint directory
+
+    @classmethod
+    def left(cls, out: Path, **kw) -> "Stage":
+        return cls(**kw, listing=_listing(out), logged=[r["step"] for r in _metrics(out)])
+
+
+def _interrupt(out: Path, logs: Path, signum: int, after: int, again_while_saving=False):
+    """Run the trainer on `out`, send `signum` once `after` steps are logged (and, with
+    `again_while_saving`, again as soon as the temporary directory of a checkpoint of step
+    `after` or later appears: the stop's save, not an earlier periodic one that may still be
+    running)."""
+    logs.mkdir()
+    with open(logs / "out.log", "w") as so, open(logs / "err.log", "w") as se:
         proc = subprocess.Popen(_cmd(out), cwd=ROOT, env=_env(), stdout=so, stderr=se)
         try:
-            _wait_until(lambda: _lines(out / "metrics.jsonl") >= 4, proc, TIMEOUT_S)
+            _wait_until(lambda: _lines(out / "metrics.jsonl") >= after, proc, TIMEOUT_S)
             proc.send_signal(signum)
             sent_again = False
             if again_while_saving:
                 end = time.monotonic() + 60
                 while proc.poll() is None and time.monotonic() < end:
-                    if _tmp_dirs(out, min_step=4):
+                    if _tmp_dirs(out, min_step=after):
                         proc.send_signal(signum)
                         sent_again = proc.poll() is None
                         break
@@ -265,19 +231,114 @@ def _interrupt(tmp_path: Path, signum: int, again_while_saving: bool = False):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    return (
-        out,
-        code,
-        (tmp_path / "out.log").read_text(),
-        (tmp_path / "err.log").read_text(),
-        sent_again,
+    stdout, err = (logs / "out.log").read_text(), (logs / "err.log").read_text()
+    return Stage.left(out, code=code, stdout=stdout, err=err, sent_again=sent_again)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, reference) -> dict[str, Stage]:
+    """The scenarios of the module docstring, one trainer process each, on one run directory
+    (`chain["out"]`): "sigint", "sigterm" (its restart resumes from the SIGINT's step), "fault"
+    (killed during step 9's save), and "damaged" (the newest finalized checkpoint truncated
+    before it ran: `chain["damaged_step"]`). Each test checks its stage; the last stage's
+    metrics must equal the reference run's."""
+    root = tmp_path_factory.mktemp("chain")
+    out = root / "run"
+    got: dict = {"out": out}
+    got["sigint"] = _interrupt(out, root / "a", signal.SIGINT, after=4)
+    assert got["sigint"].code == 130, (got["sigint"].stdout[-2000:], got["sigint"].err)
+    s1 = got["sigint"].logged[-1]
+    got["sigterm"] = _interrupt(
+        out, root / "b", signal.SIGTERM, after=s1 + 1, again_while_saving=True
     )
+    assert got["sigterm"].code == 143, (got["sigterm"].stdout[-2000:], got["sigterm"].err)
+
+    proc = _run(out, fault="kill-during-save:9")
+    tmp = [p for p in _tmp_dirs(out) if p.name.startswith("9" + ckpt.TMP_MARK)]
+    got["fault"] = Stage.left(out, code=proc.returncode, stdout=proc.stdout)
+    got["fault"].tmp_files = [p for t in tmp for p in t.rglob("*") if p.is_file()]
+
+    finalized = [int(n) for n in got["fault"].listing if ckpt.TMP_MARK not in n]
+    assert finalized, got["fault"].listing
+    got["damaged_step"] = finalized[-1]
+    victim = _largest_data_file(out / "checkpoints" / str(finalized[-1]))
+    os.truncate(victim, victim.stat().st_size // 2)
+    got["damaged"] = Stage(code=0, stdout=_run_ok(out))
+    return got
 
 
-def _check_stopped(out: Path, err: str, name: str) -> int:
-    """The stop line names the step it saved, which is the last logged one, finalized."""
-    lines = [ln for ln in err.splitlines() if not ln.startswith(f"{name} again: ")]
-    assert len(lines) == 1, err
+def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(chain, reference):
+    """The first process of the chain: SIGINT once 4 steps are logged. The next process
+    resumes from the step it saved (and the chain ends at the uninterrupted run's metrics)."""
+    a = chain["sigint"]
+    assert "Traceback" not in a.stdout + a.err
+    head = a.stdout.splitlines()
+    assert (
+        head[0].startswith("data: 1 document(s), 8,152 tokens in ")
+        and head[1].startswith("building configs/tiny.yaml: ")
+        and head[2].startswith("compiling the train step (")
+        and head[3].startswith("train step ready in ")
+    ), head[:4]
+    step = _check_stopped(chain["out"], a, "SIGINT")
+    assert 4 <= step < STEPS
+    assert _resumed_step(chain["sigterm"].stdout) == step
+    assert _values(chain["out"]) == reference[1]
+
+
+def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(chain, reference):
+    """The second process of the chain, resumed from the SIGINT's step: the second SIGTERM
+    lands while the checkpoint of the stop is being written: a note, the save completes, the
+    run exits 143, and the next process resumes from that step."""
+    b = chain["sigterm"]
+    assert "Traceback" not in b.stdout + b.err
+    step = _check_stopped(chain["out"], b, "SIGTERM")
+    assert chain["sigint"].logged[-1] < step < STEPS
+    assert b.sent_again, "the save ended before the second signal could be sent"
+    assert "SIGTERM again: still finishing the step in progress and its checkpoint" in b.err
+    assert _resumed_step(chain["fault"].stdout) == step
+    assert _values(chain["out"]) == reference[1]
+
+
+def test_sigkill_during_checkpoint_write_is_never_restored(chain, reference):
+    """The third process of the chain, resumed from the SIGTERM's step, is SIGKILLed while it
+    writes step 9's checkpoint (step 10 may be running): the temporary directory is left
+    behind, with array data in it, beside the two newest finalized checkpoints (step 6, or the
+    SIGTERM's step if later, the newest). The restart never restores it (it falls back to a
+    finalized step: see test_damaged_latest_checkpoint_falls_back_to_previous) and ends at the
+    uninterrupted run's metrics. Also covers what test_sigkill_mid_training_then_restart_matches
+    did, in a process of its own: a SIGKILL while training (here step 10 may be running), then
+    restarts that end at the uninterrupted run's metrics."""
+    c = chain["fault"]
+    assert c.code == -signal.SIGKILL, c.stdout[-3000:]
+    tmp = [n for n in c.listing if n.startswith("9" + ckpt.TMP_MARK)]
+    finalized = [n for n in c.listing if n not in tmp]
+    assert len(tmp) == 1 and len(finalized) == 2, c.listing
+    assert int(finalized[-1]) == max(6, chain["sigterm"].logged[-1]), c.listing
+    assert any(p.parent.name == "d" for p in c.tmp_files), c.tmp_files  # array data written
+    assert c.logged in (list(range(1, 10)), list(range(1, 11))), c.logged
+    assert _resumed_step(chain["damaged"].stdout) < 9
+    assert _values(chain["out"]) == reference[1]
+
+
+def test_damaged_latest_checkpoint_falls_back_to_previous(chain, reference):
+    """The last process of the chain: the newest finalized checkpoint (left by the killed
+    process) truncated on disk: it is moved aside, the run resumes from the one before and ends
+    at the uninterrupted run's metrics, every checkpoint it leaves intact."""
+    out, log, bad = chain["out"], chain["damaged"].stdout, chain["damaged_step"]
+    assert f"checkpoint step {bad}" in log and "cannot be restored" in log, log[-3000:]
+    assert log.count("cannot be restored") == 1, log[-3000:]  # step 9's temporary one: never
+    finalized = [int(n) for n in chain["fault"].listing if ckpt.TMP_MARK not in n]
+    assert _resumed_step(log) == finalized[-2]
+    assert _values(out) == reference[1]
+    assert (out / "corrupt_checkpoints" / str(bad)).is_dir()
+    _assert_checkpoints_intact(out, [9, 10])
+
+
+def _check_stopped(out: Path, stage: Stage, name: str) -> int:
+    """The stop line names the step it saved, which is the last logged one, finalized, with no
+    save left in progress."""
+    lines = [ln for ln in stage.err.splitlines() if not ln.startswith(f"{name} again: ")]
+    assert len(lines) == 1, stage.err
     m = re.fullmatch(
         rf"interrupted by {name} after step (\d+): checkpoint step (\d+) saved in "
         rf"(\S+); rerun the same command to resume",
@@ -285,41 +346,10 @@ def _check_stopped(out: Path, err: str, name: str) -> int:
     )
     assert m and m[1] == m[2] and Path(m[3]) == (out / "checkpoints").resolve(), lines[0]
     step = int(m[1])
-    assert 4 <= step < STEPS
-    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
-    assert step in [int(n) for n in _listing(out)] and not _tmp_dirs(out), _listing(out)
+    assert stage.logged == list(range(1, step + 1)), stage.logged
+    assert str(step) in stage.listing, stage.listing
+    assert not any(ckpt.TMP_MARK in n for n in stage.listing), stage.listing
     return step
-
-
-def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(tmp_path, reference):
-    out, code, stdout, err, _ = _interrupt(tmp_path, signal.SIGINT)
-    assert code == 130, (stdout[-2000:], err)
-    assert "Traceback" not in stdout + err
-    head = stdout.splitlines()
-    assert (
-        head[0].startswith("data: 1 document(s), 8,152 tokens in ")
-        and head[1].startswith("building configs/tiny.yaml: ")
-        and head[2].startswith("compiling the train step (")
-        and head[3].startswith("train step ready in ")
-    ), head[:4]
-    step = _check_stopped(out, err, "SIGINT")
-    assert _resumed_step(_run_ok(out)) == step
-    assert _values(out) == reference[1]
-
-
-def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(tmp_path, reference):
-    """The second SIGTERM lands while the checkpoint of the stop is being written: a note, the
-    save completes, the run exits 143 and resumes from that step."""
-    out, code, stdout, err, sent_again = _interrupt(
-        tmp_path, signal.SIGTERM, again_while_saving=True
-    )
-    assert code == 143, (stdout[-2000:], err)
-    assert "Traceback" not in stdout + err
-    step = _check_stopped(out, err, "SIGTERM")
-    assert sent_again, "the save ended before the second signal could be sent"
-    assert "SIGTERM again: still finishing the step in progress and its checkpoint" in err
-    assert _resumed_step(_run_ok(out)) == step
-    assert _values(out) == reference[1]
 
 
 def test_sigint_during_the_first_compile_stops_at_once(tmp_path):

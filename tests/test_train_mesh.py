@@ -1,8 +1,14 @@
-"""The trainer's mesh option (`train.mesh`), FSDP storage and bf16 compute.
+"""The trainer's mesh option (`train.step.mesh`), FSDP storage and bf16 compute.
 
 References: the loss of step 1 against float64 numpy cross-entropy of the initial model's logits,
 and every other mesh against the EP=8 mesh (the model itself is checked against Hugging Face in
 test_hf_import.py).
+
+Every run trains the tiny config cut to one decoder layer for 2 steps: one MoE layer routes every
+(token, expert) pair of the step (a dropped, duplicated or misweighted pair moves the loss of
+step 1 and, through the update, step 2), and each run's cost is mostly its compile, which a
+second layer makes longer. One run per distinct code path: meshes that took the same path share
+a run (each test's docstring says which).
 """
 
 import json
@@ -14,12 +20,16 @@ from corpora import word_corpus
 from flax import nnx
 
 from relaymoe_jax.models.config_files import load_config
-from train import cli, train_step
-from train import mesh as tm
+from train import cli
 from train.data import make_source
 from train.settings import TrainConfig
+from train.step import mesh as tm
+from train.step import train_step
 
-ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", "--steps", "3"]
+ONE_LAYER = "num_hidden_layers=1"
+ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", ONE_LAYER]
+ARGS += ["--quiet", "--steps", "2"]
+KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
 
 
 def _run(tmp_path, *extra):
@@ -31,7 +41,7 @@ def _run(tmp_path, *extra):
 def _numpy_first_loss(mesh_spec):
     """lm_loss of step 1, from the initial model's logits in float64 numpy."""
     tc = TrainConfig(batch_size=8, seq_len=32, mesh=mesh_spec)
-    cfg = load_config("configs/tiny.yaml")
+    cfg = load_config("configs/tiny.yaml", num_hidden_layers=1)
     mesh = tm.make_mesh(tc.mesh)
     graphdef, state, _, _ = train_step.init_state(cfg, tc, mesh)
     first = next(
@@ -40,10 +50,19 @@ def _numpy_first_loss(mesh_spec):
     assert first.segment_ids is None  # the shipped text is one document: no boundary in a row
     ids = first.tokens
     model = nnx.merge(graphdef, jax.tree.map(train_step.gather_stored, state.params), state.rest)
-    logits = np.asarray(model(jax.numpy.asarray(ids))[0], np.float64)
+    logits = np.asarray(jax.jit(lambda x: model(x)[0])(jax.numpy.asarray(ids)), np.float64)
     logits = logits[:, :-1] - logits[:, :-1].max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -np.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+
+
+def _assert_match(recs, ref, rtol, what):
+    assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2]
+    for a, b in zip(recs, ref, strict=True):
+        for k in KEYS:
+            np.testing.assert_allclose(
+                a[k], b[k], rtol=rtol, err_msg=f"{what} step {a['step']} {k}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +77,21 @@ def test_first_loss_matches_numpy(ep8):
 @pytest.mark.parametrize(
     "spec",
     [
-        "mesh=context=8",  # the train state stored over context (parallel folding)
-        "mesh=data=2,context=4",
-        "mesh=fsdp=2,expert=4",
-        "mesh=expert=4,expert_tensor=2",
-        "mesh=data=2,context=4 attention_impl=chunked attention_block_k=12",
+        "mesh=context=8",
+        "mesh=fsdp=2,expert=2,expert_tensor=2",
     ],
-)  # last block padded
+)
 def test_meshes_match_ep8(tmp_path, ep8, spec):
-    recs = _run(tmp_path, *spec.split())
-    rtol = 1e-5 if "chunked" in spec else 2e-6  # another summation order in the softmax
-    for a, b in zip(recs, ep8, strict=True):
-        for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
-            np.testing.assert_allclose(
-                a[k], b[k], rtol=rtol, err_msg=f"{spec} step {a['step']} {k}"
-            )
+    """context=8: the sequence sharded over `context` with no segment ids (the shipped text's
+    rows) and the train state stored over context (parallel folding); also covers
+    what the case mesh=data=2,context=4 did (the context-sharded step on the shipped text; the
+    data axis beside context: test_packed_documents_under_context_parallelism_match_ep8).
+    fsdp=2,expert=2,expert_tensor=2: FSDP storage (gathered in the step) and expert tensor
+    parallelism (each expert's FFN split over `expert_tensor`) in one step; it covers what the
+    cases mesh=fsdp=2,expert=4 and mesh=expert=4,expert_tensor=2 did. The case
+    mesh=data=2,context=4 attention_impl=chunked attention_block_k=12 (a padded last block under
+    context parallelism) is covered by the chunked case of the packed-documents test."""
+    _assert_match(_run(tmp_path, *spec.split()), ep8, 2e-6, spec)
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +100,38 @@ def documents(tmp_path_factory):
     return word_corpus(tmp_path_factory.mktemp("docs"), 300, max_words=9)
 
 
+@pytest.fixture(scope="module")
+def ep8_documents(tmp_path_factory, documents):
+    """The EP=8 mesh on the documents, with the XLA attention: both impls' reference."""
+    return _run(tmp_path_factory.mktemp("ep8docs"), "mesh=expert=8", "--data", str(documents))
+
+
 @pytest.mark.parametrize("attention", ["xla", "chunked"])
-def test_packed_documents_under_context_parallelism_match_ep8(tmp_path, documents, attention):
-    """Packed rows (segment ids, positions) with the sequence sharded over `context`: the keys'
-    segment ids are gathered like the keys (they failed to shard before), and the losses equal
-    the EP=8 mesh's on the same batches."""
+def test_packed_documents_under_context_parallelism_match_ep8(
+    tmp_path, documents, ep8_documents, attention
+):
+    """Packed rows (segment ids, positions) with the sequence sharded over `context` (and the
+    batch over `data`): the keys' segment ids are gathered like the keys (they failed to shard
+    before), and the losses equal the EP=8 mesh's on the same batches. Both impls against the
+    EP=8 run with the XLA attention (the chunked one: another summation order in the softmax,
+    so rtol 1e-5; it was an EP=8 chunked run before). chunked with attention_block_k=12: 8 keys
+    per device, so the last block is padded (also covers what the case
+    mesh=data=2,context=4 attention_impl=chunked attention_block_k=12 of test_meshes_match_ep8
+    did, with segment ids here)."""
     extra = ["--data", str(documents), f"attention_impl={attention}"]
     extra += ["attention_block_k=12"] if attention == "chunked" else []
-    ep = _run(tmp_path, "mesh=expert=8", *extra)  # the run directory is named by the mesh first
     cp = _run(tmp_path, "mesh=data=2,context=4", *extra)
-    for a, b in zip(cp, ep, strict=True):
-        for k in ("loss", "lm_loss", "grad_norm"):
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"step {a['step']} {k}")
+    _assert_match(cp, ep8_documents, 1e-5, f"data=2,context=4 {attention}")
 
 
 def test_fsdp_stores_params_and_moments_sharded():
-    tc = TrainConfig(mesh="fsdp=2,expert=4")
+    """On the fsdp mesh of test_meshes_match_ep8 (and its one-layer model, whose parameters'
+    initialisation it has run on that mesh already)."""
+    tc = TrainConfig(mesh="fsdp=2,expert=2,expert_tensor=2")
     mesh = tm.make_mesh(tc.mesh)
-    _, state, _, _ = train_step.init_state(load_config("configs/tiny.yaml"), tc, mesh)
+    _, state, _, _ = train_step.init_state(
+        load_config("configs/tiny.yaml", num_hidden_layers=1), tc, mesh
+    )
     params = jax.tree.leaves(state.params)
     mu = jax.tree.leaves(state.opt_state[1][0].mu)
     big = [p for p in params if p.ndim >= 2]
@@ -111,13 +144,13 @@ def test_fsdp_stores_params_and_moments_sharded():
 
 def test_bf16_compute_keeps_f32_master_weights(tmp_path, ep8):
     recs = _run(tmp_path, "compute_dtype=bfloat16")
+    assert [r["step"] for r in recs] == [1, 2]
     for a, b in zip(recs, ep8, strict=True):
         np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-2)
     assert recs[0]["lm_loss"] != ep8[0]["lm_loss"]  # it really computed in bf16
     tc = TrainConfig(compute_dtype="bfloat16")
-    _, state, _, _ = train_step.init_state(
-        load_config("configs/tiny.yaml"), tc, tm.make_mesh(tc.mesh)
-    )
+    cfg = load_config("configs/tiny.yaml", num_hidden_layers=1)  # the runs' model
+    _, state, _, _ = train_step.init_state(cfg, tc, tm.make_mesh(tc.mesh))
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {np.dtype("float32")}
 
 

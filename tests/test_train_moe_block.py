@@ -2,7 +2,11 @@
 keys on the command line): the tiny model trains with DeepSeek-V3's grouped sigmoid router,
 GPT-OSS's top-k-softmax router with its bias, and GPT-OSS's experts with their biases; the loss
 falls and a resumed run is bitwise an uninterrupted one. Checkpoints written before these keys
-existed (their identity lacks them) resume, and a change of one is refused naming it."""
+existed (their identity lacks them) resume, and a change of one is refused naming it.
+
+The model is the tiny config with one layer (each layer is the same program). DeepSeek-V3's
+router and GPT-OSS's experts are one run (they set disjoint keys: the router, the experts); the
+two routers are two."""
 
 import json
 import shutil
@@ -11,13 +15,26 @@ from pathlib import Path
 import pytest
 
 from relaymoe_jax.models.config import ModelConfig
-from train import cli, identity
+from train import cli
+from train.state import identity
 
-SMALL = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "seq_len=32",
+    "batch_size=8",
+    "num_hidden_layers=1",
+    "--quiet",
+]
 VARIANTS = {
-    "deepseek_v3_router": ["router=sigmoid_group", "n_group=2", "topk_group=1"],
+    "deepseek_v3_router+gpt_oss_experts": [
+        "router=sigmoid_group",
+        "n_group=2",
+        "topk_group=1",
+        "activation=gpt_oss",
+        "expert_biases=true",
+    ],
     "gpt_oss_router": ["router=topk_softmax", "router_bias=true"],
-    "gpt_oss_experts": ["activation=gpt_oss", "expert_biases=true"],
 }
 # the tiny config's flat form before the MoE block's keys were model-config keys (and before
 # offload_layer_inputs)
@@ -34,6 +51,8 @@ def _losses(out):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_model_trains_and_resumes_bitwise(tmp_path, variant):
+    """[deepseek_v3_router+gpt_oss_experts] covers what the former [deepseek_v3_router] and
+    [gpt_oss_experts] cases did, in one run; the refusal names the router, the first key."""
     args = [*SMALL, *VARIANTS[variant]]
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0

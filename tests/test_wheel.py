@@ -154,6 +154,8 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
     assert got["no_extra_stderr"].count("\n") == 1, got["no_extra_stderr"]
     assert 'pip install "relaymoe-jax[train]"' in got["no_extra_stderr"]
 
+    # the trainer: XLA's LLVM backend at -O0 as in every test (tests/conftest.py: the same
+    # programs, compiled faster); XLA_FLAGS sets no device count, use_cpu_devices(8) does
     out = tmp_path / "run"
     p = _run(
         [
@@ -169,10 +171,10 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
             "--quiet",
         ],
         cwd=work,
-        env=env,
+        env={**env, "XLA_FLAGS": "--xla_backend_optimization_level=0"},
         timeout=600,
     )
-    assert "on 8 cpu devices" in p.stdout, p.stdout  # use_cpu_devices(8), no XLA_FLAGS
+    assert "on 8 cpu devices" in p.stdout, p.stdout  # use_cpu_devices(8)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert (out / "checkpoints" / "2").is_dir() and (out / "loss.png").is_file()

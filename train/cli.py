@@ -3,18 +3,17 @@
 `key=value` items set trainer fields (`train.settings.TrainConfig`: batch_size, seq_len, lr, ...)
 or, for any other key, `ModelConfig` fields of the YAML config (dispatcher, routing,
 num_experts...); the trainer fields also have `--flag` forms. The mesh comes from `mesh=`
-(`train.mesh`; default "expert=-1": EP over all devices), e.g. `mesh=data=2,expert=4`. `parse`
-checks it all into one `RunSettings`, which `train.run` executes (steps, checkpoints, resume).
+(`train.step.mesh`; default "expert=-1": EP over all devices), e.g. `mesh=data=2,expert=4`. `parse`
+checks it all into one `RunSettings`, which `train.run.loop` executes (steps, checkpoints, resume).
 
-SIGINT / SIGTERM stop the run after the step in progress, checkpointed (`train.interrupt`; exit
+SIGINT / SIGTERM stop the run after the step in progress, checkpointed (`train.run.interrupt`; exit
 status 130 / 143). Expected failures are one line on stderr and exit status 1, before the model is
-built where they can be (`train.guards`: `--out`, the memory check, failed writes); every case
-and its test: docs/robustness.md.
+built where they can be (`train.run.guards`: `--out`; `train.planner.fit`: the memory check;
+`train.errors`: failed writes); every case and its test: docs/robustness.md.
 """
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -25,9 +24,16 @@ from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config import KEYS as MODEL_FIELDS
 from relaymoe_jax.models.config_files import load_config, parse_overrides, unknown_keys
 
-from . import distributed, guards, interrupt, report  # these need no package of the train extra
-from . import mesh as train_mesh
 from .cli_help import TRAIN_HELP, HelpFormatter, trainer_settings_help
+from .errors import (
+    TRAIN_EXTRA,
+    MissingExtraError,
+    WriteError,
+    describe_write_error,
+    require_train_extra,
+)
+from .planner import memory
+from .run import distributed, guards, interrupt
 from .settings import (
     TRAIN_FIELDS,
     RunSettings,
@@ -37,11 +43,14 @@ from .settings import (
     checked_train_config,
     field_type,
 )
+from .step import mesh as train_mesh
 
-TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib", "grain")  # pyproject's `train` extra
-try:  # without the extra, main() and entry() say what is missing (MissingExtraError)
-    from . import hf_init, identity
-    from . import run as training_run
+# the modules above need no package of the train extra; without it, main() and entry() say
+# what is missing (MissingExtraError)
+try:
+    from .hf import init as hf_init
+    from .run import loop as training_run
+    from .state import identity
 except ModuleNotFoundError as e:
     if (e.name or "").split(".")[0] not in {m.split(".")[0] for m in TRAIN_EXTRA}:
         raise
@@ -50,27 +59,6 @@ else:
     _MISSING = None
 
 CPU_DEVICES = 8  # the emulated CPU devices of `entry` (XLA_FLAGS's device count wins)
-
-
-class MissingExtraError(ImportError):
-    """A package of the `train` extra is not installed."""
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # its parent package is missing
-        return False
-
-
-def require_train_extra() -> None:
-    """MissingExtraError naming `pip install "relaymoe-jax[train]"` if the extra is missing."""
-    missing = _MISSING or next((m for m in TRAIN_EXTRA if not _installed(m)), None)
-    if missing is not None:
-        raise MissingExtraError(
-            f"the trainer needs the train extra ({missing} is not "
-            f'installed): pip install "relaymoe-jax[train]"'
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint: the model config "
         "is DIR/config.json (model key=value items still apply, unless they change a weight's "
         "shape), the weights are loaded into the sharded train state, the optimizer starts "
-        "fresh; DIR/tokenizer.json, if there, tokenizes --data files (train.hf_init)",
+        "fresh; DIR/tokenizer.json, if there, tokenizes --data files (train.hf.init)",
     )
     p.add_argument(
         "--steps",
@@ -133,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prepared dataset (relaymoe-train prepare, the training data's tokenizer) to "
         "evaluate on every eval_every steps and at the last step: the mean next-token loss and "
         "perplexity over eval_batches batches of its rows, in metrics.jsonl and loss.png "
-        "(train.evaluate)",
+        "(train.step.evaluate)",
     )
     p.add_argument("--quiet", action="store_true", help="no per-step line")
     p.add_argument(
@@ -241,7 +229,7 @@ def _check_ignored_options(over: dict, cfg, memory_table: bool) -> None:
     trained = cfg.moe.options.dispatcher
     steps = {trained: ()}
     if memory_table:
-        for _, row in report.MEMORY_TABLE_ROWS:
+        for _, row in memory.MEMORY_TABLE_ROWS:
             steps.setdefault(row["dispatcher"], tuple(row))
     check_options_used(over, steps, f"this run trains dispatcher={trained!r}", "add dispatcher={}")
 
@@ -299,14 +287,14 @@ def parse(argv) -> RunSettings:
 
 def main(argv=None) -> int:
     """The run of `argv` (default sys.argv[1:]); 0 when done. SIGINT and SIGTERM are caught
-    while it trains (`train.interrupt`): it checkpoints the last completed step and raises
+    while it trains (`train.run.interrupt`): it checkpoints the last completed step and raises
     `interrupt.Interrupted` (exit status 128 + the signal's number from `entry`)."""
     stop = interrupt.Stop()
     try:
-        require_train_extra()
+        require_train_extra(_MISSING)
         argv = sys.argv[1:] if argv is None else argv
         distributed.initialize(build_parser().parse_intermixed_args(argv))  # before any jax call
-        stop.install()  # after jax.distributed's own SIGTERM handler (train.interrupt)
+        stop.install()  # after jax.distributed's own SIGTERM handler (train.run.interrupt)
         return training_run.execute(parse(argv), stop)
     finally:
         stop.release()
@@ -322,12 +310,12 @@ def entry() -> None:
         from .data import prepare
 
         sys.exit(prepare.main(sys.argv[2:]))
-    if sys.argv[1:2] == ["export"]:  # `relaymoe-train export RUN_DIR --out DIR`: train/export.py
-        from . import export
+    if sys.argv[1:2] == ["export"]:  # `relaymoe-train export RUN_DIR --out DIR`: train/hf/export.py
+        from .hf import export
 
         sys.exit(export.main(sys.argv[2:]))
     try:
-        require_train_extra()
+        require_train_extra(_MISSING)
         use_cpu_devices(CPU_DEVICES)
         with guards.quiet_background_errors(keep=True):
             code = main()
@@ -335,11 +323,11 @@ def entry() -> None:
         _exit(str(e), e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C outside training (e.g. the plot): nothing to save
         _exit("interrupted (SIGINT)", 130)
-    except (guards.NonFiniteLossError, MissingExtraError, ValueError, guards.WriteError) as e:
+    except (guards.NonFiniteLossError, MissingExtraError, ValueError, WriteError) as e:
         _exit(f"error: {e}", 1)
     except OSError as e:  # FileNotFoundError, a metrics or plot write ...
         ours = isinstance(e, FileNotFoundError) and e.errno is None  # a missing config, data
-        _exit(f"error: {e if ours else guards.describe_write_error(e)}", 1)  # or tokenizer file
+        _exit(f"error: {e if ours else describe_write_error(e)}", 1)  # or tokenizer file
     sys.exit(code)
 
 

@@ -1,6 +1,6 @@
 """The trainer's settings, typed: `TrainConfig` (the trainer fields, set by `key=value` or
 `--flag`) and `RunSettings` (one run of `python -m train` as its command line asks, what
-`train.cli.parse` returns and `train.run` executes).
+`train.cli.parse` returns and `train.run.loop` executes).
 
 The model's settings are the `ModelConfig` of the YAML file (`relaymoe_jax.models`), which
 validates its own fields (the op's options through `relaymoe_jax.op.MoEOptions`).
@@ -29,12 +29,12 @@ class TrainConfig:
     """Trainer settings (model settings are the `ModelConfig` of the YAML file)."""
 
     batch_size: int = 8
-    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (train.accumulate)
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (train.step.accumulate)
     seq_len: int = 64
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
-    schedule_steps: int | None = None  # cosine horizon; None: the run's --steps (train.identity)
+    schedule_steps: int | None = None  # cosine horizon; None: the run's --steps (state.identity)
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     b1: float = 0.9
@@ -42,19 +42,28 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     synthetic: bool = False
-    mesh: str = "expert=-1"  # train.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
+    mesh: str = "expert=-1"  # train.step.mesh: e.g. "data=2,expert=4", "fsdp=2,expert=4"
     compute_dtype: ComputeDtype = "float32"  # "bfloat16": bf16 compute, float32 master weights
     loss_chunk: int = DEFAULT_CHUNK  # tokens per device per LM-head chunk (models/loss.py)
     # the float32 master weights and the AdamW moments in pinned host memory between steps,
-    # streamed to the device layer by layer for the update (train.train_step, docs/planning.md)
+    # streamed to the device layer by layer for the update (train.step.train_step, docs/planning.md)
     offload_optimizer: bool = False
-    # held-out evaluation on --eval-data (train.evaluate): every N steps and at the last step
+    # held-out evaluation on --eval-data (train.step.evaluate): every N steps and at the last step
     # (unset: the last step only), over eval_batches batches of batch_size rows
     eval_every: int | None = None
     eval_batches: int = 4
 
 
 TRAIN_FIELDS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+# The trainer fields the compiled train step never reads: what a run does around the step (the
+# initial weights' seed, when to checkpoint, the data source, the held-out evaluation, which is
+# a program of its own), so that no value of them changes the step's program or its memory. The
+# one table of them: the memoised step's key leaves them out (`train_step.step_key`) and the
+# planner, which measures the step's memory, refuses them (`train.planner.args`). The optimizer's
+# values (lr, its schedule, b1, b2, weight_decay, clip_norm) are not here: they are constants of
+# the step's program, and some values change it (optax skips a weight decay of 0).
+RUN_ONLY_FIELDS = frozenset({"seed", "save_every", "synthetic", "eval_every", "eval_batches"})
 
 _finite = math.isfinite
 # what each numeric trainer field must satisfy (a value outside is refused, never clamped)
@@ -187,8 +196,8 @@ class RunSettings:
     quiet: bool = False  # --quiet: no per-step line
     memory_table: bool = False  # --memory-table
     force: bool = False  # --force: skip the memory check
-    allow_changes: tuple[str, ...] = ()  # --allow-changes items, as given (train.identity)
-    init_from_hf: Path | None = None  # --init-from-hf: a Hugging Face checkpoint (train.hf_init)
+    allow_changes: tuple[str, ...] = ()  # --allow-changes items, as given (train.state.identity)
+    init_from_hf: Path | None = None  # --init-from-hf: a Hugging Face checkpoint (train.hf.init)
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)

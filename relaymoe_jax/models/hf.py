@@ -210,7 +210,7 @@ def from_pretrained(
     have (another router or activation, biases: `hf_config.check_hf`) is refused. Parameters are
     stored in `dtype`; `storage(abstract)`, if given, says where each is placed instead of its
     model sharding (`abstract`: a `jax.ShapeDtypeStruct` on that sharding; the trainer stores its
-    state over `fsdp` and `context` too, `train.storage`).
+    state over `fsdp` and `context` too, `train.step.storage`).
     """
     with open(os.path.join(path, "config.json")) as f:
         cfg = config_from_hf(json.load(f), **overrides)

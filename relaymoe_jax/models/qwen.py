@@ -156,8 +156,8 @@ class QwenMoe(nnx.Module):
         `layer_weights` (scanned layers only): a function applied to each `nnx.Param` of one
         layer's slice (a Variable in, a Variable out) inside the layer scan, within each block's
         checkpoint (`DecoderLayer`, `_decoder_layer`): the trainer passes its gather from storage
-        and cast to the compute dtype (`train.train_step.make_step`), so one layer's compute copy
-        exists at a time, made again from the stored slice for that block's backward (as FSDP
+        and cast to the compute dtype (`train.step.train_step.make_step`), so one layer's compute
+        copy exists at a time, made again from the stored slice for that block's backward (as FSDP
         gathers again), instead of all L layers' copies kept for the backward. A block without a
         checkpoint (attention under "save_all", an MLP without `moe_remat`) keeps its prepared
         weights as residuals, one layer's per scan step."""

@@ -33,10 +33,10 @@ over `tokens`); parameters must divide (`ModelConfig.check_mesh`).
 With `ModelConfig.scan_layers` every decoder-layer parameter has one more, leading dimension named
 `layers` (e.g. w_gate is ("layers", "experts", "embed", "expert_ffn")). The rules never shard it
 (`rules_for` refuses an override): `jax.lax.scan` slices one layer per step, which must be local to
-every device, so each device holds its share of every layer as before. (The trainer's *storage* over
-`fsdp` and `context`, `train.storage.stored_sharding`, treats it like any other dimension: it is
-chosen when it is a parameter's largest free one, e.g. q_norm [48, 16]; the step gathers every
-parameter back to these rules before the forward.)"""
+every device, so each device holds its share of every layer as before. (The trainer's *storage*
+over `fsdp` and `context`, `train.step.storage.stored_sharding`, treats it like any other
+dimension: it is chosen when it is a parameter's largest free one, e.g. q_norm [48, 16]; the step
+gathers every parameter back to these rules before the forward.)"""
 
 import dataclasses
 import math

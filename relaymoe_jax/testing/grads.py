@@ -126,9 +126,11 @@ def random_cotangent(fn, args, has_aux, seed, y=None):
 
 
 @functools.lru_cache(maxsize=64)
-def _value_and_grads_fn(fn, argnums, has_aux, jit, poison):
-    """(r, *args) -> (y, aux, grads of sum(y * r) w.r.t. args[argnums]); cached so that calls
-    with the same fn reuse one jit (poison is read at trace time, so it is part of the key)."""
+def value_and_grads_fn(fn, argnums, has_aux, jit, poison):
+    """(r, *args) -> (y, aux, grads of sum(y * r) w.r.t. args[argnums]): the function
+    `moe_value_and_grads` runs, cached so that calls with the same fn reuse one jit (poison is
+    read at trace time, so it is part of the key); public so that a test can read the program a
+    parity check already compiled (`run.lower(...).compile()` then costs nothing)."""
     del poison
 
     def loss(diff, r, args):
@@ -178,9 +180,9 @@ def moe_value_and_grads(
         cotangent = random_cotangent(f, args, has_aux, seed)
     names = names or arg_names([f], len(args))
     try:
-        run = _value_and_grads_fn(f, argnums, has_aux, jit, poison)
+        run = value_and_grads_fn(f, argnums, has_aux, jit, poison)
     except TypeError:  # an unhashable f: no cache
-        run = _value_and_grads_fn.__wrapped__(f, argnums, has_aux, jit, poison)
+        run = value_and_grads_fn.__wrapped__(f, argnums, has_aux, jit, poison)
     with poison_unwritten() if poison else contextlib.nullcontext():
         y, aux, grads = run(cotangent, *args)
     return MoeRun(y, {names[i]: g for i, g in zip(argnums, grads)}, aux)

@@ -8,7 +8,7 @@ grain's deterministic shuffle (from the seed, a new permutation each epoch). Glo
 (batch i // B, row i % B) is row perm_e(i mod N) of epoch e = i // N. A row holds documents back
 to back, a document that does not fit continued in another row: `segment_ids` number the pieces
 of documents in the row 1, 2, ... and `positions` restart at 0 at each piece's first token, so
-attention and the loss stay inside a document (`train.train_step`). This is the trainer's old
+attention and the loss stay inside a document (`train.step.train_step`). This is the trainer's old
 text packing (cut, then shuffle) with document boundaries kept: documents next to each other in
 the corpus can share a row; shuffle the input beforehand if its order means something.
 

@@ -201,7 +201,7 @@ def _check_out(out: Path, plan: Plan) -> None:
 
 class ShardProgress:
     """Prepare's progress: one line on stderr per finished shard, at most every `every` seconds,
-    and at the end (the trainer's per-step line is `train.progress.StepProgress`). The counts
+    and at the end (the trainer's per-step line is `train.run.progress.StepProgress`). The counts
     include the shards `done` before (a resumed prepare); the rate and the ETA only this run's."""
 
     def __init__(self, shards: int, done: list[Shard], every=1.0, quiet=False):

@@ -50,7 +50,7 @@ class Source(Protocol):
 
     def identity(self) -> dict:
         """What the run trains on, as the checkpoint metadata's `data` entry records it (what
-        `train.identity` compares on resume)."""
+        `train.state.identity` compares on resume)."""
         ...
 
     def summary(self) -> str | None:

@@ -3,7 +3,8 @@ what is more than argparse's types: `--memory`'s and `--host-memory`'s sizes (`p
 device name or a number with a unit; `host_memory`: `--host-memory` or its default, the per-GPU
 share of the target node's RAM) and the dispatchers it plans (`planned_dispatchers`:
 `--dispatchers`, or `dispatcher=` like any other key, and the op options on the command line that
-those dispatchers use, by `MoEOptions`' one table)."""
+those dispatchers use, by `MoEOptions`' one table); the trainer settings that cannot change a
+step's memory are refused (`refuse_run_only`)."""
 
 import argparse
 import re
@@ -13,7 +14,7 @@ from relaymoe_jax.cli.argtypes import positive_int
 from relaymoe_jax.op.options import DISPATCHERS
 from relaymoe_jax.util.checks import one_of
 
-from .settings import check_options_used
+from ..settings import RUN_ONLY_FIELDS, check_options_used
 
 # device memory of each target, from its shipped XLA GPU target config (relaymoe_jax.gpu_mesh)
 DEVICES = {t.upper(): gpu_mesh.device_memory(t) for t in gpu_mesh.TARGETS}
@@ -68,6 +69,21 @@ def host_memory(text: str | None, target: str | None) -> tuple[int, str]:
     return HOST_MEMORY[name], why
 
 
+def refuse_run_only(over: dict) -> None:
+    """ValueError naming the key=value items (`over`) that are trainer settings the compiled step
+    never reads (`settings.RUN_ONLY_FIELDS`: seed, save_every, ...): the planner measures the
+    step's memory, which they cannot change, so it would ignore them."""
+    given = [k for k in over if k in RUN_ONLY_FIELDS]
+    if given:
+        what = "trainer settings that do" if len(given) > 1 else "a trainer setting that does"
+        raise ValueError(
+            f"{', '.join(given)}: {what} not change a step's memory; the planner takes model "
+            "keys and the trainer settings the step compiles with (mesh, compute_dtype, "
+            "grad_accum, loss_chunk, offload_optimizer, lr, ...): drop "
+            + ("them" if len(given) > 1 else "it")
+        )
+
+
 def planned_dispatchers(flag: str | None, over: dict) -> tuple[str, ...]:
     """The dispatchers to plan: --dispatchers (`flag`), or `dispatcher=` (taken out of `over`)
     alone, else ring and all-to-all; ValueError for both given and different, a name that is
@@ -95,7 +111,7 @@ SEQ_STEP = 128  # --seq-step's default
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m {__package__}.planner", description=description)
+    p = argparse.ArgumentParser(prog=f"python -m {__package__}", description=description)
     p.add_argument("--config", required=True)
     p.add_argument(
         "--memory",

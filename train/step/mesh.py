@@ -1,7 +1,7 @@
 """The trainer's device mesh, from the `mesh` option: `"data=2,expert=4"`.
 
 Axes (any subset, in this order in the mesh): `data` (data parallel), `fsdp` (data parallel with
-parameters and optimizer state stored sharded, see `train.storage.stored_sharding`), `node` (the
+parameters and optimizer state stored sharded, see `storage.stored_sharding`), `node` (the
 outer expert-parallel axis: across hosts), `expert` (the ring; with `node`, the inner, intra-host
 part of it), `context` (sequence sharding for attention; the train state is stored sharded over it
 too, as over `fsdp`), `expert_tensor` (each expert's ffn split, ETP). One size may be `-1`: all

@@ -21,7 +21,7 @@ Crash safety:
   those step numbers again). If no step restores, `CorruptCheckpointError` names them all; a
   checkpoint of a different model or optimizer raises `StateMismatchError` at once.
 * `restore(..., check_meta=f)` calls `f(meta)` on each step's metadata before its arrays are
-  read (the trainer's run-identity check, `train.identity`); a `StateMismatchError` it raises
+  read (the trainer's run-identity check, `train.state.identity`); a `StateMismatchError` it raises
   (the run refuses to resume) is passed on at once.
 
 Test-only fault hook: with the environment variable `RELAYMOE_TRAIN_FAULT=kill-during-save:<N>`
@@ -251,7 +251,7 @@ def restore(mngr: ocp.CheckpointManager, like_state, check_meta=None):
         except Exception as e:  # tensorstore raises plain Exception
             _warn(
                 f"checkpoint step {step} in {mngr.directory} cannot be restored "
-                f"({type(e).__name__}: {_short(e)}); trying the previous step"
+                f"({type(e).__name__}: {short_error(e)}); trying the previous step"
             )
             failed.append(step)
             continue
@@ -265,7 +265,7 @@ def restore(mngr: ocp.CheckpointManager, like_state, check_meta=None):
     return None
 
 
-def _short(err: BaseException, limit: int = 400) -> str:
+def short_error(err: BaseException, limit: int = 400) -> str:
     """The first line of an error and of its cause, cut to `limit` characters (tensorstore's
     messages go on with a whole JSON spec)."""
     parts = [err] if err.__cause__ is None else [err, err.__cause__]

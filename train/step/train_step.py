@@ -2,7 +2,7 @@
 
 The train state is one record, `TrainState(opt_state, params, rest, rng)`: `params` the model's
 `nnx.Param` state, `rest` every other model variable (the aux-loss-free expert bias), `opt_state`
-optax's state (`train.optimizer`) and `rng` a raw uint32 key. The step is compiled once, ahead of
+optax's state (`optimizer`) and `rng` a raw uint32 key. The step is compiled once, ahead of
 time, with the state's own shardings as both input and output shardings and the state donated;
 the first call then reuses exactly that executable. (The plain `nnx.jit` reference step
 recompiled at step 2: `jax_explain_cache_misses` shows the optimizer's scalars, the i32[] step
@@ -30,13 +30,13 @@ from relaymoe_jax.models import QwenMoe
 from relaymoe_jax.models.loss import DEFAULT_CHUNK
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
+from ..data.source import Batch
+from ..settings import RUN_ONLY_FIELDS, TrainConfig, check_offload
 from . import accumulate, objective
 from .accumulate import accumulated_value_and_grad, step_batch
-from .data.source import Batch
 from .objective import next_token_targets as next_token_targets  # (callers read it here)
 from .offload import fetch_params, on_host, streamed_update
 from .optimizer import make_optimizer
-from .settings import TrainConfig, check_offload
 from .storage import STORAGE_AXES, stored_sharding
 from .storage import gather_stored as gather_stored  # (tests read them from here)
 from .storage import is_variable as is_variable
@@ -116,7 +116,7 @@ def _opt_shardings(tx, params, mesh, offload: bool = False):
 
 def init_state(cfg, tc: TrainConfig, mesh, model=None):
     """(graphdef, state, tx, rules) for a freshly initialised model (seeded by `tc.seed`), or for
-    `model` (a `QwenMoe` of `cfg` on `mesh` with its weights: `train.hf_init`) and a fresh
+    `model` (a `QwenMoe` of `cfg` on `mesh` with its weights: `train.hf.init`) and a fresh
     optimizer; with an `fsdp` or `context` mesh axis the parameters (hence the optimizer moments)
     are stored per `stored_sharding`."""
     check_offload(cfg, tc, mesh.devices.flat[0])
@@ -156,16 +156,6 @@ class StepMetrics(NamedTuple):
         return rec
 
 
-def make_loss(
-    graphdef, compute_dtype: str = "float32", loss_chunk: int = DEFAULT_CHUNK, packed: bool = False
-):
-    """loss_fn(params, rest, batch) -> (lm_loss + router_loss, (lm_loss, aux)): the model's
-    next-token loss on `batch`, what the train step differentiates (`make_step`, which says how
-    the parameters are cast and the loss is chunked), built on the terms (`objective.make_terms`)
-    the held-out evaluation (`train.evaluate`) computes too: both compute the same loss."""
-    return objective.make_loss(graphdef, jnp.dtype(compute_dtype), loss_chunk, packed)
-
-
 def make_step(
     graphdef,
     tx,
@@ -186,20 +176,21 @@ def make_step(
     runs (the stored master weights, the optimizer and the update stay float32; the
     router and the losses compute in float32 anyway). The LM head and cross-entropy run in chunks
     of `loss_chunk` tokens per device (`relaymoe_jax.models.loss.lm_loss`): no [tokens, vocab]
-    logits are ever built (`train.objective`). The expert bias is not touched here:
+    logits are ever built (`train.step.objective`). The expert bias is not touched here:
     `update_expert_bias` (eager, as `QwenMoe.update_expert_bias` needs concrete shardings)
     applies `metrics.expert_load`.
 
     `offload`: the trainer settings of a state whose weights and moments are in pinned host
     memory (`offload_optimizer`): the step then fetches the weights in the compute dtype, layer by
-    layer, and streams the update (`train.offload`; `tx` is then not called).
+    layer, and streams the update (`train.step.offload`; `tx` is then not called).
 
     `grad_accum` N > 1: `batch` is a `Batch` of [N, B, S] arrays, N micro-batches whose gradients
-    a `lax.scan` sums in float32 before the one update (`train.accumulate`, which says how each
+    a `lax.scan` sums in float32 before the one update (`train.step.accumulate`, which says how each
     loss is averaged)."""
     dtype = jnp.dtype(compute_dtype)
     if grad_accum == 1:
-        grad_fn = jax.value_and_grad(make_loss(graphdef, dtype, loss_chunk, packed), has_aux=True)
+        loss_fn = objective.make_loss(graphdef, dtype, loss_chunk, packed)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     else:  # N micro-batches, one lax.scan, the gradients summed in float32
         grad_fn = accumulated_value_and_grad(graphdef, dtype, loss_chunk, packed, grad_accum)
 
@@ -233,16 +224,32 @@ def make_step(
     return step
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = {}  # the memoised programs (`compile_step`, `memoised`) by their key
 
 
 def step_key(cfg, tc: TrainConfig, batch_shape, mesh, packed: bool = False):
-    """What the compiled step depends on (not the seed, save interval, evaluation settings or
-    data source, except whether its batches carry segment ids)."""
-    opt = dataclasses.replace(
-        tc, seed=0, save_every=1, synthetic=False, eval_every=None, eval_batches=1
-    )
+    """What the compiled step depends on: not the trainer fields it never reads
+    (`settings.RUN_ONLY_FIELDS`: the seed, save interval, evaluation settings, data source),
+    except whether its batches carry segment ids."""
+    plain = TrainConfig()
+    opt = dataclasses.replace(tc, **{f: getattr(plain, f) for f in RUN_ONLY_FIELDS})
     return (cfg, repr(opt), tuple(batch_shape), mesh, packed)
+
+
+def memoised(key, build):
+    """The program memoised under `key`, else `build()` memoised under it (a None it returns is
+    returned and not memoised)."""
+    if key not in _COMPILED:
+        compiled = build()
+        if compiled is None:
+            return None
+        _COMPILED[key] = compiled
+    return _COMPILED[key]
+
+
+def clear_compiled() -> None:
+    """Forget every memoised program (the tests release them after each file)."""
+    _COMPILED.clear()
 
 
 def update_expert_bias(graphdef, state, expert_load):
@@ -261,7 +268,7 @@ def compile_step(
     `ids_sharding` (with segment ids and positions if `packed`); memoised by `key` (see
     `step_key`) when given.
     `runner(fn)` runs the lowering and compile `fn` (default:
-    calls it); a None it returns (`train.interrupt.unless_stopped`: a signal came first) is
+    calls it); a None it returns (`train.run.interrupt.unless_stopped`: a signal came first) is
     returned as is and not memoised."""
     if key is not None and key in _COMPILED:
         return _COMPILED[key]

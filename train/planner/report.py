@@ -1,7 +1,7 @@
 """What `python -m train.planner` prints: the header (where the sizes come from, how each
 dispatcher spreads the experts), the remat-plan table per dispatcher (device and host bytes per
 device), the largest-size tables, and the "nothing fits" line. Text only; the compiles are
-`train.planner`'s."""
+`plan`'s."""
 
 import dataclasses
 import math
@@ -9,7 +9,7 @@ import math
 from relaymoe_jax.models.sharding import rules_for
 from relaymoe_jax.op import topology
 
-from .accumulate import describe
+from ..step.accumulate import describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +18,7 @@ class LargestSize:
 
     dispatcher: str
     size: int | None  # None: not even the smallest fits
-    search: object  # train.search.Search: the probes
+    search: object  # train.planner.search.Search: the probes
     report: object  # planner.RematReport of the plan at `size`, None if nothing fits
 
 

@@ -7,8 +7,8 @@ latest checkpoint, first dropping metrics lines past it, and appends only the ne
 Checkpoints hold the train state as the tree `TrainState.as_saved` gives (the one every version
 of the trainer has written), so older runs keep resuming.
 
-A signal (`train.interrupt.Stop`) stops the run after the step in progress, checkpointed; a
-failed checkpoint save or metrics write is a `guards.WriteError` naming the path.
+A signal (`train.run.interrupt.Stop`) stops the run after the step in progress, checkpointed; a
+failed checkpoint save or metrics write is a `train.errors.WriteError` naming the path.
 """
 
 import dataclasses
@@ -22,25 +22,17 @@ from pathlib import Path
 import jax
 from jax.sharding import NamedSharding
 
-from . import (
-    accumulate,
-    distributed,
-    evaluate,
-    guards,
-    hf_init,
-    identity,
-    interrupt,
-    plot,
-    progress,
-    report,
-    run_io,
-    train_step,
-)
-from . import checkpoint as ckpt
-from . import data as data_mod
-from . import mesh as train_mesh
-from .data import loader
-from .settings import RunSettings
+from .. import data as data_mod
+from ..data import loader
+from ..hf import init as hf_init
+from ..planner import fit, memory
+from ..settings import RunSettings
+from ..state import checkpoint as ckpt
+from ..state import identity
+from ..step import accumulate, evaluate, train_step
+from ..step import mesh as train_mesh
+from . import distributed, guards, interrupt, plot, progress
+from . import io as run_io
 
 log = distributed.print_on_main
 
@@ -48,7 +40,7 @@ log = distributed.print_on_main
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """What the steps of a run need besides the state: the compiled step and its inputs, where
-    the run writes, its identity (`train.identity`) and the signal record."""
+    the run writes, its identity (`train.state.identity`) and the signal record."""
 
     settings: RunSettings
     graphdef: object  # nnx.GraphDef of the model
@@ -60,7 +52,7 @@ class StepContext:
     metrics_path: Path
     run_identity: identity.RunIdentity
     stop: interrupt.Stop
-    evaluator: evaluate.Evaluator | None = None  # --eval-data (train.evaluate)
+    evaluator: evaluate.Evaluator | None = None  # --eval-data (train.step.evaluate)
 
 
 def execute(run: RunSettings, stop: interrupt.Stop) -> int:
@@ -87,11 +79,11 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     ident.add_eval_data(None if eval_src is None else evaluate.identity(eval_src))
     tc, cfg = run.train, run.model
     mesh = train_mesh.make_mesh(tc.mesh)
-    est = guards.check_fits(cfg, tc, mesh, force=run.force)  # before anything is allocated
+    est = fit.check_fits(cfg, tc, mesh, force=run.force)  # before anything is allocated
     log(
         f"building {run.config}: {est.params:,} parameters, train state and gradients "
-        f"{guards.fmt_bytes(est.per_device)} per device"
-        + (f" (+ {guards.fmt_bytes(est.host)} in host memory)" if est.host else "")
+        f"{fit.fmt_bytes(est.per_device)} per device"
+        + (f" (+ {fit.fmt_bytes(est.host)} in host memory)" if est.host else "")
         + f", {jax.device_count()} {jax.default_backend()} devices"
     )
     fresh = source is not None and not run_io.committed_steps(out.resolve() / "checkpoints")
@@ -248,7 +240,7 @@ def train(t: StepContext, state, start: int, meta: dict):
             if t.evaluator is not None and (
                 s % (tc.eval_every or run.steps) == 0 or s == run.steps
             ):
-                rec.update(t.evaluator(state).record())  # the held-out loss (train.evaluate)
+                rec.update(t.evaluator(state).record())  # the held-out loss (train.step.evaluate)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             if not run.quiet:
@@ -295,12 +287,12 @@ def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) 
     (process 0), whose path is the last line."""
     tc, cfg = run.train, run.model
     if run.memory_table:
-        rows = report.memory_rows(cfg, tc, mesh, compiled, log=log, packed=packed)
+        rows = memory.memory_rows(cfg, tc, mesh, compiled, log=log, packed=packed)
         log(
             f"\nper-device memory of the train step ({jax.device_count()} devices, mesh "
             f"{dict(mesh.shape)}, {accumulate.describe(tc)}, "
             f"{tc.compute_dtype}; XLA memory_analysis of the compiled step):\n"
-            + report.memory_table(rows)
+            + memory.memory_table(rows)
         )
     if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
         label = plot.dispatcher_label(metrics_path, cfg.moe.options.dispatcher)

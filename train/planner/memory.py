@@ -1,6 +1,7 @@
-"""The end-of-run report: the train step's per-device memory with each dispatcher, from XLA's
-buffer assignment of the compiled step (`memory_analysis()`), compile-only for the dispatchers
-that did not train.
+"""A compiled train step's memory: its device and host peaks (`footprint`, `host_footprint`, what
+the planner measures) and the trainer's end-of-run report (`--memory-table`): the step's
+per-device memory with each dispatcher, from XLA's buffer assignment of the compiled step
+(`memory_analysis()`), compile-only for the dispatchers that did not train.
 
 The step of another dispatcher is the same program with `ModelConfig.moe.options` changed,
 compiled against the abstract state (`train_step.compile_abstract`: shapes and shardings, nothing
@@ -36,7 +37,7 @@ def memory_rows(cfg, tc, mesh, trained=None, log=print, packed: bool = False):
     when it is none of them; `trained` is the compiled step that ran (reused for the config's
     own options), the others are compiled against the abstract state
     (`train_step.compile_abstract`, with segment ids if `packed`)."""
-    from . import train_step  # the train extra's packages: `train.cli` imports this module
+    from ..step import train_step  # the train extra's packages: `train.cli` imports this module
 
     own = cfg.moe.options.applicable()
     configs = [(label, cfg.replace(**over)) for label, over in MEMORY_TABLE_ROWS]

@@ -1,5 +1,5 @@
 """Per-step feedback: one line per step with a progress bar, the losses, grad norm, learning
-rate, the held-out loss and perplexity at the steps that evaluate (`train.evaluate`), tokens per
+rate, the held-out loss and perplexity at the steps that evaluate (`step.evaluate`), tokens per
 optimizer step (every micro-batch of `grad_accum`), tokens/s, step time and the time left. Plain
 lines (no carriage returns), so a log file reads the same as a terminal."""
 

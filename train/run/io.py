@@ -1,12 +1,14 @@
-"""A run's writes and stops: checkpoint saves and waits (a failed save is a `guards.WriteError`
+"""A run's writes and stops: checkpoint saves and waits (a failed save is a `WriteError`
 naming the directory and the newest complete checkpoint), metrics.jsonl opened for appending, and
-the `interrupt.Interrupted` a signal becomes before or during training (`train.run`)."""
+the `interrupt.Interrupted` a signal becomes before or during training (`train.run.loop`)."""
 
 import contextlib
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from . import distributed, guards, interrupt, train_step
+from ..errors import WriteError, describe_write_error, os_error_text
+from ..state import checkpoint as ckpt
+from ..step import train_step
+from . import distributed, interrupt
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -19,15 +21,15 @@ def committed_steps(directory) -> list[int]:
         return []
 
 
-def write_error(e: BaseException, mngr) -> guards.WriteError | None:
+def write_error(e: BaseException, mngr) -> WriteError | None:
     """A WriteError for an operating-system failure of a checkpoint save (disk full, read-only
     directory; orbax reports a failed asynchronous save at the next save or wait), else None."""
-    why = guards.os_error_text(e)
+    why = os_error_text(e)
     if why is None:
         return None
     steps = committed_steps(mngr.directory)
     last = f"step {steps[-1]}" if steps else "none"
-    return guards.WriteError(
+    return WriteError(
         f"saving a checkpoint in {mngr.directory} failed: {why} (the newest "
         f"complete checkpoint: {last})"
     )
@@ -73,7 +75,7 @@ def metrics_file(path: Path):
         with distributed.open_on_main(path, "a") as f:
             yield f
     except OSError as e:
-        raise guards.WriteError(f"writing {path} failed: {guards.describe_write_error(e)}") from e
+        raise WriteError(f"writing {path} failed: {describe_write_error(e)}") from e
 
 
 # --------------------------------------------------------------------------- signals

@@ -9,7 +9,7 @@ puts them on the train step's batch sharding (`train_step.put_batch`); they stay
 With `grad_accum=N` a batch is a micro-batch of `batch_size` rows, the step's batch sharding's.
 
 Every `eval_every` steps and at the last step, `Evaluator` runs the model on those rows with the
-train step's own loss terms (`train.objective.make_terms`: the same cast, chunked LM head, masks)
+train step's own loss terms (`objective.make_terms`: the same cast, chunked LM head, masks)
 compiled as a separate forward-only program: it takes the state's parameters and other variables
 on their shardings (with `offload_optimizer`, fetched from host memory as the step fetches them),
 donates nothing and changes nothing. It returns each batch's summed next-token loss and its count
@@ -32,13 +32,13 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.xla_options import XLA_OPTIONS
 
+from ..data import loader
+from ..data.format import DatasetError
+from ..data.prepared import PreparedSource
+from ..data.source import Batch
+from ..settings import RunSettings
 from . import objective, train_step
-from .data import loader
-from .data.format import DatasetError
-from .data.prepared import PreparedSource
-from .data.source import Batch
 from .offload import fetch_params
-from .settings import RunSettings
 
 EVAL_SEED = 0  # the shuffle that picks the evaluation rows: fixed, not the training seed
 
@@ -103,7 +103,7 @@ def open_eval_data(run: RunSettings, train_data) -> PreparedSource:
 
 
 def identity(source: PreparedSource) -> dict:
-    """What the checkpoint metadata records of the evaluation data (`train.identity`): its
+    """What the checkpoint metadata records of the evaluation data (`train.state.identity`): its
     directory and manifest sha256, as the training data's `identity()` has them."""
     return source.identity()["dataset"]
 
@@ -149,7 +149,8 @@ class Evaluator:
             for b in read_rows(source, rows, tc.eval_batches)
         ]
         key = (train_step.step_key(run.model, tc, shape, ids_sharding.mesh, source.packed), "eval")
-        if key not in train_step._COMPILED:
+
+        def build():
             sharding = lambda t: jax.tree.map(lambda x: x.sharding, t)
             jitted = jax.jit(
                 make_eval(graphdef, tc),
@@ -157,9 +158,9 @@ class Evaluator:
                 out_shardings=NamedSharding(ids_sharding.mesh, P()),
                 compiler_options=XLA_OPTIONS,
             )
-            lowered = jitted.lower(state.params, state.rest, self.batches[0])
-            train_step._COMPILED[key] = lowered.compile()
-        self.compiled = train_step._COMPILED[key]
+            return jitted.lower(state.params, state.rest, self.batches[0]).compile()
+
+        self.compiled = train_step.memoised(key, build)
 
     def __call__(self, state) -> EvalResult:
         outs = jax.device_get([self.compiled(state.params, state.rest, b) for b in self.batches])

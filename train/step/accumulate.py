@@ -41,13 +41,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..data.source import Batch
 from . import objective
-from .data.source import Batch
 
 
 def accumulated_value_and_grad(graphdef, dtype, loss_chunk: int, packed: bool, n: int):
     """fn(params, rest, batch) -> ((loss, (lm_loss, aux)), grads) like
-    `jax.value_and_grad(train_step.make_loss(...), has_aux=True)`, for a `Batch` of [N, B, S]
+    `jax.value_and_grad(objective.make_loss(...), has_aux=True)`, for a `Batch` of [N, B, S]
     arrays: the gradients (float32) summed over the N micro-batches by a `lax.scan`, each term
     averaged as the module docstring says; `aux` a `ModelAux` of the means over micro-batches
     (its integer counts, `expert_load` and `dropped_pairs`, summed)."""

@@ -9,7 +9,7 @@ probe is one compile; `Search.probes` keeps what each measured, in order.
 A size fits when its device bytes fit `capacity` and, when `peak_of` measures host memory too
 (returns a `(device bytes, host bytes)` pair) and a `host_capacity` is given, its host bytes fit
 that: both at once (`overflow` names the memory that does not). Host bytes are the pinned host
-memory of offloaded state and residuals (`report.host_footprint`).
+memory of offloaded state and residuals (`memory.host_footprint`).
 
 `largest_listed(sizes, ...)`: the largest of a given list of sizes that fits (the paper's tested
 sequence lengths), with as few compiles as a peak that is close to affine in the size allows: the

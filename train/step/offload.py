@@ -1,7 +1,7 @@
 """`offload_optimizer=true`: the float32 master weights and the AdamW moments in pinned host memory.
 
 Between steps the parameters (float32) and the optimizer's moments live in `pinned_host` memory
-(their shardings are the stored ones, `train.storage.stored_sharding`, with that memory kind; the
+(their shardings are the stored ones, `storage.stored_sharding`, with that memory kind; the
 optimizer's counts, the expert bias and the key stay on the device). Inside the step:
 
 1. `fetch_params`: the parameters come to the device in the compute dtype, one stacked layer per
@@ -37,8 +37,8 @@ from flax import nnx
 
 from relaymoe_jax.models.sharding import LAYERS
 
+from ..settings import TrainConfig
 from .optimizer import make_schedule, weight_decayed
-from .settings import TrainConfig
 
 HOST = "pinned_host"
 DEVICE, HOST_SPACE = jax.memory.Space.Device, jax.memory.Space.Host

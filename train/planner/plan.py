@@ -13,23 +13,23 @@ memory per device (`--host-memory`, below), for each dispatcher:
    per-device peak from XLA's buffer assignment (`memory_analysis()`: arguments + temporaries +
    outputs not aliased to donated arguments); the budget is the usable memory minus that peak.
    Its host bytes (pinned host memory: `offload_optimizer`'s train state, `offload_layer_inputs`'
-   residuals; `report.host_footprint`) must fit the usable `--host-memory` as well;
+   residuals; `memory.host_footprint`) must fit the usable `--host-memory` as well;
 2. choose one option per layer with the greedy c/m solver (`relaymoe_jax.remat`);
 3. compile the planned step and check its peak fits (else plan again within less: `plan_remat`);
    report the FLOPs it no longer recomputes, from `cost_analysis()` (full minus planned);
 4. with `--max-batch` / `--max-seq`, find the largest micro-batch at `--seq` / sequence length at
    `--batch` (never past the model's `max_position_embeddings`, nor is `--seq`) whose fully
-   recomputed step fits, device and host (`train.search`: doubling then bisection, one compile
+   recomputed step fits, device and host (`search`: doubling then bisection, one compile
    per probe), and plan the remat at that size.
 
 A step fits when its device bytes fit `--usable` x `--memory` and its host bytes fit `--usable` x
 `--host-memory` (default: the per-GPU share of an 8-GPU `--target` node's RAM, 2 TiB / 8 =
-256 GiB for H100 and H200, the H100 node's without `--target`; `planner_args.host_memory`); a row
+256 GiB for H100 and H200, the H100 node's without `--target`; `args.host_memory`); a row
 that does not says which memory it overflows. With `offload_layer_inputs` every layer stays
 `full` (the config requires it), so the plan is all `full` whatever the budget.
 
 The dispatchers: `--dispatchers` (default ring,alltoall) or `dispatcher=X` alone
-(`planner_args.planned_dispatchers`); each table row names its options (`report.options_label`:
+(`args.planned_dispatchers`); each table row names its options (`memory.options_label`:
 "alltoall (capacity 1.0)"), and an op option on the command line that none of them uses is
 refused before compiling, as the trainer refuses it (`settings.check_options_used`).
 
@@ -59,11 +59,7 @@ the solver's formula only.
 
 import dataclasses
 import math
-import os
 import sys
-
-if __name__ == "__main__" and "--target" in sys.argv:  # before jax: see relaymoe_jax.gpu_mesh
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
@@ -73,12 +69,16 @@ from relaymoe_jax.cli.argtypes import positive_int as positive_int  # benchmarks
 from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config_files import load_config, parse_overrides
 
-from . import mesh as train_mesh
-from . import planner_args, search, train_step
-from .planner_args import SEQ_STEP as SEQ_STEP
-from .planner_args import parse_memory as parse_memory
-from .planner_args import planned_dispatchers
-from .planner_report import (
+from ..settings import TRAIN_FIELDS, TrainConfig, sized_train_config
+from ..step import mesh as train_mesh
+from ..step import train_step
+from . import args as planner_args
+from . import search
+from .args import SEQ_STEP as SEQ_STEP
+from .args import parse_memory as parse_memory
+from .args import planned_dispatchers
+from .memory import footprint, host_footprint, options_label
+from .report import (
     Findings,
     LargestSize,
     Misfit,
@@ -87,17 +87,15 @@ from .planner_report import (
     replan_notes,
     summary,
 )
-from .report import footprint, host_footprint, options_label
-from .settings import TRAIN_FIELDS, TrainConfig, sized_train_config
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    peak: int  # device bytes per device (report.footprint)
+    peak: int  # device bytes per device (memory.footprint)
     flops: float | None  # cost_analysis()["flops"] of the whole step, per device; None when the
     # compiler gives none (XLA:GPU without a device)
     state: int | None = None  # device bytes of the step's arguments: the train state on the device
-    host: int = 0  # host bytes per device (report.host_footprint): offloaded state and residuals
+    host: int = 0  # host bytes per device (memory.host_footprint): offloaded state and residuals
     host_state: int | None = None  # host bytes of the step's arguments: the offloaded train state
 
     @classmethod
@@ -156,7 +154,7 @@ def largest_size(
 
 @dataclasses.dataclass(frozen=True)
 class RematReport:
-    dispatcher: str  # as the tables name it: report.options_label ("alltoall (dropless)")
+    dispatcher: str  # as the tables name it: memory.options_label ("alltoall (dropless)")
     capacity: int
     full: StepCost
     plan: remat.Plan
@@ -333,6 +331,7 @@ def main(argv=None) -> int:
     fits either."""
     args = planner_args.parse(argv, __doc__.splitlines()[0])
     over = parse_overrides(args.overrides)
+    planner_args.refuse_run_only(over)  # seed, save_every, ...: the step never reads them
     sizes = {"batch_size": ("--batch", args.batch), "seq_len": ("--seq", args.seq)}
     tc = sized_train_config(over, sizes)  # takes the trainer keys out of `over`
     dispatchers = planned_dispatchers(args.dispatchers, over)
@@ -386,7 +385,9 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """`python -m train.planner` (`train/planner/__main__.py`): 8 emulated CPU devices (unless
+    XLA_FLAGS sets a device count), then `main`; an error is one line on stderr, exit status 1."""
     use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
     try:
         sys.exit(main())

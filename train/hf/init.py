@@ -6,7 +6,7 @@
   not be loaded. One that keeps every shape (top-k, the router losses, the op's options,
   recomputation, the layer scan) applies.
 * The weights go straight into the sharded train state (`load_model`): each parameter is made
-  on its stored sharding (`train.storage.stored_sharding`: over `fsdp` and `context` too) by
+  on its stored sharding (`train.step.storage.stored_sharding`: over `fsdp` and `context` too) by
   `relaymoe_jax.models.hf.from_pretrained`, each device reading only its slice, so the host holds
   one tensor at a time (one stacked tensor of all layers with `scan_layers`). Variables the
   checkpoint has no tensor for (the aux-loss-free expert bias) start at zero, as a fresh model's
@@ -14,7 +14,7 @@
 * The run identity records the source (`source_identity`: its path and a sha256 over its
   config.json, its index and, per weights file, the size, the safetensors header and 16 evenly
   spaced 64 KiB blocks of the data), so a resume with another checkpoint is refused (`init`,
-  `train.identity`). Sampling reads about 1 MiB per file, not the whole files; a base and an
+  `train.state.identity`). Sampling reads about 1 MiB per file, not the whole files; a base and an
   instruct model share config, index and headers but differ in every block.
 * The checkpoint's `tokenizer.json`, when it has one, is the data's: `--data FILE` without
   `--tokenizer` is prepared with it, and a prepared `--data DIR` or a `--tokenizer` of another
@@ -36,7 +36,7 @@ from relaymoe_jax.models.config_files import IMPLIED_BY_OFFLOAD
 from relaymoe_jax.models.hf_config import HF_ARCHS, OURS_ONLY, config_from_hf
 from relaymoe_jax.models.qwen import QwenMoe
 
-from .storage import stored_sharding
+from ..step.storage import stored_sharding
 
 CONFIG, INDEX, SINGLE, TOKENIZER = (
     "config.json",
@@ -198,7 +198,7 @@ def check_data(src: HFSource | None, run, data_identity: dict) -> dict | None:
         return None
     tok = data_identity.get("tokenizer")
     if src.tokenizer is not None and "synthetic" not in data_identity:
-        from .data.format import sha256_file
+        from ..data.format import sha256_file
 
         if tok is None or tok.get("sha256") != sha256_file(src.tokenizer):
             used = "the byte-level tokenizer" if tok is None else tok.get("path")

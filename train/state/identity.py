@@ -13,7 +13,7 @@ Every checkpoint's JSON metadata records
   either with `"loader"`, how rows are packed (`train.data.loader.PACKING`: checkpoints of the
   trainer's earlier text packing, without it, read other rows), or `{"synthetic": true}`.
 * `init`: the weights the run started from: null (random, seeded), or a Hugging Face checkpoint
-  (`--init-from-hf`: its path and a sha256 of its content, `train.hf_init.source_identity`).
+  (`--init-from-hf`: its path and a sha256 of its content, `train.hf.init.source_identity`).
 
 A rerun on the same --out compares them, key by key, with its own (the checkpoint it restores;
 nothing is checked when it has nothing left to train):
@@ -66,9 +66,9 @@ import numpy as np
 
 from relaymoe_jax.models.config import KEYS, ModelConfig
 
+from ..settings import RunSettings, TrainConfig
+from ..step.optimizer import make_schedule, schedule_horizon
 from . import checkpoint as ckpt
-from .optimizer import make_schedule, schedule_horizon
-from .settings import RunSettings, TrainConfig
 
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer", "init")
@@ -89,7 +89,7 @@ SAME_MATH = frozenset(
         "max_position_embeddings",
         "loss_chunk",
         "save_every",
-        "eval_every",  # the held-out evaluation (train.evaluate) never changes training
+        "eval_every",  # the held-out evaluation (train.step.evaluate) never changes training
         "eval_batches",
     }
 )
@@ -228,7 +228,7 @@ def _init_change(old: dict | None, new: dict | None) -> list[Change]:
 
 
 def _eval_change(meta: dict, new: dict | None) -> list[Change]:
-    """The held-out evaluation data's change (`--eval-data`, `train.evaluate`: by its manifest's
+    """The held-out evaluation data's change (`--eval-data`, `step.evaluate`: by its manifest's
     sha256), same math: it never changes training. Checkpoints that did not record it: none."""
     if "eval_data" not in meta:
         return []
@@ -241,7 +241,7 @@ def _eval_change(meta: dict, new: dict | None) -> list[Change]:
 
 class RunIdentity:
     """This run's identity (`meta`, saved with every checkpoint) and the resume check
-    (`check`, the `check_meta` hook of `train.checkpoint.restore`). `data`: what the data
+    (`check`, the `check_meta` hook of `train.state.checkpoint.restore`). `data`: what the data
     source records (`train.data.Source.identity`)."""
 
     def __init__(
@@ -260,7 +260,7 @@ class RunIdentity:
         self.train = json_value(dataclasses.asdict(tc))
         self.data = data
         self.meta = {"model_config": self.model, "train_config": self.train, "data": self.data}
-        self.meta["init"] = init  # --init-from-hf: the checkpoint's path and sha256 (train.hf_init)
+        self.meta["init"] = init  # --init-from-hf: the checkpoint's path and sha256 (train.hf.init)
         self.steps, self.allow, self.explicit_schedule = steps, frozenset(allow), explicit_schedule
         self.out = out
         self._lr = np.asarray(make_schedule(tc)(np.arange(steps)), np.float64)
@@ -320,7 +320,7 @@ class RunIdentity:
             )
 
     def add_eval_data(self, eval_data: dict | None) -> None:
-        """Record the held-out evaluation data (`train.evaluate.identity`) in the metadata."""
+        """Record the held-out evaluation data (`train.step.evaluate.identity`) in the metadata."""
         self.meta["eval_data"] = eval_data
 
     def report(self, log) -> None:

@@ -1,6 +1,6 @@
 """The train step's objective: next-token cross-entropy plus the router losses, as functions of
 the parameters (`make_loss` for one batch; `make_terms` for its pieces, which
-`train.accumulate` weights across micro-batches).
+`train.step.accumulate` weights across micro-batches).
 
 The parameters are gathered from their storage (`stored_sharding`) and, with
 `compute_dtype="bfloat16"` (`TrainConfig` checks it), cast to bf16 for the forward and backward:
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.models.loss import lm_loss
 
-from .data.source import Batch
+from ..data.source import Batch
 from .offload import is_stacked
 from .storage import gather_stored, is_variable
 

@@ -1,7 +1,7 @@
 """The optimizer: AdamW with global-norm clipping, linear warmup and cosine decay.
 
 The cosine horizon (`schedule_horizon`) is the trainer's `schedule_steps` if set, else the run's
---steps (`train.identity` records it, so that a resume keeps it).
+--steps (`train.state.identity` records it, so that a resume keeps it).
 """
 
 import jax
@@ -10,7 +10,7 @@ from flax import nnx
 
 from relaymoe_jax.models.sharding import LAYERS
 
-from .settings import TrainConfig
+from ..settings import TrainConfig
 
 # The cosine horizon of `make_optimizer` when `schedule_steps` is None and no run length is
 # given (compile-only uses: the planner, the benchmarks); the trainer always passes --steps.
