@@ -270,8 +270,6 @@ def compile_step(
     `runner(fn)` runs the lowering and compile `fn` (default:
     calls it); a None it returns (`train.run.interrupt.unless_stopped`: a signal came first) is
     returned as is and not memoised."""
-    if key is not None and key in _COMPILED:
-        return _COMPILED[key]
     shardings = jax.tree.map(lambda x: x.sharding, state)
     # without these XLA:GPU waits for most of a ring hop's transfer before its compute
     # (relaymoe_jax/xla_options.py); XLA:CPU ignores them
@@ -285,10 +283,8 @@ def compile_step(
     ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=ids_sharding)
     batch = Batch(ids, ids, ids) if packed else Batch(ids)
     build = lambda: jitted.lower(state, batch).compile()
-    compiled = build() if runner is None else runner(build)
-    if key is not None and compiled is not None:
-        _COMPILED[key] = compiled
-    return compiled
+    run = build if runner is None else (lambda: runner(build))
+    return run() if key is None else memoised(key, run)
 
 
 def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool = False):
