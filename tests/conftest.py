@@ -24,7 +24,7 @@ Compile time is most of the suite's time, so these settings cut it without chang
   XLA_FLAGS). With no GPU there is nothing to time, yet at XLA's default level its config pass
   still compiles candidate Triton tilings to find the first that compiles, about half of each
   deviceless compile. Checked on the 30 GPU programs of tests/test_gpu_compile.py,
-  test_attention_gpu_compile.py, test_multinode_gpu.py and test_offload_layer_inputs.py
+  test_attention_gpu_compile.py, test_multinode_gpu.py and (then) test_offload_layer_inputs.py
   (XLA_FLAGS's --xla_dump_to at levels 0 and 4): the same optimized HLO in the same order (the
   schedule), the same Triton tilings and the same buffer bytes; tests/test_gpu_compile.py alone
   fell from 223 s to 122 s (one pytest process, nothing else running);
