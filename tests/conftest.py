@@ -33,6 +33,13 @@ Compile time is most of the suite's time, so these settings cut it without chang
   is traced and compiled once, in one process. (xdist's `loadgroup` cannot group under pytest 9.2:
   it rewrites `item._nodeid`, which pytest no longer reads.)
 
+Every test has a hard time limit (pyproject's `faulthandler_timeout` with
+`faulthandler_exit_on_timeout`): past it the process prints every thread's stack and exits, so a
+test that hangs (jax's Mosaic GPU interpreter can wait forever on its barriers:
+`relaymoe_jax/kernels/attention/interpret.py`) fails, named by xdist as the test its worker
+crashed in, instead of holding CI until its own limit. XLA:CPU gets at least the threads that
+interpreter needs (NPROC, `interpret.reserve_threads`).
+
 The trainer's cache of prepared text (`train.data.prepared.cache_dir`) is a directory of the run's
 cache, not the user's ~/.cache.
 """
@@ -63,7 +70,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from relaymoe_jax.cli.devices import use_cpu_devices  # noqa: E402
+from relaymoe_jax.kernels.attention import interpret  # noqa: E402
 
+interpret.reserve_threads()
 use_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_enable_compilation_cache", False)  # subprocesses keep it (docstring)

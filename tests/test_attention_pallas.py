@@ -153,7 +153,7 @@ def test_cases_hold_what_they_claim(results):
 @pytest.mark.parametrize("name", CASES)
 def test_visits_counted_by_the_kernel(results, name):
     """The kernel's loop ran once per key block holding a visible pair (union over the batch,
-    which shares the block lists) for every row, head and query block: exactly these, so a
+    which shares the block ranges) for every row, head and query block: exactly these, so a
     skipped visible block or a visited masked one changes the count."""
     r = results[name]
     pad = lambda x: -(-x // BLOCK) * BLOCK

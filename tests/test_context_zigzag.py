@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_models import input_ids, lm_loss, mesh, tiny
 
-from relaymoe_jax.kernels.attention.blocks import PAD_KEY, PAD_QUERY, blocks, visible_blocks
+from relaymoe_jax.kernels.attention.blocks import PAD_KEY, PAD_QUERY, blocks, key_ranges
 from relaymoe_jax.models import QwenMoe, context
 from relaymoe_jax.models.sharding import rules_for
 
@@ -50,7 +50,8 @@ def test_moves_equal_numpy_and_their_gradient_is_the_inverse(shape, names):
 
 
 def _per_device_pairs(order, c, block):
-    """Block pairs each device's queries visit against all keys (in `order`), causal."""
+    """Block pairs each device's queries visit against all keys (in `order`), causal: the
+    lengths of the key-block ranges (`key_ranges`) of its query blocks."""
     s = order.size
     k_idx = jnp.asarray(order)[None]
     ki = blocks(k_idx, block, PAD_KEY)
@@ -58,7 +59,8 @@ def _per_device_pairs(order, c, block):
     out = []
     for d in range(c):
         qi = blocks(k_idx[:, d * share : (d + 1) * share], block, PAD_QUERY)
-        out.append(int(visible_blocks(qi, ki).sum()))
+        ranges = key_ranges(qi, ki)
+        out.append(int((ranges.end - ranges.start).sum()))
     return np.asarray(out)
 
 

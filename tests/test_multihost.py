@@ -140,6 +140,11 @@ def _check_rows_and_rings(logs: Path) -> None:
     assert read["single"] == set(range(8))
 
 
+_GLOO_WORDS = re.compile(
+    r"\[Gloo\]|\b(?:Rank|is|connected|to|peer|ranks|Expected|number|of)\b|[.:]|\d+|\s+"
+)
+
+
 def test_two_processes_match_one(tmp_path):
     """On a prepared dataset of many documents: the batches carry segment ids, and each process
     puts only its rows (tokens, segment ids, positions) into the global batch. The two
@@ -186,8 +191,11 @@ def test_two_processes_match_one(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-6), (s, a, b)
     assert "data: 400 document(s)" in (tmp_path / "p0.out").read_text()
     assert "done: step 5" in (tmp_path / "single.out").read_text()
-    printed = (tmp_path / "p1.out").read_text().splitlines()  # only process 0 prints:
-    assert all(ln.startswith("[Gloo] ") for ln in printed), printed  # gloo's lines, no trainer's
+    # Only process 0 prints: process 1's stdout holds gloo's connection lines and nothing else.
+    # Gloo's threads write them piece by piece and interleave ("[Gloo] Rank [Gloo] Rank 7 is ..."),
+    # so strip gloo's words wherever they fall and check nothing (no trainer's word) is left.
+    printed = (tmp_path / "p1.out").read_text()
+    assert not _GLOO_WORDS.sub("", printed).strip(), printed
 
 
 @pytest.mark.parametrize(

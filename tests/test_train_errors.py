@@ -4,18 +4,22 @@ The trainer (`python -m train`): a bad `--out`, a config too big for this machin
 misplaced keys, an empty config file fail before the model is built (the `no_build` fixture
 fails the test if the run gets that far); `--help` documents every flag and every key=value
 setting with its default; the start-up lines come before the first compile; a signal handler
-only records the signal. The planner's "nothing fits" is exit status 1 and bad sizes are
-argument errors; the benchmarks refuse bad arguments in argparse. Disk-full during a run and the
-SIGINT / SIGTERM stops are subprocess tests in tests/test_train_kill.py.
+only records the signal, and a second signal's answer (at once, or after the checkpoint being
+written) names the newest committed checkpoint. The planner's "nothing fits" is exit status 1
+and bad sizes are argument errors; the benchmarks refuse bad arguments in argparse. Disk-full
+during a run and the SIGINT / SIGTERM stops are subprocess tests in tests/test_train_kill.py.
 """
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +29,7 @@ from train import cli, errors
 from train.planner import fit
 from train.planner import plan as planner
 from train.run import guards, interrupt
+from train.run import io as run_io
 from train.settings import TrainConfig
 from train.step import mesh as tm
 from train.step import optimizer, train_step
@@ -327,26 +332,115 @@ def test_start_up_lines_come_before_the_compile(tmp_path, capsys, monkeypatch):
 # --------------------------------------------------------------------------- signals, errors
 
 
-def test_stop_records_signals_and_restores_handlers(capfd):
-    """The first signal is the one; a repeated one says what the run is still doing: before the
-    first step there is no step and no checkpoint to finish."""
+def _waited(ready, what: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < end, f"{what} not within {timeout_s} s"
+        time.sleep(0.01)
+
+
+# a second signal's note while a checkpoint is written
+WAITING = (
+    "waiting for it, then exiting (SIGKILL stops at once; an unfinished save is never restored)"
+)
+
+
+def test_stop_records_the_first_signal_and_restores_handlers():
+    """The first signal is the one the run stops on; the handler only records it. On exit the
+    handlers and the wakeup fd are the previous ones again and the watcher thread ends."""
     before = signal.getsignal(signal.SIGTERM)
-    with interrupt.Stop() as stop:
+    exits = queue.Queue()
+    with interrupt.Stop(exit_now=exits.put) as stop:
         assert stop.requested() is None
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() == signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGINT)  # the first signal stays the one
-        assert stop.requested() == signal.SIGTERM and stop.count == 2
-        stop.training = True
-        os.kill(os.getpid(), signal.SIGINT)
+        _waited(lambda: stop.count == 1, "the watcher seeing the signal")
     assert signal.getsignal(signal.SIGTERM) is before
-    assert capfd.readouterr().err.splitlines() == [
-        "SIGINT again: stopping before the first step; nothing to finish or save",
-        "SIGINT again: still finishing the step in progress and its checkpoint, then exiting "
-        "(SIGKILL stops at once; an unfinished save is never restored)",
-    ]
+    assert signal.set_wakeup_fd(-1) == -1  # none was set before
+    watcher = "relaymoe-train-signals"
+    _waited(lambda: watcher not in {t.name for t in threading.enumerate()}, "the watcher's end")
+    assert exits.empty() and stop.signum == signal.SIGTERM
     assert interrupt.Interrupted(signal.SIGINT, "x").exit_code == 130
     assert interrupt.Interrupted(signal.SIGTERM, "x").exit_code == 143
+
+
+def test_a_second_signal_stops_at_once_unless_a_checkpoint_is_being_written(tmp_path, capfd):
+    """The watcher thread's answer to a second (third, ...) signal (the process's end,
+    `exit_now`, recorded here instead): before the first step, during a step, or after a step
+    saved, at once, with a line naming the newest committed checkpoint (not a temporary
+    directory); while a checkpoint is written in the background, a note, then the same once it is
+    committed; while the trainer saves the step it stops after, a note only (the trainer exits
+    with its own line)."""
+    ckdir = tmp_path / "checkpoints"
+    (ckdir / "3").mkdir(parents=True)
+    tmp6 = ckdir / "6.orbax-checkpoint-tmp-1"
+    tmp6.mkdir()
+    background = threading.Event()  # the manager writing a checkpoint
+    exits = queue.Queue()
+    err: list[str] = []
+
+    def said(line: str) -> None:
+        _waited(lambda: err.extend(capfd.readouterr().err.splitlines()) or line in err, line)
+
+    def again(sig, code: int) -> None:
+        os.kill(os.getpid(), sig)
+        assert exits.get(timeout=10) == code
+
+    capfd.readouterr()
+    with interrupt.Stop(exit_now=exits.put, poll_s=0.01) as stop:
+        stop.watch(run_io.saves(tmp_path, SimpleNamespace(is_saving_in_progress=background.is_set)))
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: recorded
+        assert stop.requested() == signal.SIGTERM
+        again(signal.SIGINT, 130)
+        stop.step = 7
+        again(signal.SIGTERM, 143)
+        with stop.saving(6):  # then written in the background
+            pass
+        background.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        said(f"SIGTERM again while checkpoint step 6 is being written: {WAITING}")
+        assert exits.empty()
+        tmp6.rename(ckdir / "6")  # committed
+        background.clear()
+        assert exits.get(timeout=10) == 143
+        stop.step = 6
+        again(signal.SIGTERM, 143)
+        stop.step = 8
+        assert stop.requested() == signal.SIGTERM  # the trainer stops after step 8
+        with stop.saving(8):
+            os.kill(os.getpid(), signal.SIGINT)
+            said(f"SIGINT again while checkpoint step 8 is being written: {WAITING}")
+        assert exits.empty()
+    err.extend(capfd.readouterr().err.splitlines())
+    resume = f"a rerun resumes from checkpoint step {{}} in {ckdir.resolve()}"
+    assert err == [
+        "SIGINT again before the first step: stopping now; " + resume.format(3),
+        "SIGTERM again during step 7: stopping now without saving it; " + resume.format(3),
+        f"SIGTERM again while checkpoint step 6 is being written: {WAITING}",
+        "SIGTERM again during step 7: stopping now without saving it; " + resume.format(6),
+        "SIGTERM again after step 6: stopping now; " + resume.format(6),
+        f"SIGINT again while checkpoint step 8 is being written: {WAITING}",
+    ]
+
+
+@pytest.mark.parametrize("saves", ["none", "empty"])
+def test_a_second_signal_names_what_a_rerun_starts_from(tmp_path, capfd, saves):
+    """Without a committed checkpoint (none yet, or the run directory not known yet)."""
+    exits = queue.Queue()
+    capfd.readouterr()
+    with interrupt.Stop(exit_now=exits.put) as stop:
+        if saves == "empty":
+            stop.watch(run_io.saves(tmp_path))
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exits.get(timeout=10) == 143
+    resume = {
+        "none": "a rerun starts where this run did",
+        "empty": "no checkpoint yet: a rerun starts from step 0",
+    }[saves]
+    assert capfd.readouterr().err.splitlines() == [
+        f"SIGTERM again before the first step: stopping now; {resume}"
+    ]
 
 
 def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
@@ -378,8 +472,6 @@ def test_signal_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
 def test_unless_stopped_returns_at_a_signal_and_raises_what_fn_raises():
     """The compile's helper thread: its value or its exception; None as soon as a signal is
     recorded, the helper left running (the trainer then exits without waiting for it)."""
-    import threading
-
     release = threading.Event()
     with interrupt.Stop() as stop:
         assert interrupt.unless_stopped(lambda: 7, stop) == 7

@@ -10,17 +10,19 @@ uninterrupted run's metrics:
 
 1. SIGINT once 4 steps are logged: stops after its current step with that step checkpointed
    (exit status 130, one line);
-2. the restart resumes from that step; SIGTERM, and a second SIGTERM during the stop's
-   checkpoint, let the save finish (exit status 143) -- the restart resumes from that step;
+2. the restart resumes from that step and holds its first step until a SIGTERM comes (`_HELD`);
+   a second SIGTERM during the stop's checkpoint lets the save finish (exit status 143) -- the
+   restart resumes from that step;
 3. killed during a checkpoint write (`RELAYMOE_TRAIN_FAULT=kill-during-save:9`, the hook in
    `train.state.checkpoint`): the temporary directory of step 9 is left behind and never
    restored;
 4. the newest finalized checkpoint damaged on disk: the restart falls back to the previous
    step and trains to the end, logging the uninterrupted run's metrics.
 
-SIGINT during the first compile stops at once. A file that cannot grow (RLIMIT_FSIZE: EFBIG, as
-a full disk gives ENOSPC) during a checkpoint save or a metrics write is one line and exit
-status 1.
+SIGINT during the first compile stops at once. A step that never ends (blocked inside XLA, `_HELD`)
+is stopped at once by a second SIGTERM, naming the newest committed checkpoint. A file that cannot
+grow (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) during a checkpoint save or a metrics write
+is one line and exit status 1.
 
 The in-process tests check `train.state.checkpoint.restore` on a toy state: silent bit flips are
 caught by the checksums, a wrong structure is refused, and all-corrupt runs fail clearly.
@@ -65,6 +67,39 @@ TIMEOUT_S = 300  # one trainer process (compiles in ~10-20 s)
 
 def _cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "train", *ARGS, "--out", str(out)]
+
+
+# the trainer with its step N held (`python -c _HELD MODE N ARGS...`; no hook in the trainer):
+# "until-signal" runs it once the first signal is recorded, so the run stops after exactly step N;
+# "forever" blocks it inside XLA (a host callback that never returns), as a deadlocked kernel would
+_HELD = """
+import sys, threading, time
+import jax, numpy as np
+from jax.experimental import io_callback
+from train import cli
+from train.run import loop
+
+mode, held, run_step = sys.argv.pop(1), int(sys.argv.pop(1)), loop._step
+never = threading.Event()
+result = jax.ShapeDtypeStruct((), np.int32)
+stuck = jax.jit(lambda: io_callback(lambda: np.int32(never.wait()), result))
+
+def step(t, state, s):
+    if s == held:
+        print(f"step {s} held", flush=True)
+        if mode == "forever":
+            jax.device_get(stuck())
+        while t.stop.signum is None:
+            time.sleep(0.005)
+    return run_step(t, state, s)
+
+loop._step = step
+cli.entry()
+"""
+
+
+def _held_cmd(out: Path, mode: str, step: int) -> list[str]:
+    return [sys.executable, "-c", _HELD, mode, str(step), *ARGS, "--out", str(out)]
 
 
 # every trainer process compiles the same step: a persistent compilation cache shared by the
@@ -137,19 +172,29 @@ def _assert_checkpoints_intact(out: Path, steps: list[int]) -> None:
             assert ckpt.checksums(leaves) == got["meta"]["checksums"], s
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One uninterrupted run (its directory, which tests must not modify, and its metrics),
-    made once per session even across xdist workers."""
+def _shared_root(tmp_path_factory) -> Path:
+    """The session's temporary directory, one for all xdist workers."""
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    out = root / "kill_reference"
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> None:
+    """The persistent compilation cache shared by the session's trainer processes (`_env`)."""
+    root = _shared_root(tmp_path_factory)
     _CACHE.update(
         JAX_COMPILATION_CACHE_DIR=str(root / "kill_jax_cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, compile_cache) -> tuple[Path, list[dict]]:
+    """One uninterrupted run (its directory, which tests must not modify, and its metrics),
+    made once per session even across xdist workers."""
+    root = _shared_root(tmp_path_factory)
+    out = root / "kill_reference"
     with open(root / "kill_reference.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / "kill_reference.done").exists():
@@ -206,22 +251,29 @@ class Stage:
         return cls(**kw, listing=_listing(out), logged=[r["step"] for r in _metrics(out)])
 
 
-def _interrupt(out: Path, logs: Path, signum: int, after: int, again_while_saving=False):
-    """Run the trainer on `out`, send `signum` once `after` steps are logged (and, with
-    `again_while_saving`, again as soon as the temporary directory of a checkpoint of step
-    `after` or later appears: the stop's save, not an earlier periodic one that may still be
-    running)."""
+def _interrupt(out: Path, logs: Path, signum: int, after=0, held=0, again_while_saving=False):
+    """Run the trainer on `out` and send `signum` once `after` steps are logged, or with `held`,
+    once the trainer holds step `held` until a signal comes (`_HELD`), so that it stops after
+    exactly that step; with `again_while_saving`, send it again as soon as the temporary
+    directory of that step's checkpoint appears (the stop's save, not an earlier periodic one
+    that may still be running)."""
     logs.mkdir()
-    with open(logs / "out.log", "w") as so, open(logs / "err.log", "w") as se:
-        proc = subprocess.Popen(_cmd(out), cwd=ROOT, env=_env(), stdout=so, stderr=se)
+    log = logs / "out.log"
+    cmd = _held_cmd(out, "until-signal", held) if held else _cmd(out)
+    with open(log, "w") as so, open(logs / "err.log", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=so, stderr=se)
         try:
-            _wait_until(lambda: _lines(out / "metrics.jsonl") >= after, proc, TIMEOUT_S)
+            if held:
+                _wait_until(lambda: f"step {held} held" in log.read_text(), proc, TIMEOUT_S)
+            else:
+                _wait_until(lambda: _lines(out / "metrics.jsonl") >= after, proc, TIMEOUT_S)
             proc.send_signal(signum)
             sent_again = False
             if again_while_saving:
+                assert held, "the second signal needs the step the run stops after"
                 end = time.monotonic() + 60
                 while proc.poll() is None and time.monotonic() < end:
-                    if _tmp_dirs(out, min_step=after):
+                    if _tmp_dirs(out, min_step=held):
                         proc.send_signal(signum)
                         sent_again = proc.poll() is None
                         break
@@ -231,7 +283,7 @@ def _interrupt(out: Path, logs: Path, signum: int, after: int, again_while_savin
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-    stdout, err = (logs / "out.log").read_text(), (logs / "err.log").read_text()
+    stdout, err = log.read_text(), (logs / "err.log").read_text()
     return Stage.left(out, code=code, stdout=stdout, err=err, sent_again=sent_again)
 
 
@@ -249,7 +301,7 @@ def chain(tmp_path_factory, reference) -> dict[str, Stage]:
     assert got["sigint"].code == 130, (got["sigint"].stdout[-2000:], got["sigint"].err)
     s1 = got["sigint"].logged[-1]
     got["sigterm"] = _interrupt(
-        out, root / "b", signal.SIGTERM, after=s1 + 1, again_while_saving=True
+        out, root / "b", signal.SIGTERM, held=s1 + 1, again_while_saving=True
     )
     assert got["sigterm"].code == 143, (got["sigterm"].stdout[-2000:], got["sigterm"].err)
 
@@ -286,15 +338,16 @@ def test_sigint_checkpoints_the_current_step_and_resumes_bitwise(chain, referenc
 
 
 def test_sigterm_twice_lets_the_save_finish_and_resumes_bitwise(chain, reference):
-    """The second process of the chain, resumed from the SIGINT's step: the second SIGTERM
-    lands while the checkpoint of the stop is being written: a note, the save completes, the
-    run exits 143, and the next process resumes from that step."""
+    """The second process of the chain, resumed from the SIGINT's step, which it holds until
+    the SIGTERM comes: the second SIGTERM lands while the checkpoint of that step, the stop's, is
+    being written: a note naming it, the save completes, the run exits 143 with the stop's line,
+    and the next process resumes from that step."""
     b = chain["sigterm"]
     assert "Traceback" not in b.stdout + b.err
     step = _check_stopped(chain["out"], b, "SIGTERM")
-    assert chain["sigint"].logged[-1] < step < STEPS
+    assert step == chain["sigint"].logged[-1] + 1 < STEPS
     assert b.sent_again, "the save ended before the second signal could be sent"
-    assert "SIGTERM again: still finishing the step in progress and its checkpoint" in b.err
+    assert b.err.splitlines().count(f"SIGTERM again while {NOTE.format(step)}") == 1, b.err
     assert _resumed_step(chain["fault"].stdout) == step
     assert _values(chain["out"]) == reference[1]
 
@@ -334,10 +387,18 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(chain, reference):
     _assert_checkpoints_intact(out, [9, 10])
 
 
+# a second signal's note while the stop's checkpoint is written (`train.run.interrupt`)
+NOTE = (
+    "checkpoint step {} is being written: waiting for it, then exiting (SIGKILL stops at once; "
+    "an unfinished save is never restored)"
+)
+
+
 def _check_stopped(out: Path, stage: Stage, name: str) -> int:
     """The stop line names the step it saved, which is the last logged one, finalized, with no
     save left in progress."""
-    lines = [ln for ln in stage.err.splitlines() if not ln.startswith(f"{name} again: ")]
+    note = rf"{name} again while " + re.escape(NOTE).replace(re.escape("{}"), r"\d+")
+    lines = [ln for ln in stage.err.splitlines() if not re.fullmatch(note, ln)]
     assert len(lines) == 1, stage.err
     m = re.fullmatch(
         rf"interrupted by {name} after step (\d+): checkpoint step (\d+) saved in "
@@ -356,8 +417,9 @@ def test_sigint_during_the_first_compile_stops_at_once(tmp_path):
     """Ctrl-C while the first step compiles: nothing ran, so nothing is saved, and the run does
     not wait for the compile to end (it runs in a helper thread, `interrupt.unless_stopped`).
     A shape of its own and no compilation cache: a cold compile, which takes seconds; the
-    signal goes as soon as the compile starts. A repeated Ctrl-C never speaks of a step or a
-    checkpoint to finish."""
+    signal goes as soon as the compile starts. A repeated Ctrl-C, if it lands before the run has
+    stopped, stops it at once too: one line either way, never about a step or a checkpoint to
+    finish."""
     out = tmp_path / "run"
     cmd = ["seq_len=24" if a == "seq_len=32" else a for a in _cmd(out)]
     env = {k: v for k, v in _env().items() if k not in _CACHE}
@@ -378,14 +440,50 @@ def test_sigint_during_the_first_compile_stops_at_once(tmp_path):
     stdout, err = log.read_text(), (tmp_path / "err.log").read_text()
     assert code == 130, (stdout, err)
     assert "train step ready" not in stdout, stdout  # stopped before the compile ended
-    lines = [ln for ln in err.splitlines() if ln != "SIGINT again: " + STOPPING_NOTE]
-    assert lines == [
-        "interrupted by SIGINT before the first step; nothing new to save (no checkpoint yet)"
-    ], err
+    assert err.splitlines() in (
+        ["interrupted by SIGINT before the first step; nothing new to save (no checkpoint yet)"],
+        [
+            "SIGINT again before the first step: stopping now; no checkpoint yet: a rerun starts "
+            "from step 0"
+        ],
+    ), err
     assert not (out / "metrics.jsonl").exists() or not _lines(out / "metrics.jsonl")
 
 
-STOPPING_NOTE = "stopping before the first step; nothing to finish or save"
+def test_a_second_signal_stops_a_hung_step_at_once(tmp_path, compile_cache):
+    """A step that never ends (blocked inside XLA by a host callback that never returns, as by a
+    deadlocked kernel, `_HELD`): the first SIGTERM waits for it, as for any step; the second ends
+    the process at once, exit status 143, with one line naming the newest committed checkpoint,
+    which is intact (every step restores and matches its checksums) and holds no temporary
+    directory."""
+    out, held = tmp_path / "run", SAVE_EVERY + 2  # after one periodic checkpoint
+    log = tmp_path / "out.log"
+    with open(log, "w") as so, open(tmp_path / "err.log", "w") as se:
+        cmd = _held_cmd(out, "forever", held)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=so, stderr=se)
+        try:
+            _wait_until(lambda: f"step {held} held" in log.read_text(), proc, TIMEOUT_S)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            first_waited = proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            code = proc.wait(timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    stdout, err = log.read_text(), (tmp_path / "err.log").read_text()
+    assert first_waited, (stdout[-2000:], err)
+    assert code == 143 and took < 10, (code, took, stdout[-2000:], err)
+    saved = list(range(SAVE_EVERY, held, SAVE_EVERY))[-2:]  # max_to_keep=2
+    assert err.splitlines() == [
+        f"SIGTERM again during step {held}: stopping now without saving it; a rerun resumes "
+        f"from checkpoint step {saved[-1]} in {(out / 'checkpoints').resolve()}"
+    ], err
+    assert [r["step"] for r in _metrics(out)] == list(range(1, held))
+    _assert_checkpoints_intact(out, saved)
 
 
 # --- disk full (RLIMIT_FSIZE: writes past the size fail with EFBIG) -----------------------

@@ -7,9 +7,11 @@ num_experts...); the trainer fields also have `--flag` forms. The mesh comes fro
 checks it all into one `RunSettings`, which `train.run.loop` executes (steps, checkpoints, resume).
 
 SIGINT / SIGTERM stop the run after the step in progress, checkpointed (`train.run.interrupt`; exit
-status 130 / 143). Expected failures are one line on stderr and exit status 1, before the model is
-built where they can be (`train.run.guards`: `--out`; `train.planner.fit`: the memory check;
-`train.errors`: failed writes); every case and its test: docs/robustness.md.
+status 130 / 143); a second signal stops it at once, unless a checkpoint is being written (one line
+naming the checkpoint a rerun resumes from). Expected failures are one line on stderr and exit
+status 1, before the model is built where they can be (`train.run.guards`: `--out`;
+`train.planner.fit`: the memory check; `train.errors`: failed writes); every case and its test:
+docs/robustness.md.
 """
 
 import argparse
@@ -21,6 +23,7 @@ from pathlib import Path
 import jax
 
 from relaymoe_jax.cli.devices import use_cpu_devices
+from relaymoe_jax.kernels.attention import interpret as interpreter
 from relaymoe_jax.models.config import KEYS as MODEL_FIELDS
 from relaymoe_jax.models.config_files import load_config, parse_overrides, unknown_keys
 
@@ -288,7 +291,8 @@ def parse(argv) -> RunSettings:
 def main(argv=None) -> int:
     """The run of `argv` (default sys.argv[1:]); 0 when done. SIGINT and SIGTERM are caught
     while it trains (`train.run.interrupt`): it checkpoints the last completed step and raises
-    `interrupt.Interrupted` (exit status 128 + the signal's number from `entry`)."""
+    `interrupt.Interrupted` (exit status 128 + the signal's number from `entry`); a second signal
+    ends the process at once (the same status), unless a checkpoint is being written."""
     stop = interrupt.Stop()
     try:
         require_train_extra(_MISSING)
@@ -303,9 +307,12 @@ def main(argv=None) -> int:
 def entry() -> None:
     """Console entry point (`relaymoe-train`, `python -m train`): `CPU_DEVICES` emulated CPU
     devices (`relaymoe_jax.cli.devices.use_cpu_devices`: unless XLA_FLAGS sets a count; a GPU is
-    still used if jax has one), then `main`; clear one-line errors for bad input, a missing
-    `train` extra, a diverged loss, a failed write (disk full, read-only) and the like, exit
-    status 1; stopped by SIGINT / SIGTERM (after checkpointing): one line, exit status 130 / 143."""
+    still used if jax has one) and XLA:CPU threads enough for the Mosaic GPU interpreter
+    (`relaymoe_jax.kernels.attention.interpret.reserve_threads`: NPROC), then `main`; clear
+    one-line errors for bad input, a missing `train` extra, a diverged loss, a failed write
+    (disk full, read-only) and the like, exit status 1; stopped by SIGINT / SIGTERM (after
+    checkpointing; a second signal: at once, unless a checkpoint is being written): one line,
+    exit status 130 / 143."""
     if sys.argv[1:2] == ["prepare"]:  # `relaymoe-train prepare ...`: train/data/prepare.py
         from .data import prepare
 
@@ -317,6 +324,7 @@ def entry() -> None:
     try:
         require_train_extra(_MISSING)
         use_cpu_devices(CPU_DEVICES)
+        interpreter.reserve_threads()  # XLA:CPU's threads for attention_impl=pallas-interpret
         with guards.quiet_background_errors(keep=True):
             code = main()
     except interrupt.Interrupted as e:

@@ -74,7 +74,8 @@ def trainer_settings_help() -> str:
         "configs/*.yaml, e.g. dispatcher=alltoall routing=token capacity_factor=1.0). "
         "Exit status: 0 done; 1 an error, said in one line on stderr; 2 bad arguments; "
         "130 / 143 stopped by SIGINT / SIGTERM (after checkpointing the last completed "
-        "step: rerun the same command to resume)."
+        "step: rerun the same command to resume; a second signal stops at once, without "
+        "saving the step in progress, unless a checkpoint is being written)."
     )
     return (
         "trainer settings, as key=value or --key VALUE (shown with their defaults):\n"

@@ -45,8 +45,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.kernels.attention import api
+from relaymoe_jax.kernels.attention import interpret as interpreter
 from relaymoe_jax.kernels.attention.blocks import default_index, varying_like
 from relaymoe_jax.models import attention_xla
+from relaymoe_jax.util.tracing import allow_ordered_io_in_remat, concrete_mesh
 
 
 def chunked_causal_attention(
@@ -145,12 +147,6 @@ def blockwise_attention(
     seq = None if spec is None else spec[1]
     # the Pallas kernel takes each device's arrays whole: under a shard_map whenever q is sharded
     kernel_sharded = kernel != "xla" and spec is not None and any(spec)
-    if (seq or kernel_sharded) and kernel == "pallas-interpret" and _devices(q_bsnd, spec) > 1:
-        raise ValueError(
-            f"kernel='pallas-interpret' with q sharded as {spec}: jax 0.12's Mosaic GPU "
-            "interpreter cannot run one kernel on several devices at once (it checks its "
-            "barriers across devices); interpret on one device, or use 'pallas' on GPUs"
-        )
     if seq or kernel_sharded:
         return _context_parallel(*args, seq, core)
     return _local(*args, None, core)
@@ -161,13 +157,18 @@ KERNELS = ("xla", "pallas", "pallas-interpret")
 
 def _core(kernel: str, blocks, scale, q_bsnd):
     """f(q, k, v, qi, ki, qseg, kseg) -> o: the chosen core with its static arguments; the
-    Pallas kernel's checks (head_dim, dtypes) run here, before tracing."""
+    Pallas kernel's checks (head_dim, dtypes; the interpreter's mesh and threads,
+    `kernels.attention.interpret`) run here, before tracing."""
     if kernel == "xla":
         return lambda *a: attention_xla.attention(*a, *blocks, scale)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     api.check_static(q_bsnd)
     interpret = kernel == "pallas-interpret"
+    if interpret:  # where the interpreter runs; its io_callbacks under the model's checkpoints
+        interpreter.check_devices(_mesh_size(q_bsnd), "a mesh")
+        interpreter.check_threads()
+        allow_ordered_io_in_remat()
     return lambda *a: api.flash_attention(*a, scale=scale, interpret=interpret)
 
 
@@ -190,11 +191,13 @@ def _spec(x):
     return tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
 
 
-def _devices(x, spec) -> int:
-    """How many devices x's sharding `spec` (a PartitionSpec as a tuple) spans."""
-    mesh = jax.typeof(x).sharding.mesh
-    names = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
-    return math.prod(mesh.shape[a] for a in names)
+def _mesh_size(x) -> int:
+    """The devices of the mesh `x` is typed on (else of `jax.set_mesh`'s; 1 without a mesh): a
+    jit on a mesh of several devices may partition the kernel's calls over all of them."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        mesh = concrete_mesh()
+    return 1 if mesh is None or not mesh.axis_names else math.prod(mesh.shape.values())
 
 
 def _context_parallel(q_bsnd, k_btkd, v_btkd, seg_bs, seg_kv, q_index, k_index, seq, core):

@@ -1,15 +1,18 @@
 """The chunked attention's XLA core: a `custom_vjp` over query blocks x key blocks that computes
-only the pairs of blocks `kernels.attention.blocks.visible_blocks` marks, forward and backward.
+only the pairs of blocks the block test of `kernels/attention/blocks.py` passes, forward and
+backward.
 
-Forward: a scan over query blocks; for each, a `fori_loop` over its visible key blocks only
-(the list `visible_blocks` gives, in order of index), each updating the block's online softmax
+Forward: a scan over query blocks; for each, a `fori_loop` over its key blocks only (its range
+`perm[start_i:end_i]` of the key blocks sorted by smallest index, `blocks.key_ranges`: O(nq + nk)
+int32, built from the indices as data), each updating the block's online softmax
 (running max m, sum l, accumulator acc, all float32):
     s = scale * q_i k_j^T (masked elementwise: causal, same segment)
     m' = max(m, rowmax s);  p = exp(s - m');  l' = l e^(m - m') + rowsum p
     acc' = acc e^(m - m') + p v_j
 and o_i = acc / l, lse_i = m + log l.
-Backward: a scan over key blocks; for each, a `fori_loop` over the query blocks that see it,
-which recomputes p = exp(s - lse) and, with delta = rowsum(do * o):
+Backward: a scan over key blocks; for each, a `fori_loop` over the query blocks that see it
+(its range of the query blocks sorted by largest index, `blocks.query_ranges`), which
+recomputes p = exp(s - lse) and, with delta = rowsum(do * o):
     dv_j += p^T do;  dp = do v_j^T;  ds = p (dp - delta)
     dk_j += scale ds^T q_i;  dq_i += scale ds k_j
 dk_j and dv_j are the inner loop's carry; dq ([B, S, N, D] float32) is the outer scan's carry,
@@ -40,12 +43,14 @@ from relaymoe_jax.kernels.attention.blocks import (
     PAD_QUERY,
     PAD_QUERY_SEG,
     blocks,
+    key_ranges,
     pair_mask,
+    query_ranges,
     unblocks,
     varying_like,
-    visible_blocks,
 )
 from relaymoe_jax.util.late import late_zero
+from relaymoe_jax.util.typed import sharded_like
 
 F32 = jnp.float32
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN
@@ -102,13 +107,6 @@ def _scores(q_bqkgd, k_btkd, mask_bqt, scale):
     return jnp.where(mask_bqt[:, :, None, None, :], s_bqkgt * scale, NEG)
 
 
-def _partners(vis_ij):
-    """For each row of `vis_ij`, its visible columns first in increasing order ([n, m] int32) and
-    how many there are ([n] int32): what each block's loop walks."""
-    order = jnp.argsort(~vis_ij, axis=1, stable=True).astype(jnp.int32)
-    return order, vis_ij.sum(1, dtype=jnp.int32)
-
-
 def forward(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, block_q, block_k, scale):
     """o [B, S, N, D], lse [B, S, K, G] (float32) over the visible block pairs, and the number
     of pairs visited (int32: each loop step counts itself)."""
@@ -116,14 +114,14 @@ def forward(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, block_q, blo
     q_ibqkgd = blocks(_group(q_bsnd, k_btkd.shape[2]), block_q, 0)
     qi_ibq, qseg_ibq = _query_side(qi_bs, qseg_bs, block_q)
     k_jbtkd, v_jbtkd, ki_jbt, kseg_jbt = _key_side(k_btkd, v_btkd, ki_bt, kseg_bt, block_k)
-    order_ij, count_i = _partners(visible_blocks(qi_ibq, ki_jbt, qseg_ibq, kseg_jbt))
+    keys = key_ranges(qi_ibq, ki_jbt, qseg_ibq, kseg_jbt, anchor=k_jbtkd)
 
     def q_block(visits, xs):
-        i, q_bqkgd, qi_bq, qseg_bq = xs
+        start, end, q_bqkgd, qi_bq, qseg_bq = xs
 
         def visit(t, carry):
             m_bqkg, l_bqkg, acc_bqkgd, visits = carry
-            j = order_ij[i, t]
+            j = keys.perm[t]
             k_btkd, v_btkd, ki_bt = k_jbtkd[j], v_jbtkd[j], ki_jbt[j]
             kseg_bt = None if kseg_jbt is None else kseg_jbt[j]
             mask_bqt = pair_mask(qi_bq, ki_bt, qseg_bq, kseg_bt, anchor=k_btkd)
@@ -144,13 +142,13 @@ def forward(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, block_q, blo
 
         stat_bqkg = q_bqkgd[..., 0]
         init = (_zeros_like(stat_bqkg) + NEG, _zeros_like(stat_bqkg), _zeros_like(q_bqkgd))
-        m_bqkg, l_bqkg, acc_bqkgd, visits = lax.fori_loop(0, count_i[i], visit, (*init, visits))
+        m_bqkg, l_bqkg, acc_bqkgd, visits = lax.fori_loop(start, end, visit, (*init, visits))
         seen_bqkg = l_bqkg > 0  # a query that sees no key (padding) gets o = 0
         l_safe = jnp.where(seen_bqkg, l_bqkg, 1.0)
         o_bqkgd = (acc_bqkgd / l_safe[..., None]).astype(q_bsnd.dtype)
         return visits, (o_bqkgd, jnp.where(seen_bqkg, m_bqkg + jnp.log(l_safe), NEG))
 
-    xs = (jnp.arange(q_ibqkgd.shape[0]), q_ibqkgd, qi_ibq, qseg_ibq)
+    xs = (keys.start, keys.end, q_ibqkgd, qi_ibq, qseg_ibq)
     visits, (o_ibqkgd, lse_ibqkg) = lax.scan(q_block, jnp.int32(0), xs)
     return unblocks(o_ibqkgd, s).reshape(b, s, n, d), unblocks(lse_ibqkg, s), visits
 
@@ -171,15 +169,15 @@ def backward(block_q, block_k, scale, res, do_bsnd):
     lse_ibqkg, delta_ibqkg = blocks(lse_bskg, block_q, 0), blocks(delta_bskg, block_q, 0)
     qi_ibq, qseg_ibq = _query_side(qi_bs, qseg_bs, block_q)
     k_jbtkd, v_jbtkd, ki_jbt, kseg_jbt = _key_side(k_btkd, v_btkd, ki_bt, kseg_bt, block_k)
-    order_ji, count_j = _partners(visible_blocks(qi_ibq, ki_jbt, qseg_ibq, kseg_jbt).T)
+    queries = query_ranges(qi_ibq, ki_jbt, qseg_ibq, kseg_jbt, anchor=k_jbtkd)
 
     def k_block(carry_k, xs):
         dq_ibqkgd, visits = carry_k
-        j, k_btkd, v_btkd, ki_bt, kseg_bt = xs
+        start, end, k_btkd, v_btkd, ki_bt, kseg_bt = xs
 
         def visit(u, carry):
             dq_ibqkgd, dk_btkd, dv_btkd, visits = carry
-            i = order_ji[j, u]
+            i = queries.perm[u]
             q_bqkgd, do_bqkgd, qi_bq = q_ibqkgd[i], do_ibqkgd[i], qi_ibq[i]
             lse_bqkg, delta_bqkg = lse_ibqkg[i], delta_ibqkg[i]
             qseg_bq = None if qseg_ibq is None else qseg_ibq[i]
@@ -207,14 +205,16 @@ def backward(block_q, block_k, scale, res, do_bsnd):
         zero_k = varying_like(_zeros_like(k_btkd), q_ibqkgd, k_btkd)
         zero_v = varying_like(_zeros_like(v_btkd), q_ibqkgd, v_btkd)
         init = (dq_ibqkgd, zero_k, zero_v, visits)
-        dq_ibqkgd, dk_btkd, dv_btkd, visits = lax.fori_loop(0, count_j[j], visit, init)
+        dq_ibqkgd, dk_btkd, dv_btkd, visits = lax.fori_loop(start, end, visit, init)
         return (dq_ibqkgd, visits), (dk_btkd.astype(k_btkd.dtype), dv_btkd.astype(v_btkd.dtype))
 
-    xs_k = (jnp.arange(k_jbtkd.shape[0]), k_jbtkd, v_jbtkd, ki_jbt, kseg_jbt)
+    xs_k = (queries.start, queries.end, k_jbtkd, v_jbtkd, ki_jbt, kseg_jbt)
     init = (_zeros_like(q_ibqkgd), jnp.int32(0))
     (dq_ibqkgd, visits), (dk_jbtkd, dv_jbtkd) = lax.scan(k_block, init, xs_k)
     dq_bsnd = unblocks(dq_ibqkgd, s).astype(q_bsnd.dtype).reshape(b, s, n, d)
-    grads = (dq_bsnd, unblocks(dk_jbtkd, t), unblocks(dv_jbtkd, t), None, None, None, None)
+    dk_btkd, dv_btkd = unblocks(dk_jbtkd, t), unblocks(dv_jbtkd, t)
+    dq_bsnd, dk_btkd, dv_btkd = map(sharded_like, (dq_bsnd, dk_btkd, dv_btkd), res[:3])
+    grads = (dq_bsnd, dk_btkd, dv_btkd, None, None, None, None)
     return grads, visits
 
 

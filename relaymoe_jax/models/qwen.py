@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from relaymoe_jax.kernels.attention import interpret as interpreter
 from relaymoe_jax.models import router_losses as rt
 from relaymoe_jax.models.attention import check_per_token, check_segment_ids
 from relaymoe_jax.models.config import ModelConfig, check_mesh
@@ -97,6 +98,9 @@ class QwenMoe(nnx.Module):
         rules: AxisRules | None = None,
     ):
         rules = rules or rules_for(mesh)
+        if config.attention_impl == interpreter.IMPL:  # one device, enough XLA:CPU threads
+            interpreter.check_devices(mesh.size, f"mesh {dict(mesh.shape)}")
+            interpreter.check_threads()
         if not config.moe.is_dense:
             check_mesh(config, rules.size("experts"))
         self.config, self.rules, self.dtype = config, rules, jnp.dtype(dtype)

@@ -115,12 +115,14 @@ class AxisRules:
         return NamedSharding(self.mesh, self.spec(*names))
 
     def fit(self, shape, *names: str | None) -> P:
-        """Like `spec`, but each dim keeps only the leading axes whose sizes divide it."""
+        """Like `spec`, but each dim keeps only the leading axes whose sizes divide it; a dim of
+        size one is never sharded (over axes of size one it would change nothing but its type,
+        `[1@expert, ...]`, which some of jax's transposes drop: a batch of one on one device)."""
         out = []
         for n, d in zip(names, shape):
             kept, size = [], 1
             for a in self.axes(n):
-                if d % (size * self.mesh.shape[a]):
+                if d == 1 or d % (size * self.mesh.shape[a]):
                     break
                 kept.append(a)
                 size *= self.mesh.shape[a]

@@ -1,6 +1,7 @@
 """A run's writes and stops: checkpoint saves and waits (a failed save is a `WriteError`
 naming the directory and the newest complete checkpoint), metrics.jsonl opened for appending, and
-the `interrupt.Interrupted` a signal becomes before or during training (`train.run.loop`)."""
+the `interrupt.Interrupted` a signal becomes before or during training, and the checkpoints a
+second signal names (`saves`; `train.run.loop`)."""
 
 import contextlib
 from pathlib import Path
@@ -19,6 +20,14 @@ def committed_steps(directory) -> list[int]:
         return sorted(int(p.name) for p in Path(str(directory)).iterdir() if p.name.isdigit())
     except OSError:
         return []
+
+
+def saves(out: Path, mngr=None) -> interrupt.Saves:
+    """The checkpoints of the run directory `out` as a second signal sees them: the committed
+    steps on disk and, with the manager `mngr`, whether it is writing one in the background."""
+    directory = Path(out).resolve() / "checkpoints"  # as `ckpt.manager` places them
+    writing = (lambda: False) if mngr is None else mngr.is_saving_in_progress
+    return interrupt.Saves(directory, lambda: committed_steps(directory), writing)
 
 
 def write_error(e: BaseException, mngr) -> WriteError | None:

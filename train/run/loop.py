@@ -8,6 +8,7 @@ Checkpoints hold the train state as the tree `TrainState.as_saved` gives (the on
 of the trainer has written), so older runs keep resuming.
 
 A signal (`train.run.interrupt.Stop`) stops the run after the step in progress, checkpointed; a
+second one stops it at once, unless a checkpoint is being written (`Stop.saving`, `io.saves`). A
 failed checkpoint save or metrics write is a `train.errors.WriteError` naming the path.
 """
 
@@ -57,8 +58,10 @@ class StepContext:
 
 def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     """The run `run`; 0 when done. While it trains, SIGINT and SIGTERM (`stop`, installed by the
-    caller) checkpoint the last completed step and raise `interrupt.Interrupted`."""
+    caller) checkpoint the last completed step and raise `interrupt.Interrupted`; a second signal
+    ends the process at once, unless a checkpoint is being written (`interrupt.Stop`)."""
     out = guards.prepare_run_dir(run.out)  # a writable directory, or one line now
+    stop.watch(run_io.saves(out))  # what a second signal names, from now on
     run, source = hf_init.of_run(run, log=log)  # --init-from-hf: its tokenizer for --data files
     tc = run.train
     data = data_mod.make_source(
@@ -91,6 +94,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
     graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh, model)
 
     mngr = ckpt.manager(out)
+    stop.watch(run_io.saves(out, mngr))  # and waits for, while the manager writes one
     metrics_path = out / "metrics.jsonl"
     shape = (tc.batch_size, tc.seq_len)
     ids_sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
@@ -114,7 +118,6 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
             compiled = _compile(run, graphdef, tx, state, mesh, ids_sharding, stop, data.packed)
             run_io.stop_before_training(stop, mngr)  # a signal during the compile
             evaluator = _evaluator(run, graphdef, state, ids_sharding, eval_src)
-            stop.training = True  # from now on a signal lets the step and its save finish
             ctx = StepContext(
                 run,
                 graphdef,
@@ -130,6 +133,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
             )
             meta = {"config": run.config, "seed": tc.seed, **ident.meta}
             state = train(ctx, state, start, meta)
+            run_io.wait(mngr)  # the last checkpoint written before the handlers go
             log(
                 f"done: step {run.steps}; metrics in {metrics_path}; checkpoints in "
                 f"{mngr.directory} (latest {mngr.latest_step()})"
@@ -223,12 +227,13 @@ def _compile(run: RunSettings, graphdef, tx, state, mesh, ids_sharding, stop, pa
 def train(t: StepContext, state, start: int, meta: dict):
     """Steps start+1 .. --steps: run, log (metrics.jsonl and the progress line), stop on a
     non-finite loss, checkpoint every save_every and at the last step; after a signal
-    (`t.stop`), checkpoint the step just completed and raise `interrupt.Interrupted`. Returns the
-    state."""
+    (`t.stop`, told the step in progress and each save), checkpoint the step just completed and
+    raise `interrupt.Interrupted`. Returns the state."""
     run, tc = t.settings, t.settings.train
     bar = progress.StepProgress(start, run.steps, tc.batch_size * tc.grad_accum * tc.seq_len)
     with run_io.metrics_file(t.metrics_path) as mf:
         for s in range(start + 1, run.steps + 1):
+            t.stop.step = s  # a second signal from now on names it
             state, rec = _step(t, state, s)
             if not math.isfinite(rec["loss"]):
                 run_io.wait(t.mngr)
@@ -251,9 +256,10 @@ def train(t: StepContext, state, start: int, meta: dict):
                     "data_position": s * tc.batch_size * tc.grad_accum,  # rows read
                     "data_state": t.data.state(),
                 }
-                run_io.save(t.mngr, s, state, {**meta, **data_meta})
-            if sig is not None:
-                raise run_io.interrupted(sig, t.mngr, s)
+                with t.stop.saving(s):  # a second signal meanwhile waits for it
+                    run_io.save(t.mngr, s, state, {**meta, **data_meta})
+                    if sig is not None:
+                        raise run_io.interrupted(sig, t.mngr, s)  # once it is written
     return state
 
 

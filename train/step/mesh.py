@@ -26,6 +26,8 @@ import math
 
 import jax
 
+from relaymoe_jax.kernels.attention import interpret as interpreter
+
 AXES = ("data", "fsdp", "node", "expert", "context", "expert_tensor")
 
 
@@ -107,6 +109,9 @@ def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) 
             f"e.g. mesh=node=<hosts>,expert=<GPUs per host>; this mesh has "
             f"{expert_axes(sizes)}"
         )
+    if cfg.attention_impl == interpreter.IMPL:  # before anything is built or compiled
+        interpreter.check_devices(math.prod(sizes.values()), f"mesh={spec!r}")
+        interpreter.check_threads()
     ctx = sizes.get("context", 1)
     if seq_len % ctx:
         raise ValueError(f"mesh={spec!r}: seq_len={seq_len} does not split over context={ctx}")

@@ -85,7 +85,9 @@ def _prepare(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, scale, conf
     """(masks, scale, config) after the checks."""
     config = MosaicConfig() if config is None else config
     _check(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, config)
-    masks = prepare_masks(qi_bs, ki_bt, qseg_bs, kseg_bt, config.block_q, config.block_k)
+    masks = prepare_masks(
+        qi_bs, ki_bt, qseg_bs, kseg_bt, config.block_q, config.block_k, anchor=k_btkd
+    )
     scale = 1.0 / math.sqrt(q_bsnd.shape[-1]) if scale is None else float(scale)
     return masks, scale, config
 

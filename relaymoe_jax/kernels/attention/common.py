@@ -1,15 +1,17 @@
 """What the flash-attention kernels share: the checks, the kernel's config, and the prepared
-masks (padded per-token arrays and, per block, the list of the blocks it must visit).
+masks (padded per-token arrays and, per block, the range of blocks it must visit).
 
 Masking is the chunked XLA path's (`blocks.py`): key t is visible to query q
 iff `k_index[t] <= q_index[q]` and, with segment ids, `kseg[t] == qseg[q]`. The queries are cut
 into blocks of `block_q` and the keys into blocks of `block_k`, padded to whole blocks (padded
 queries: index PAD_QUERY, segment PAD_QUERY_SEG; padded keys: index PAD_KEY, segment
-PAD_KEY_SEG). `visible_blocks` marks the (query block, key block) pairs holding a visible pair;
-each kernel program walks only its block's visible partners, in increasing order, read one by
-one from a list in GPU memory (`q_order[i, :q_count[i]]` for query block i, `k_order[j,
-:k_count[j]]` for key block j). So a pair that the causal rule or the documents mask entirely
-is never computed, forward or backward, whatever the order of the tokens (zigzag included).
+PAD_KEY_SEG). `blocks.key_ranges` / `blocks.query_ranges` give each block the blocks of the
+other side it must visit as one range over a sorted order (`BlockRanges`: int32, O(nq + nk));
+each kernel program walks only its block's range, reading the block numbers one by one from GPU
+memory (`keys.perm[keys.start[i] + t]` for t < `keys.end[i] - keys.start[i]` for query block i,
+`queries.perm[queries.start[j] + u]` for key block j). So a pair that the causal rule or the
+documents mask entirely is never computed, forward or backward, whatever the order of the
+tokens (zigzag included; see `blocks.py` for where the ranges are exact and where conservative).
 """
 
 import dataclasses
@@ -22,8 +24,10 @@ from relaymoe_jax.kernels.attention.blocks import (
     PAD_KEY_SEG,
     PAD_QUERY,
     PAD_QUERY_SEG,
+    BlockRanges,
     blocks,
-    visible_blocks,
+    key_ranges,
+    query_ranges,
 )
 
 HEAD_DIMS = (64, 128)  # what the kernels take (wgmma tiles of 64 columns, 128-byte swizzle)
@@ -41,8 +45,8 @@ class MosaicConfig:
     program (one warpgroup each, sharing the K/V tiles; lowered to a divisor of N // K).
 
     The defaults, from the deviceless H100 compile at head_dim 128 (ptxas, sm_90a): the forward
-    at H=2 uses 178 registers and 122 KB of shared memory, no spills, and loads each K/V tile
-    once for two query heads; the dQ kernel at H=2 215 registers, 154 KB; the dK/dV kernel (one
+    at H=2 uses 181 registers and 122 KB of shared memory, no spills, and loads each K/V tile
+    once for two query heads; the dQ kernel at H=2 218 registers, 154 KB; the dK/dV kernel (one
     warpgroup per 64 keys) 248, 113 KB. block_k=128 puts the forward and dQ at the 255-register
     cap (H=2 dQ overflows shared memory). Unmeasured on a GPU so far."""
 
@@ -68,18 +72,16 @@ def check_dtype(name: str, dtype) -> None:
 
 class Masks(NamedTuple):
     """The per-token arrays padded to whole blocks (int32 [B, S_pad] / [B, T_pad]; the segment
-    ids None when there are none) and the block lists (int32): `q_order` [nq, nk] with `q_count`
-    [nq] (key blocks per query block), `k_order` [nk, nq] with `k_count` [nk] (query blocks per
-    key block)."""
+    ids None when there are none) and the block ranges (`BlockRanges`, int32): `keys` (per
+    query block, its key blocks: perm [nk], start and end [nq]) and `queries` (per key block,
+    the query blocks that visit it: perm [nq], start and end [nk])."""
 
     qi_bs: object
     ki_bt: object
     qseg_bs: object
     kseg_bt: object
-    q_order: object
-    q_count: object
-    k_order: object
-    k_count: object
+    keys: BlockRanges
+    queries: BlockRanges
 
 
 def _pad(x_bs, size: int, fill):
@@ -87,21 +89,14 @@ def _pad(x_bs, size: int, fill):
     return jnp.pad(x_bs, ((0, 0), (0, pad)), constant_values=fill) if pad else x_bs
 
 
-def _partners(vis_ij):
-    """Each row's visible columns first, in increasing order ([n, m] int32), and their count."""
-    order = jnp.argsort(~vis_ij, axis=1, stable=True).astype(jnp.int32)
-    return order, vis_ij.sum(1, dtype=jnp.int32)
-
-
-def prepare_masks(qi_bs, ki_bt, qseg_bs, kseg_bt, block_q: int, block_k: int) -> Masks:
-    """The `Masks` of int32 indices qi [B, S], ki [B, T] and segment ids (both or neither)."""
+def prepare_masks(qi_bs, ki_bt, qseg_bs, kseg_bt, block_q: int, block_k: int, anchor=None) -> Masks:
+    """The `Masks` of int32 indices qi [B, S], ki [B, T] and segment ids (both or neither);
+    `anchor` (the keys, say) as in `blocks.key_ranges`."""
     qi, ki = _pad(qi_bs, block_q, PAD_QUERY), _pad(ki_bt, block_k, PAD_KEY)
     qseg = None if qseg_bs is None else _pad(qseg_bs, block_q, PAD_QUERY_SEG)
     kseg = None if kseg_bt is None else _pad(kseg_bt, block_k, PAD_KEY_SEG)
     blk = lambda x, size: None if x is None else blocks(x, size, 0)
-    vis_ij = visible_blocks(
-        blk(qi, block_q), blk(ki, block_k), blk(qseg, block_q), blk(kseg, block_k)
-    )
-    q_order, q_count = _partners(vis_ij)
-    k_order, k_count = _partners(vis_ij.T)
-    return Masks(qi, ki, qseg, kseg, q_order, q_count, k_order, k_count)
+    blocked = (blk(qi, block_q), blk(ki, block_k), blk(qseg, block_q), blk(kseg, block_k))
+    keys = key_ranges(*blocked, anchor=anchor)
+    queries = query_ranges(*blocked, anchor=anchor)
+    return Masks(qi, ki, qseg, kseg, keys, queries)

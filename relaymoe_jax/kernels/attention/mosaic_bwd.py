@@ -10,10 +10,11 @@ dv in the inputs' dtypes. FlashAttention-2's split, f32 accumulation, 16-bit wgm
 - dK/dV kernel, grid (K, T // block_k, B), W = block_k // 64 warpgroups (1 or 2), each owning
   64 keys of key block j of kv head kvh (its K, V tiles in SMEM) with its own f32 dK and dV
   accumulators. The program walks the G = N // K query heads of the group times the query
-  blocks `masks.k_order[j, :k_count[j]]` (one flat `fori_loop` with a traced trip count, block
-  numbers read as scalars from GPU memory). Warpgroup 0 streams Q, dO, lse, delta and the query
-  indices (and segment ids) of each step by TMA through two SMEM slots shared by the W
-  warpgroups: step s + 1 is issued after step s's first wgmma was waited on (with W = 2, also
+  blocks `masks.queries.perm[start[j]:end[j]]` (key block j's range, `common.Masks`; one flat
+  `fori_loop` with a traced trip count, block numbers read as scalars from GPU memory).
+  Warpgroup 0 streams Q, dO, lse, delta and the query indices (and segment ids) of each step
+  by TMA through two SMEM slots shared by the W warpgroups: step s + 1 is issued after step
+  s's first wgmma was waited on (with W = 2, also
   after both warpgroups arrived on the slot's "free" barrier once their step s - 1 wgmmas were
   retired). Per step: sT = K Q^T [64, block_q] (so no transposed A operand is needed),
   pT = exp2(sT - lse) masked elementwise with a select (0 where masked: padded or fully masked
@@ -23,17 +24,18 @@ dv in the inputs' dtypes. FlashAttention-2's split, f32 accumulation, 16-bit wgm
   plgpu.ACC)` around it; wgmma adds into them in place). dK is scaled at the end.
 - dQ kernel, grid (N // H, S // block_q, B) like the forward, H = heads_per_program query heads
   of one kv group per program (one warpgroup each, sharing the K/V tiles, which warpgroup 0
-  streams through two SMEM slots from `masks.q_order[i, :q_count[i]]`; a slot is refilled after
+  streams through two SMEM slots from `masks.keys.perm[start[i]:end[i]]`; a slot is refilled after
   its H readers arrived on its "free" barrier). Per step: s = Q K^T, p = exp2(s - lse) masked,
   dp = dO V^T, ds = p (dp - delta), dQ += ds K (dS through SMEM; the dQ accumulator lives
   across the loop). With block_k = 128, H = 1 (below).
 
 Registers and SMEM (deviceless ptxas for H100, bf16, B = 1, S = T = 4096, N = 32, K = 4, with
-segment ids; no spills in any configuration the code runs):
-- block_k = 64: dK/dV 248 registers per thread at D = 128 (165 at D = 64), 110 KB of SMEM
-  (so two programs fit an SM); dQ 204 registers at D = 128 with H = 1 (215 with H = 2; 154 and
-  162 at D = 64), 110 KB of SMEM (150 KB with H = 2).
-- block_k = 128: dK/dV (two warpgroups) 254 registers at D = 128 (168 at D = 64), 150 KB; dQ
+segment ids, measured again with the block ranges: at most 4 registers apart from the block
+lists' figures, the same SMEM; no spills in any configuration the code runs):
+- block_k = 64: dK/dV 248 registers per thread at D = 128 (168 at D = 64), 110 KB of SMEM
+  (so two programs fit an SM); dQ 205 registers at D = 128 with H = 1 (218 with H = 2; 157 and
+  159 at D = 64), 110 KB of SMEM (150 KB with H = 2).
+- block_k = 128: dK/dV (two warpgroups) 254 registers at D = 128 (172 at D = 64), 150 KB; dQ
   255 registers at D = 128 (H = 1), 182 KB. Its [64, 128] f32 s, p, dp, ds fill a warpgroup's
   registers, and with H = 2 its tiles overflow SMEM at D = 128 (235,584 > 232,448 bytes) and it
   spills at D = 64, hence H = 1. A single warpgroup holding all 128 keys in the dK/dV kernel
@@ -105,8 +107,9 @@ class _Refs(NamedTuple):
     ki: object
     qseg: object
     kseg: object
-    order: object
-    count: object
+    perm: object  # the other side's blocks in visiting order
+    start: object  # this block's range of perm: perm[start[x]:end[x]]
+    end: object
     outs: tuple  # (dq,) or (dk, dv)
     visits: object
 
@@ -116,11 +119,11 @@ def _split_refs(sp: _Spec, n_outs: int, refs) -> _Refs:
     qseg = kseg = visits = None
     if sp.has_seg:
         qseg, kseg, *rest = rest
-    order, count, *rest = rest
+    perm, start, end, *rest = rest
     outs, rest = tuple(rest[:n_outs]), rest[n_outs:]
     if sp.count_visits:
         (visits,) = rest
-    return _Refs(q, k, v, do, lse, delta, qi, ki, qseg, kseg, order, count, outs, visits)
+    return _Refs(q, k, v, do, lse, delta, qi, ki, qseg, kseg, perm, start, end, outs, visits)
 
 
 # ---------------------------------------------------------------------------- dK / dV kernel
@@ -165,13 +168,14 @@ def _dkv_kernel(sp: _Spec, *refs, **s):
     plgpu.copy_gmem_to_smem(r.ki.at[b, keys], s["ki_s"].at[wg], bar_kv)
     if sp.has_seg:
         plgpu.copy_gmem_to_smem(r.kseg.at[b, keys], s["kseg_s"].at[wg], bar_kv)
-    count = r.count[j]
+    start = r.start[j]
+    count = r.end[j] - start
     total = count * sp.g  # steps: the group's query heads times the visible query blocks
 
     def issue(step, slot):  # TMA of step `step`'s query-side tiles into `slot` (warpgroup 0)
         t = lax.rem(step, count)
         n = kvh * sp.g + lax.div(step, count)
-        rows = pl.ds(r.order[j, t] * sp.bq, sp.bq)
+        rows = pl.ds(r.perm[start + t] * sp.bq, sp.bq)
         bar = s["bar_q"].at[slot]
         plgpu.copy_gmem_to_smem(r.q.at[b, rows, n], s["q_s"].at[slot], bar)
         plgpu.copy_gmem_to_smem(r.do.at[b, rows, n], s["do_s"].at[slot], bar)
@@ -304,10 +308,11 @@ def _dq_kernel(sp: _Spec, *refs, **s):
     n = hg * sp.h + wg  # this warpgroup's query head
     kvh = lax.div(hg * sp.h, jnp.int32(sp.g))  # the program's kv head
     _dq_load_queries(sp, r, s, wg, n, i, b)
-    count = r.count[i]
+    start = r.start[i]
+    count = r.end[i] - start
 
     def issue(t, slot):  # TMA of the t-th visited key block into `slot` (warpgroup 0 only)
-        issue_key_block(r, s, sp.has_seg, b, kvh, r.order[i, t], sp.bk, slot)
+        issue_key_block(r, s, sp.has_seg, b, kvh, r.perm[start + t], sp.bk, slot)
 
     @pl.when((count > 0) & (wg == 0))
     def _():
@@ -485,7 +490,7 @@ def backward(
         interpret,
         h,
     )
-    dq_res = dq_call(*args, i32(masks.q_order), i32(masks.q_count))
+    dq_res = dq_call(*args, *map(i32, masks.keys))
 
     kv = sds(k_btkd.shape, k_btkd.dtype)
     dkv_out = [kv, kv] + (vis(k, nk * sp.w) if count_visits else [])
@@ -499,7 +504,7 @@ def backward(
         interpret,
         sp.w,
     )
-    dkv_res = dkv_call(*args, i32(masks.k_order), i32(masks.k_count))
+    dkv_res = dkv_call(*args, *map(i32, masks.queries))
     grads = (dq_res[0], dkv_res[0], dkv_res[1])
     if count_visits:
         return (*grads, dq_res[1][..., 0], dkv_res[2][..., 0])

@@ -7,9 +7,10 @@ otherwise fully masked query rows give o = 0 and lse = EMPTY_LSE (-inf).
 
 Grid (N // H, S // block_q, B), H = heads_per_program (clipped to a divisor of N // K): a program
 holds one query block of H query heads of one kv group, one warpgroup per head, sharing the K/V
-tiles. Warpgroup 0 streams the key blocks `masks.q_order[i, :q_count[i]]` (read one by one as
-scalars from GPU memory: a `fori_loop` with a traced trip count, so wholly masked key blocks are
-never loaded nor computed, whatever the order of the tokens) through two SMEM slots by TMA; each
+tiles. Warpgroup 0 streams the key blocks `masks.keys.perm[start[i]:end[i]]` (query block i's
+range, `common.Masks`: the block numbers read one by one as scalars from GPU memory, a
+`fori_loop` with a traced trip count, so wholly masked key blocks are never loaded nor computed,
+whatever the order of the tokens) through two SMEM slots by TMA; each
 warpgroup waits on the slot's barrier, computes S = Q K^T by wgmma into an f32 accumulator, masks
 it elementwise (`ki[t] <= qi[q]`, and `kseg[t] == qseg[q]` when there are segment ids), runs the
 online softmax in f32 (log2 units; masked entries get p = 0 explicitly), writes P (16-bit) to SMEM
@@ -97,8 +98,9 @@ class _Refs(NamedTuple):
     ki: object
     qseg: object
     kseg: object
-    order: object
-    count: object
+    perm: object  # the key blocks in visiting order [nk]
+    start: object  # query block i visits perm[start[i]:end[i]] ([nq] each)
+    end: object
     o: object
     lse: object
     visits: object
@@ -111,10 +113,10 @@ def _split_refs(sp: _Spec, refs) -> _Refs:
     qseg = kseg = visits = None
     if sp.has_seg:
         qseg, kseg, *rest = rest
-    order, count, o, lse, *rest = rest
+    perm, start, end, o, lse, *rest = rest
     if sp.count_visits:
         (visits,) = rest
-    return _Refs(q, k, v, qi, ki, qseg, kseg, order, count, o, lse, visits)
+    return _Refs(q, k, v, qi, ki, qseg, kseg, perm, start, end, o, lse, visits)
 
 
 def _kernel(sp: _Spec, *refs, **s):
@@ -131,10 +133,11 @@ def _kernel(sp: _Spec, *refs, **s):
     plgpu.copy_gmem_to_smem(r.qi.at[b, rows], s["qi_s"].at[wg], s["bar_q"].at[wg])
     if sp.has_seg:
         plgpu.copy_gmem_to_smem(r.qseg.at[b, rows], s["qseg_s"].at[wg], s["bar_q"].at[wg])
-    count = r.count[i]
+    start = r.start[i]
+    count = r.end[i] - start
 
     def issue(t, slot):  # TMA of the t-th visited key block into `slot` (warpgroup 0 only)
-        issue_key_block(r, s, sp.has_seg, b, kvh, r.order[i, t], sp.bk, slot)
+        issue_key_block(r, s, sp.has_seg, b, kvh, r.perm[start + t], sp.bk, slot)
 
     @pl.when((count > 0) & (wg == 0))
     def _():
@@ -259,7 +262,7 @@ def forward(q_bsnd, k_btkd, v_btkd, masks: Masks, *, scale, config, interpret, c
     args = [q_bsnd, k_btkd, v_btkd, i32(masks.qi_bs), i32(masks.ki_bt)]
     if has_seg:
         args += [i32(masks.qseg_bs), i32(masks.kseg_bt)]
-    args += [i32(masks.q_order), i32(masks.q_count)]
+    args += [i32(x) for x in masks.keys]  # perm, start, end
     out = call(*args)
     if count_visits:
         return out[0], out[1], out[2][..., 0]
