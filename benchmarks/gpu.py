@@ -247,6 +247,10 @@ def main(argv=None):
     opts = parse_args(argv)
     import jax
 
+    if opts.interpret:  # XLA:CPU threads for the Mosaic GPU interpreter, before jax starts
+        from relaymoe_jax.kernels.attention.interpret import reserve_threads
+
+        reserve_threads()
     if jax.default_backend() != "gpu" and not opts.interpret:
         raise SystemExit(
             f"{SCRIPT} needs a GPU (JAX's default backend here is "

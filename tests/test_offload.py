@@ -2,9 +2,9 @@
 `offload_layer_inputs`, and the state stored sharded over `context` as over `fsdp`.
 
 References: the same trainer without offload (float32 compute: the offloaded step's arithmetic is
-the same, so every logged metric is bitwise equal; bfloat16: the gradients are rounded to bf16
-before their reduction, so close, not equal), the uninterrupted run for resumes, and the state's
-own byte count for its storage.
+the same, so the losses are bitwise equal and two statistics equal to float32 rounding, `NEAR`;
+bfloat16: the gradients are rounded to bf16 before their reduction, so close, not equal), the
+uninterrupted run for resumes, and the state's own byte count for its storage.
 """
 
 import dataclasses
@@ -26,12 +26,17 @@ REMAT = ["scan_layers=true", "moe_remat=true", "attention_remat=full"]
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", *REMAT]
 BOTH = ["offload_optimizer=true", "offload_layer_inputs=true"]
 MESHES = ["context=8", "fsdp=2,context=4"]
-METRICS = ("loss", "lm_loss", "aux_loss", "router_loss", "grad_norm", "dropped_pairs")
-# The z-loss statistic (its coefficient is 0 in configs/tiny.yaml: it is in no loss or gradient)
-# is compared to float32 rounding, not bitwise: its cross-device mean ends one ulp apart between
-# the offloaded and the plain programs in some orders of the test process (this file's test
-# alone, at commit b1bd4e6 too), while everything the update uses stays bitwise.
-Z_RTOL = 1e-6
+METRICS = ("loss", "lm_loss", "aux_loss", "router_loss", "dropped_pairs")
+# Two statistics are compared to float32 rounding, not bitwise (`NEAR_RTOL`):
+# - the z-loss (its coefficient is 0 in configs/tiny.yaml: it is in no loss or gradient): its
+#   cross-device mean ends one ulp apart between the offloaded and the plain programs in some
+#   orders of the test process (this file's test alone, at commit b1bd4e6 too);
+# - the gradient norm: XLA:CPU sums its squares in another order in the two programs, and on an
+#   AVX-512 machine (Xeon with avx512_fp16, 2026-12-07; bitwise on the machines before) step 3's
+#   ends one ulp apart (1.9544270 and 1.9544269, context=8), at 50fd091 and at adbc708 alike.
+# The losses stay bitwise, and each step's (after two updates) depends on every value of them.
+NEAR = ("z_loss", "grad_norm")
+NEAR_RTOL = 1e-6
 
 
 def _run(out, steps, *extra):
@@ -44,10 +49,11 @@ def _metrics(recs):
 
 
 def _assert_same(recs, want):
-    """`METRICS` bitwise, the z-loss to `Z_RTOL` (see there)."""
+    """`METRICS` bitwise, the `NEAR` statistics to `NEAR_RTOL` (see there)."""
     assert _metrics(recs) == _metrics(want)
-    z, z_want = ([r["z_loss"] for r in rs] for rs in (recs, want))
-    np.testing.assert_allclose(z, z_want, rtol=Z_RTOL, atol=0)
+    for key in NEAR:
+        got, expected = ([r[key] for r in rs] for rs in (recs, want))
+        np.testing.assert_allclose(got, expected, rtol=NEAR_RTOL, atol=0, err_msg=key)
 
 
 @pytest.fixture(scope="module")
