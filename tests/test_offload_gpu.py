@@ -4,10 +4,10 @@ gathers and casts one layer of weights at a time; `offload_layer_inputs` keeps t
 in host memory only. (The same math on 8 CPU devices: tests/test_offload.py and
 tests/test_offload_layer_inputs.py, where these tests were.)
 
-One file, so one xdist worker (`--dist loadfile`), compiles these programs one after another. In
-three suite runs (2026-12-06) one of them took 103-274 s against 13-25 s alone, each time while
-the other worker compiled the other file's offloaded GPU programs at the same time; run one at a
-time, they have not.
+In suite runs one of them took 103-274 s against 13-25 s alone (2026-12-06 and -07). The cause:
+XLA's dump options leak into a process's later compiles, and the worker had compiled
+tests/test_gpu_compile.py's dumped programs before (134 s after them in one process, 20 s
+without); those now compile in a child process.
 """
 
 import dataclasses
