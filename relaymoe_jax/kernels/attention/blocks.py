@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from relaymoe_jax.util.sorted_search import count_at_most_bisect
+
 PAD_QUERY = -1  # the index of a padded query: below every key's
 PAD_KEY = jnp.iinfo(jnp.int32).max  # the index of a padded key: above every query's
 PAD_QUERY_SEG, PAD_KEY_SEG = -1, -2
@@ -117,22 +119,6 @@ def _summaries(qi_ibq, ki_jbt, qseg_ibq, kseg_jbt, anchor):
     return q, k
 
 
-def _count_le(a_pb, y_ib):
-    """int32 [m, B]: how many of a[:, b] (non-decreasing) are <= y[i, b] (a binary search:
-    log2(n) + 1 gathers; `jnp.searchsorted` under vmap fails on arrays sharded over a mesh that
-    is not the context's)."""
-    n = a_pb.shape[0]
-    count = jnp.zeros_like(y_ib)
-    step = 1 << (n.bit_length() - 1)
-    while step:  # the largest count c with a[c - 1] <= y, found bit by bit
-        cand = count + step
-        fits = cand <= n
-        a_ib = jnp.take_along_axis(a_pb, jnp.where(fits, cand, n) - 1, axis=0)
-        count = jnp.where(fits & (a_ib <= y_ib), cand, count)
-        step >>= 1
-    return count
-
-
 def _ranges(perm, conds) -> BlockRanges:
     """The range over `perm` (the other side's blocks, int32 [n]) of each block of this side:
     `conds` are pairs (c [n, B], y [m, B]); block p is visited by block i in row b only if
@@ -142,8 +128,9 @@ def _ranges(perm, conds) -> BlockRanges:
     for c_pb, y_ib in conds:
         c_pb = c_pb[perm]
         prefix_min, suffix_min = lax.cummin(c_pb, 0), lax.cummin(c_pb, 0, reverse=True)
-        first = n - _count_le(prefix_min[::-1], y_ib)  # the first p with c <= y (n: none)
-        stop = _count_le(suffix_min, y_ib)  # one past the last p with c <= y (0: none)
+        # the first p with c <= y (n: none), and one past the last (0: none)
+        first = n - count_at_most_bisect(prefix_min[::-1], y_ib)
+        stop = count_at_most_bisect(suffix_min, y_ib)
         start = first if start is None else jnp.maximum(start, first)
         end = stop if end is None else jnp.minimum(end, stop)
     visits = start < end  # [m, B]: the rows in which block i visits anything
