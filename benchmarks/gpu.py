@@ -28,7 +28,8 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    also recomputes gate and up, not counted). These are the cost model's compute term.
 3. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs: the three passes of
    one grouped matmul timed apart: fwd out = x @ W_g, dx = dout @ W_g^T (gmm with
-   transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: our Pallas gmm/tgmm (impl="pallas":
+   transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: ours on Mosaic GPU (impl="mosaic",
+   its default config: TMA, wgmma, warp specialisation), our Pallas Triton gmm/tgmm (impl="pallas":
    the default config and the block configs of PALLAS_CONFIGS, from tokamax's H100 autotuning
    data), XLA's `lax.ragged_dot` (impl="ragged_dot"), and JAX's Mosaic-GPU
    `ragged_dot_mgpu.ragged_dot` (dx: the same kernel with transpose_rhs=True; dW:

@@ -53,7 +53,7 @@ def pallas_cfg(spec: str):
 class Kernel:
     """One kernel under test: a jitted fn(x, w, gs, dout) per pass, or none and why not."""
 
-    name: str  # "pallas", "ragged_dot" or "mgpu"
+    name: str  # "mosaic", "pallas", "ragged_dot" or "mgpu"
     config: str  # as given: a PALLAS_CONFIGS entry, or the Mosaic-GPU label
     label: str  # as printed
     fns: dict  # pass -> jitted fn; {} when the kernel is unavailable
@@ -105,6 +105,19 @@ def pallas_kernel(spec: str, interpret: bool) -> Kernel:
         _jit_all(_passes(gp.gmm, gp.tgmm, **common, **cfg)),
         "error",
     )
+
+
+def mosaic_kernel(interpret: bool) -> Kernel:
+    """Our Mosaic GPU gmm (fwd, dx) and tgmm (dW) at their default config (impl="mosaic"); in
+    the GPU interpreter with `interpret` (their own `interpret=True`)."""
+    import jax.numpy as jnp
+
+    from relaymoe_jax.kernels.gmm import gmm as api_gmm
+    from relaymoe_jax.kernels.gmm import tgmm as api_tgmm
+
+    kw = dict(impl="mosaic", interpret=interpret, preferred_element_type=jnp.bfloat16)
+    fns = _jit_all(_passes(api_gmm, api_tgmm, **kw))
+    return Kernel("mosaic", "mosaic", "ours, Mosaic GPU (impl='mosaic')", fns, "error")
 
 
 def ragged_dot_kernel() -> Kernel:
@@ -185,8 +198,10 @@ def _mgpu_passes(rd, trd, kw_fwd, kw_dx, kw_dw):
 
 
 def kernels(case, opts) -> list[Kernel]:
-    """Every kernel timed on `case`: the Pallas configs, lax.ragged_dot, the Mosaic-GPU ones."""
+    """Every kernel timed on `case`: ours on Mosaic GPU, the Pallas Triton configs, lax.ragged_dot,
+    jax's Mosaic-GPU ones."""
     return [
+        mosaic_kernel(opts.interpret),
         *(pallas_kernel(s, opts.interpret) for s in opts.pallas_configs),
         ragged_dot_kernel(),
         *mgpu_kernels(case, opts),

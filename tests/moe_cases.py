@@ -11,6 +11,7 @@ from relaymoe_jax import testing
 from relaymoe_jax.op import moe_ffn
 
 MESHES = {
+    "ep1": ((1,), ("expert",)),  # the Mosaic GPU interpreter's: one device only
     "ep8": ((8,), ("expert",)),
     "dp2_ep4": ((2, 4), ("data", "expert")),
     "ep4_tp2": ((4, 2), ("expert", "tensor")),

@@ -79,7 +79,8 @@ def test_kernel_table(gpu, run):
     cases = {(r["shape"], r["groups"]) for r in kern}
     assert len(cases) == len(gpu.TINY_SHAPES) * len(gpu.PATTERNS)
     assert {g.split(" ")[0] for _, g in cases} == {"balanced", "skewed"}
-    for kernel, per_case in (("pallas", len(gpu.TINY_PALLAS_CONFIGS)), ("ragged_dot", 1)):
+    per_kernel = (("mosaic", 1), ("pallas", len(gpu.TINY_PALLAS_CONFIGS)), ("ragged_dot", 1))
+    for kernel, per_case in per_kernel:
         rows = [r for r in kern if r["kernel"] == kernel]
         assert len(rows) == per_case * len(cases), kernel
         for r in rows:
@@ -188,7 +189,7 @@ def test_json_has_the_printed_figures(gpu, run):
     first = printed[0]
     for p in gpu.PASSES:
         rec = next(r for r in doc["kernels"] if r["op"] == p)
-        assert (rec["shape"], rec["kernel"], rec["config"]) == (first["shape"], "pallas", "default")
+        assert (rec["shape"], rec["kernel"], rec["config"]) == (first["shape"], "mosaic", "mosaic")
         assert f"{rec['ms']:.4g}" == first[f"{p} ms"]
         assert f"{rec['tflops']:.4g}" == first[f"{p} TFLOP/s"]
     hops = _table(out, "chunk (pairs)")

@@ -130,7 +130,7 @@ REFUSED = {
         DP_EP,
         EXPERTS,
         dict(expert_axis="expert", gmm_impl="pallas"),
-        "gmm_impl='pallas' compiles the Triton kernel for a GPU, but this call compiles for "
+        "gmm_impl='pallas' compiles a GPU kernel, but this call compiles for "
         "'cpu': use gmm_impl='pallas-interpret'",
     ),
     "the Pallas interpreter under check_vma=True": (
@@ -202,11 +202,20 @@ def test_an_axis_that_is_not_manual_is_named():
         f(*args)
 
 
-def test_moe_ffn_refuses_the_compiled_kernel_on_the_cpu():
+@pytest.mark.parametrize("impl", ["mosaic", "pallas"])
+def test_moe_ffn_refuses_the_compiled_kernels_on_the_cpu(impl):
     m = mesh("ep8")
     args = inputs((64,), m, P("expert"))
-    with pytest.raises(ValueError, match="gmm_impl='pallas' compiles the Triton kernel for a GPU"):
-        jax.jit(functools.partial(moe_ffn, mesh=m, gmm_impl="pallas"))(*args)
+    with pytest.raises(ValueError, match=f"gmm_impl='{impl}' compiles a GPU kernel"):
+        jax.jit(functools.partial(moe_ffn, mesh=m, gmm_impl=impl))(*args)
+
+
+def test_moe_ffn_refuses_the_mosaic_interpreter_on_several_devices():
+    """jax 0.12's Mosaic GPU interpreter runs one device only (several wait forever)."""
+    m = mesh("ep8")
+    args = inputs((64,), m, P("expert"))
+    with pytest.raises(ValueError, match="'mosaic-interpret' on a mesh of 8 devices"):
+        jax.jit(functools.partial(moe_ffn, mesh=m, gmm_impl="mosaic-interpret"))(*args)
 
 
 # ------------------------------------------------ what only a run can show: debug_checks

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from relaymoe_jax.dispatch.pairs import vary_like
+from relaymoe_jax.util.typed import varying_like
 
 
 class Experts(NamedTuple):
@@ -54,7 +54,9 @@ class Experts(NamedTuple):
         if not self.has_biases:
             return self
         filled = (
-            vary_like(jnp.zeros((w.shape[0], w.shape[2]), self.w_gate.dtype), w) if b is None else b
+            varying_like(jnp.zeros((w.shape[0], w.shape[2]), self.w_gate.dtype), w)
+            if b is None
+            else b
             for w, b in zip(self.weights, self.biases)
         )
         return Experts(*self.weights, *filled)

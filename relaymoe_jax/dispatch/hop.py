@@ -29,6 +29,7 @@ from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.experts import Experts, expert_mlp, gate_up, row_bias
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
 from relaymoe_jax.util.late import late_zero
+from relaymoe_jax.util.typed import varying_like
 
 
 class Chunk(NamedTuple):
@@ -58,7 +59,7 @@ def make_tokens(cfg, x_th, ids_tk, wts_tk):
     order, counts_e = pairs.sort_pairs(ids_tk, cfg.num_experts)
     order = jnp.concatenate([order, jnp.zeros((cfg.chunk,), order.dtype)])  # slices never run off
     tk = Tokens(x_th, wts_tk.reshape(-1), order, counts_e)
-    return Tokens(*(pairs.vary_like(a, *tk) for a in tk))  # one type for a loop carry
+    return Tokens(*(varying_like(a, *tk) for a in tk))  # one type for a loop carry
 
 
 def shift(tree, axis, n):
@@ -208,6 +209,6 @@ class Hop:
 def zeros_f32(shape, *refs):
     """f32 zeros that vary over the same manual axes as `refs` (an accumulator), made once
     `refs[0]` exists (`relaymoe_jax.util.late.late_zero`)."""
-    return pairs.vary_like(
+    return varying_like(
         jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]), shape), *refs
     )

@@ -11,11 +11,11 @@ import logging
 import jax.numpy as jnp
 from jax import lax
 
-from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
 from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.ring import RingConfig, ring_moe
+from relaymoe_jax.util.typed import varying_like
 
 log = logging.getLogger("relaymoe_jax")
 
@@ -73,7 +73,7 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
                 lax.all_gather(a, etp, axis=0, tiled=True) for a in (x_th, ids_tk, wts_tk)
             )
         else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
-            x_th, wts_tk = (pairs.vary_like(a, experts.w_gate) for a in (x_th, wts_tk))
+            x_th, wts_tk = (varying_like(a, experts.w_gate) for a in (x_th, wts_tk))
     if spec.dispatcher == "ring":
         y_th = _ring(spec, x_th, ids_tk, wts_tk, experts)
         dropped = jnp.int32(0)

@@ -8,11 +8,10 @@ no segment and contribute nothing (documented in docs/api.md).
 import contextlib
 import threading
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from relaymoe_jax.util.sorted_search import count_at_most
+from relaymoe_jax.util.typed import varying_like
 
 _state = threading.local()
 
@@ -102,12 +101,5 @@ def group_of_rows(group_sizes_g, rows: int):
 
 def group_bias_grad(d_rf, group_r, num_groups: int):
     """[G, f] float32: the rows of d summed per group (rows past the groups dropped)."""
-    zeros = vary_like(jnp.zeros((num_groups, d_rf.shape[-1]), jnp.float32), d_rf, group_r)
+    zeros = varying_like(jnp.zeros((num_groups, d_rf.shape[-1]), jnp.float32), d_rf, group_r)
     return zeros.at[group_r].add(d_rf.astype(jnp.float32), mode="drop")
-
-
-def vary_like(z, *refs):
-    """pcast `z` to vary over every manual mesh axis any of `refs` varies over (check_vma)."""
-    want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
-    missing = want - jax.typeof(z).manual_axis_type.varying
-    return lax.pcast(z, tuple(sorted(missing)), to="varying") if missing else z

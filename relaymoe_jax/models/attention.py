@@ -46,9 +46,10 @@ from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax.kernels.attention import api
 from relaymoe_jax.kernels.attention import interpret as interpreter
-from relaymoe_jax.kernels.attention.blocks import default_index, varying_like
+from relaymoe_jax.kernels.attention.blocks import default_index
 from relaymoe_jax.models import attention_xla
 from relaymoe_jax.util.tracing import allow_ordered_io_in_remat, concrete_mesh
+from relaymoe_jax.util.typed import varying_like
 
 
 def chunked_causal_attention(

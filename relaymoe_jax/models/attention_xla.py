@@ -47,10 +47,9 @@ from relaymoe_jax.kernels.attention.blocks import (
     pair_mask,
     query_ranges,
     unblocks,
-    varying_like,
 )
 from relaymoe_jax.util.late import late_zero
-from relaymoe_jax.util.typed import sharded_like
+from relaymoe_jax.util.typed import sharded_like, varying_like
 
 F32 = jnp.float32
 NEG = -1e30  # finite "minus infinity": masked scores never make inf - inf = NaN

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from relaymoe_jax.dispatch.pairs import vary_like
 from relaymoe_jax.models.sharding import AxisRules, constrain, token_layout
+from relaymoe_jax.util.typed import varying_like
 
 DEFAULT_CHUNK = 1024
 
@@ -106,7 +106,7 @@ def _nll_fwd(x_nh, w_hv, t_n, wt_n, c):
         nll_c = lse_c - _target_logit(logits_cv, t_c)
         return total + jnp.sum(nll_c * wt_c), lse_c
 
-    total, lse = lax.scan(hop, vary_like(jnp.zeros((), jnp.float32), wt_n), (xs, ts, wts))
+    total, lse = lax.scan(hop, varying_like(jnp.zeros((), jnp.float32), wt_n), (xs, ts, wts))
     return total, (x_nh, w_hv, t_n, wt_n, lse)
 
 
@@ -125,7 +125,7 @@ def _nll_bwd(c, res, g):
         return dw_hv, dx_ch.astype(x_ch.dtype)
 
     dw_hv, dxs = lax.scan(
-        hop, vary_like(jnp.zeros(w_hv.shape, jnp.float32), w_hv), (xs, ts, wts, lse)
+        hop, varying_like(jnp.zeros(w_hv.shape, jnp.float32), w_hv), (xs, ts, wts, lse)
     )
     dx_nh = dxs.reshape(-1, x_nh.shape[1])[:n]
     return dx_nh, dw_hv.astype(w_hv.dtype), None, None

@@ -71,12 +71,24 @@ def check_interpret_vma(gmm_impl: str, typed: bool, *, who: str) -> None:
 
 
 def check_gmm_platform(gmm_impl: str, platform: str) -> None:
-    """gmm_impl='pallas' (the compiled Triton kernel) where the call does not compile for a GPU."""
-    if gmm_impl == "pallas" and platform != "gpu":
+    """gmm_impl='mosaic' or 'pallas' (a compiled GPU kernel) where the call does not compile for
+    a GPU."""
+    if gmm_impl in ("mosaic", "pallas") and platform != "gpu":
         raise ValueError(
-            f"gmm_impl='pallas' compiles the Triton kernel for a GPU, but this call compiles "
-            f"for {platform!r}: use gmm_impl='pallas-interpret' (the same kernel in the Pallas "
+            f"gmm_impl={gmm_impl!r} compiles a GPU kernel, but this call compiles for "
+            f"{platform!r}: use gmm_impl='{gmm_impl}-interpret' (the same kernel in its "
             "interpreter, slow: for tests), 'xla' or 'auto'"
+        )
+
+
+def check_interpret_devices(gmm_impl: str, devices: int) -> None:
+    """gmm_impl='mosaic-interpret' on a mesh of several devices: refused (jax 0.12's Mosaic GPU
+    interpreter runs one device only; several wait forever in a rendezvous)."""
+    if gmm_impl == "mosaic-interpret" and devices > 1:
+        raise ValueError(
+            f"gmm_impl='mosaic-interpret' on a mesh of {devices} devices: jax 0.12's Mosaic GPU "
+            "interpreter runs one device only (it would wait forever in a rendezvous); run it on "
+            "a mesh of one device, or use 'pallas-interpret' or 'xla'"
         )
 
 

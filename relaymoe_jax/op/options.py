@@ -31,7 +31,9 @@ from relaymoe_jax.util.checks import fail, int_at_least, is_number, one_of
 Dispatcher = Literal["ring", "alltoall", "reference"]
 Routing = Literal["expert", "token", "auto"]
 RingKind = Literal["auto", "flat", "hierarchical"]
-GmmImpl = Literal["auto", "xla", "ragged_dot", "pallas", "pallas-interpret"]
+GmmImpl = Literal[
+    "auto", "xla", "ragged_dot", "mosaic", "pallas", "mosaic-interpret", "pallas-interpret"
+]
 
 DISPATCHERS: tuple[str, ...] = typing.get_args(Dispatcher)
 ROUTINGS: tuple[str, ...] = typing.get_args(Routing)

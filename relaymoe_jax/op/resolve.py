@@ -13,9 +13,10 @@ from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.chunking import default_chunk
 from relaymoe_jax.dispatch.local import LocalSpec
 from relaymoe_jax.dispatch.mode import RoutingVolumes, routing_volumes
+from relaymoe_jax.kernels.attention import interpret
 from relaymoe_jax.kernels.gmm import resolve_impl
 from relaymoe_jax.op import topology
-from relaymoe_jax.op.checks import Dtypes, Sizes, check_gmm_platform
+from relaymoe_jax.op.checks import Dtypes, Sizes, check_gmm_platform, check_interpret_devices
 from relaymoe_jax.op.options import MoEOptions
 from relaymoe_jax.util.platform import platform
 
@@ -107,6 +108,9 @@ def resolve(
         log.info("%s(routing='auto'): %s", who, choice.volumes.explain())
     impl = options.gmm_impl
     check_gmm_platform(impl, platform(mesh))
+    check_interpret_devices(impl, mesh.size)
+    if impl == "mosaic-interpret":
+        interpret.check_threads("gmm_impl='mosaic-interpret'")
     spec = LocalSpec(
         dispatcher=options.dispatcher,
         expert_axes=where.expert_axes,

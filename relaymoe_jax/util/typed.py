@@ -1,6 +1,8 @@
-"""Giving a value another's sharding type (Explicit meshes)."""
+"""Giving a value another's type: its sharding (Explicit meshes), its varying manual axes
+(shard_map's check_vma)."""
 
 import jax
+from jax import lax
 
 
 def sharded_like(g, x):
@@ -12,3 +14,12 @@ def sharded_like(g, x):
     if getattr(want, "spec", None) is None or want.spec == getattr(got, "spec", None):
         return g
     return jax.sharding.reshard(g, want.spec)
+
+
+def varying_like(x, *refs):
+    """`x` varying over every manual axis any of `refs` varies over (inside a shard_map, a cond's
+    branches, a scan's carry and a custom_vjp's cotangents must agree on that; a Pallas Mosaic GPU
+    kernel's output comes back varying over none); outside a shard_map, `x` itself."""
+    vma = lambda a: jax.typeof(a).manual_axis_type.varying
+    missing = tuple(sorted(frozenset().union(*map(vma, refs)) - vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from relaymoe_jax.kernels.attention import mosaic_bwd, mosaic_fwd
-from relaymoe_jax.kernels.attention.blocks import varying_like
 from relaymoe_jax.kernels.attention.common import (
     MosaicConfig,
     check_dtype,
     check_head_dim,
     prepare_masks,
 )
+from relaymoe_jax.util.typed import varying_like
 
 
 def check_static(q_bsnd) -> None:

@@ -47,7 +47,6 @@ at 1,048,576 tokens and more) and JAX's partial evaluation would take them for k
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -179,11 +178,3 @@ def pair_mask(qi_bq, ki_bt, qseg_bq=None, kseg_bt=None, anchor=None):
     if qseg_bq is not None:
         mask = mask & (qseg_bq[:, :, None] == kseg_bt[:, None, :])
     return mask
-
-
-def varying_like(x, *refs):
-    """`x` varying over every manual axis any of `refs` varies over (inside a shard_map, a cond's
-    branches and a scan's carry must agree on that; outside one, `x` itself)."""
-    vma = lambda a: jax.typeof(a).manual_axis_type.varying
-    missing = tuple(sorted(frozenset().union(*map(vma, refs)) - vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x

@@ -5,7 +5,8 @@ CPU) can run the attention kernels, checked before anything is traced.
   several devices at once waits forever in a rendezvous (XLA:CPU aborts after about 80 s): a
   mesh of more than one device is refused (`check_devices`).
 - **Enough XLA:CPU threads.** It runs each kernel's warpgroups (up to
-  `MosaicConfig.heads_per_program`) as XLA:CPU computations on threads of their own, which meet
+  `MosaicConfig.heads_per_program` for the attention, 3 for the grouped matmul's
+  gmm_impl="mosaic-interpret") as XLA:CPU computations on threads of their own, which meet
   at the kernel's barriers, while the computation that called the kernel waits for them.
   XLA:CPU runs computations on a pool of `NPROC` threads (the environment variable, read when
   jax starts; else the CPUs this process may use): the pool must hold the caller and every
@@ -18,9 +19,12 @@ CPU) can run the attention kernels, checked before anything is traced.
 import os
 
 from relaymoe_jax.kernels.attention.common import MosaicConfig
+from relaymoe_jax.kernels.gmm.mosaic_common import WARPGROUPS as GMM_WARPGROUPS
 from relaymoe_jax.util.tracing import backends_started
 
-THREADS = 1 + MosaicConfig().heads_per_program  # the caller and the kernel's warpgroups
+# the caller and the most warpgroups of a kernel the interpreter may run: the attention's
+# `heads_per_program`, the grouped matmul's producer and two consumers ("mosaic-interpret")
+THREADS = 1 + max(MosaicConfig().heads_per_program, GMM_WARPGROUPS)
 IMPL = "pallas-interpret"
 
 
@@ -50,12 +54,13 @@ def check_devices(devices: int, where: str) -> None:
         )
 
 
-def check_threads() -> None:
-    """A ValueError unless XLA:CPU has the threads the interpreter needs (`execute_threads`)."""
+def check_threads(what: str = f"attention_impl={IMPL!r}") -> None:
+    """A ValueError unless XLA:CPU has the threads the interpreter needs (`execute_threads`);
+    `what` names the option that asked for the interpreter."""
     have = execute_threads()
     if have < THREADS:
         raise ValueError(
-            f"attention_impl={IMPL!r} needs {THREADS} XLA:CPU threads (the caller and "
+            f"{what} needs {THREADS} XLA:CPU threads (the caller and "
             f"{THREADS - 1} warpgroups that wait on each other) and this process has {have} "
             f"(NPROC or its CPUs): a step would wait forever; set NPROC={THREADS} in the "
             "environment before jax starts, or use 'chunked'"

@@ -17,12 +17,14 @@ down, so the product runs on the tensor cores instead of in f32 FMA (a float32 c
 bf16 x f16 is refused (ValueError). Equal types multiply as they are: f32 x f32 at IEEE
 precision (`Precision.HIGHEST`, no TF32).
 
-impl="pallas" is the Pallas (Triton lowering) GPU kernel of `pallas.py`, with its
-own custom_vjp; `interpret=True` runs it on CPU with the Pallas interpreter
-(tests). "auto" picks "pallas" when the code compiles for a GPU and the blocked "xla" version
-elsewhere; the platform is that of the mesh in context (`jax.set_mesh`, a shard_map's mesh),
-so a deviceless compile for an abstract GPU mesh (`relaymoe_jax.gpu_mesh`) gets the kernel
-although its process runs on a CPU backend.
+impl="mosaic" is our Pallas Mosaic GPU kernel (`mosaic.py`; Hopper: TMA, wgmma, warp
+specialisation; 16-bit operands), impl="pallas" the Pallas Triton kernel (`pallas.py`; deprecated
+with jax's Triton backend), both with the custom VJPs of `vjp.py`; `interpret=True` runs either
+on CPU in its interpreter (tests). "auto" picks "pallas" when the code compiles for a GPU (the
+Mosaic GPU kernel is opt-in until the deviceless compiles and the tables are moved to it) and
+the blocked "xla" version elsewhere; the platform is that of the mesh in context
+(`jax.set_mesh`, a shard_map's mesh), so a deviceless compile for an abstract GPU mesh
+(`relaymoe_jax.gpu_mesh`) gets the kernel although its process runs on a CPU backend.
 """
 
 from __future__ import annotations
@@ -31,50 +33,60 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from relaymoe_jax.kernels.gmm import pallas
+from relaymoe_jax.kernels.gmm import mosaic, pallas
 from relaymoe_jax.kernels.gmm.common import check_acc
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
 from relaymoe_jax.util.platform import platform
 
-IMPLS = ("auto", "xla", "ragged_dot", "pallas")
+IMPLS = ("auto", "xla", "ragged_dot", "mosaic", "pallas")
+KERNELS = ("mosaic", "pallas")  # the Pallas kernels: interpretable, fused or in-op row gathers
 
 
 def resolve_impl(impl: str, interpret: bool = False, mesh=None) -> str:
     """Holds the concrete implementation name for `impl`.
 
-    "auto" is "pallas" when the code compiles for a GPU (or when `interpret`
-    asks for the Pallas interpreter), else "xla". The platform is `mesh`'s when
-    given, else the context mesh's, else JAX's default backend
-    (`relaymoe_jax.util.platform.platform`). `interpret` applies to Pallas.
+    "auto" is "pallas" when the code compiles for a GPU (or when `interpret` asks for an
+    interpreter), else "xla". The platform is `mesh`'s when given, else the context mesh's, else
+    JAX's default backend (`relaymoe_jax.util.platform.platform`). `interpret` applies to the
+    kernels ("mosaic", "pallas").
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         return "pallas" if interpret or platform(mesh) == "gpu" else "xla"
-    if interpret and impl != "pallas":
+    if interpret and impl not in KERNELS:
         raise ValueError(
-            f"interpret=True runs the Pallas kernel; it does not apply to impl={impl!r}"
+            f"interpret=True runs a Pallas kernel ({KERNELS}); it does not apply to impl={impl!r}"
         )
     return impl
 
 
-# moe_ffn's `gmm_impl`: an `impl`, or "pallas-interpret" (the Pallas kernel in its interpreter).
-MOE_IMPLS = (*IMPLS, "pallas-interpret")
+# moe_ffn's `gmm_impl`: an `impl`, or a kernel in its interpreter on CPU.
+MOE_IMPLS = (*IMPLS, "mosaic-interpret", "pallas-interpret")
+INTERPRETERS = {"mosaic-interpret": "mosaic", "pallas-interpret": "pallas"}
 
 
 def impl_kwargs(name: str) -> dict:
     """Holds the gmm/tgmm keyword arguments for a `MOE_IMPLS` name."""
     if name not in MOE_IMPLS:
         raise ValueError(f"gmm_impl must be one of {MOE_IMPLS}, got {name!r}")
-    if name == "pallas-interpret":
-        return {"impl": "pallas", "interpret": True}
+    if name in INTERPRETERS:
+        return {"impl": INTERPRETERS[name], "interpret": True}
     return {"impl": name}
 
 
-def _pallas_blocks(tile_m) -> dict:
-    """tile_m, when given, is the Pallas kernel's block_m (a power of two >= 16)."""
-    return {} if tile_m is None else {"block_m": tile_m}
+def _kernel(impl: str, tile_m, mosaic_entry, pallas_entry):
+    """(entry point, its block keywords) of a kernel impl. tile_m, when given, is the Triton
+    kernel's block_m (a power of two >= 16); the Mosaic GPU kernel tiles 64 rows (one wgmma M
+    tile per warpgroup): None or 64, else refused."""
+    if impl == "pallas":
+        return pallas_entry, {} if tile_m is None else {"block_m": tile_m}
+    if tile_m not in (None, 64):
+        raise ValueError(
+            f"tile_m={tile_m!r} with impl='mosaic': the kernel tiles 64 rows (or None)"
+        )
+    return mosaic_entry, {}
 
 
 def _check_tile_m(tile_m) -> int:
@@ -134,8 +146,8 @@ def gmm(
       lhs: [M, K] rows sorted by group.
       rhs: [G, K, N], or [G, N, K] when `transpose_rhs` (then rhs[g].T is used).
       group_sizes: [G] integer rows per group; traced values are fine.
-      impl: "auto" | "xla" | "ragged_dot" | "pallas".
-      interpret: run the Pallas kernel with the Pallas interpreter (CPU tests).
+      impl: "auto" | "xla" | "ragged_dot" | "mosaic" | "pallas".
+      interpret: run the kernel ("mosaic", "pallas") in its interpreter (CPU tests).
       preferred_element_type: output dtype (default lhs.dtype); math is float32.
         Operands of a 16-bit and a 32-bit float type multiply in the 16-bit one
         (the wider is cast down: tensor cores, never f32 FMA by accident; see
@@ -158,7 +170,7 @@ def gmm(
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
     impl = resolve_impl(impl, interpret)
-    if impl != "pallas":
+    if impl not in KERNELS:
         lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
     if rhs.ndim != 3:
         layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
@@ -176,8 +188,9 @@ def gmm(
     if rhs.shape[0] == 0:  # no groups: every row is padding
         m = lhs.shape[0] if lhs_rows is None else jnp.shape(lhs_rows)[0]
         return jnp.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]), out_dtype)
-    if impl == "pallas":
-        return pallas.gmm(
+    if impl in KERNELS:
+        entry, blocks = _kernel(impl, tile_m, mosaic.gmm, pallas.gmm)
+        return entry(
             lhs,
             rhs,
             group_sizes,
@@ -186,7 +199,7 @@ def gmm(
             interpret=interpret,
             lhs_rows=lhs_rows,
             zero_padding=zero_padding,
-            **_pallas_blocks(tile_m),
+            **blocks,
         )
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes, bool(transpose_rhs), tm, out_dtype)
@@ -222,7 +235,7 @@ def tgmm(
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     impl = resolve_impl(impl, interpret)
-    if impl != "pallas" or lhs.ndim != 2 or rhs.ndim != 2:
+    if impl not in KERNELS or lhs.ndim != 2 or rhs.ndim != 2:
         lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
         rhs, rhs_rows = _gather(rhs, rhs_rows, "rhs_rows"), None
     if lhs.ndim != 2:
@@ -245,8 +258,9 @@ def tgmm(
         acc = check_acc(acc, (int(num_groups), lhs.shape[1], rhs.shape[1]), out_dtype)
     if num_groups == 0:
         return jnp.zeros((0, lhs.shape[1], rhs.shape[1]), out_dtype)
-    if impl == "pallas":
-        return pallas.tgmm(
+    if impl in KERNELS:
+        entry, blocks = _kernel(impl, tile_m, mosaic.tgmm, pallas.tgmm)
+        return entry(
             lhs,
             rhs,
             group_sizes,
@@ -255,7 +269,7 @@ def tgmm(
             lhs_rows=lhs_rows,
             rhs_rows=rhs_rows,
             acc=acc,
-            **_pallas_blocks(tile_m),
+            **blocks,
         )
     if impl == "xla":
         return tgmm_xla(lhs, rhs, group_sizes, tm, out_dtype, acc)

@@ -1,8 +1,9 @@
-"""What the grouped-matmul implementations (`xla`, `ragged`, `pallas`) share.
+"""What the grouped-matmul implementations (`xla`, `ragged`, `pallas`, `mosaic`) share.
 
 - The dtype a product is taken in (`operand_dtype`) and its precision (`precision`).
-- The row ranges of the groups (`clamp_group_bounds`, `clamp_group_sizes`) and the (row tile,
-  group) work items of a blocked loop or kernel grid (`work_items`; `xla.py`'s module doc).
+- The row ranges of the groups (`clamp_group_bounds`, `clamp_group_sizes`), the (row tile,
+  group) work items of a blocked loop or kernel grid (`work_items`; `xla.py`'s module doc) and
+  the gmm kernels' work list built from them (`row_items`, padding rows included).
 - `match_vma`: operands made varying over the same shard_map axes; `check_acc`: tgmm's `acc`.
 
 Operand dtypes. A 16-bit operand meeting a float32 one is the common accident: a matmul with
@@ -103,6 +104,37 @@ def work_items(group_sizes_g: jax.Array, m: int, tm: int) -> WorkItems:
     first_item_i = items_end_g[group_i] - tiles_g[group_i]
     tile_i = first_tile_g[group_i] + item_i - first_item_i
     return WorkItems(start_g, end_g, group_i, tile_i, items_end_g[-1])
+
+
+class RowItems(NamedTuple):
+    """A gmm kernel's work list: item i computes rows [lo_i, hi_i) of row tile row0_i for group
+    group_i (G: the padding rows, stored as zeros); entries past `count` are zeros."""
+
+    group_i: jax.Array
+    row0_i: jax.Array
+    lo_i: jax.Array
+    hi_i: jax.Array
+    count: jax.Array  # [1] int32
+
+
+def row_items(group_sizes_g: jax.Array, m: int, bm: int, zero_padding: bool = True) -> RowItems:
+    """The int32 work items of a gmm kernel over m rows in tiles of bm: one per (tile, group)
+    that meet; the padding rows [sum, M) are group G when `zero_padding` (their items store
+    zeros), else not visited at all."""
+    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
+    if zero_padding:
+        sizes_ext = jnp.concatenate([end_g - start_g, (m - end_g[-1:])])  # group G = padding
+        start_x = jnp.concatenate([start_g, end_g[-1:]])
+        end_x = jnp.concatenate([end_g, jnp.full((1,), m, jnp.int32)])
+    else:
+        sizes_ext, start_x, end_x = end_g - start_g, start_g, end_g
+    items = work_items(sizes_ext, m, bm)
+    row0_i = items.tile_i * bm
+    real_i = jnp.arange(items.group_i.shape[0]) < items.count
+    lo_i = jnp.where(real_i, jnp.maximum(start_x[items.group_i], row0_i), 0)
+    hi_i = jnp.where(real_i, jnp.minimum(end_x[items.group_i], row0_i + bm), 0)
+    row0_i = jnp.where(real_i, row0_i, 0)
+    return RowItems(items.group_i, row0_i, lo_i, hi_i, items.count.astype(jnp.int32)[None])
 
 
 def match_vma(*operands):

@@ -7,7 +7,7 @@ stages to shared memory (SMEM_BYTES). Row layout and the zero-row contract are `
 
 gmm kernel, `out[M, N]`. Grid = (work item, n tile). The grid must be static, and
 the Triton backend has no scalar prefetch, so the work list is computed with jnp
-outside the kernel (`common.work_items`). The kernel receives it as four small int32
+outside the kernel (`common.row_items`). The kernel receives it as four small int32
 arrays, and each program reads its own entries as scalars from those refs. A work
 item is one (row tile of `block_m` rows, group) pair whose intersection is
 non-empty. Consecutive groups share at most one boundary tile. The padding rows
@@ -60,7 +60,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from relaymoe_jax.kernels.gmm.common import clamp_group_bounds, operand_dtype, precision, work_items
+from relaymoe_jax.kernels.gmm.common import (
+    clamp_group_bounds,
+    operand_dtype,
+    precision,
+    row_items,
+)
 
 DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 128
@@ -248,24 +253,6 @@ def _gmm_kernel(
     )
 
 
-def _gmm_items(group_sizes_g, m: int, bm: int, zero_padding: bool = True):
-    """Holds the int32 work-item arrays (group, row0, lo, hi): the padding rows [sum, M) are group
-    G when `zero_padding` (its items store zeros), else not visited at all."""
-    start_g, end_g = clamp_group_bounds(group_sizes_g, m)
-    if zero_padding:
-        sizes_ext = jnp.concatenate([end_g - start_g, (m - end_g[-1:])])  # group G = padding
-        start_x = jnp.concatenate([start_g, end_g[-1:]])
-        end_x = jnp.concatenate([end_g, jnp.full((1,), m, jnp.int32)])
-    else:
-        sizes_ext, start_x, end_x = end_g - start_g, start_g, end_g
-    items = work_items(sizes_ext, m, bm)
-    row0_i = items.tile_i * bm
-    real_i = jnp.arange(items.group_i.shape[0]) < items.count
-    lo_i = jnp.where(real_i, jnp.maximum(start_x[items.group_i], row0_i), 0)
-    hi_i = jnp.where(real_i, jnp.minimum(end_x[items.group_i], row0_i + bm), 0)
-    return items.group_i, jnp.where(real_i, row0_i, 0), lo_i, hi_i
-
-
 def gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, cfg: Config):
     """Holds out[M, N] of the gmm kernel (not differentiable); M = len(rows_m) if given."""
     m, k = x.shape if rows_m is None else (rows_m.shape[0], x.shape[1])
@@ -274,7 +261,7 @@ def gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, cf
     if m == 0 or n == 0 or k == 0 or num_groups == 0 or x.shape[0] == 0:
         return jnp.zeros((m, n), out_dtype)
     bm, bn, bk = _fit_block(cfg.block_m, m), _fit_block(cfg.block_n, n), _fit_block(cfg.block_k, k)
-    meta = _gmm_items(group_sizes_g, m, bm, cfg.zero_padding)
+    meta = row_items(group_sizes_g, m, bm, cfg.zero_padding)[:4]
     compute = operand_dtype(x.dtype, w_gkn.dtype)  # bf16 x f32 -> bf16 (tensor cores)
     x, w_gkn = x.astype(compute), w_gkn.astype(compute)
     kernel = functools.partial(

@@ -1,0 +1,146 @@
+"""The Mosaic GPU grouped matmul compiled by XLA:GPU for abstract H100s (deviceless,
+`relaymoe_jax.gpu_mesh`; nothing runs): its three kernels at Qwen3-30B-A3B's expert shapes and
+moe_ffn's ring fwd+bwd on 8 H100s with gmm_impl="mosaic" (what "auto" picks on Hopper). Read
+from what the CUDA plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read when the process
+starts: one subprocess compiles both programs): every kernel's PTX issues wgmma on bf16 operands
+accumulating in f32 and no other wgmma, ptxas spills nothing, and each kernel's registers and
+shared memory are printed (`-s` shows them). The HLO: every Mosaic GPU call receives 16-bit
+operands only (a float32 cotangent is cast down before it). The kernels' values are tested in
+the interpreter (test_gmm_mosaic.py)."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from relaymoe_jax.analysis import gpu_mesh, triton_calls
+from scripts import ROOT
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(
+        not gpu_mesh.plugin_available(), reason="needs the gpu-compile extra (jax CUDA plugin)"
+    ),
+]
+
+# Qwen3-30B-A3B's experts on one device of EP=8 (16 local experts, H=2048, F=768), a ring chunk
+# of 8,192 rows gathered from 4,096 tokens: the gate projection and its VJP (dx: the transposed
+# kernel; dW: tgmm) with a float32 output and cotangent, the down projection's forward, and tgmm
+# accumulating into a float32 sum.
+SCRIPT = """
+import pathlib, sys, warnings
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from relaymoe_jax import XLA_OPTIONS, gpu_mesh
+from relaymoe_jax.kernels.gmm import gmm, tgmm
+from relaymoe_jax.op import moe_ffn
+
+G, H, F, M, T = 16, 2048, 768, 8192, 4096
+bf = jnp.bfloat16
+
+
+def kernels(x, w_gate, w_down, rows, gs, dout, acc):
+    f32 = jnp.float32  # a float32 output: its float32 cotangent meets the bf16 operands
+    mm = lambda x, w: gmm(x, w, gs, impl="mosaic", lhs_rows=rows, preferred_element_type=f32)
+    gate, vjp = jax.vjp(mm, x, w_gate)
+    gate = gate.astype(bf)
+    down = gmm(gate, w_down, gs, impl="mosaic")
+    dw = tgmm(gate, down, gs, impl="mosaic", preferred_element_type=jnp.float32, acc=acc)
+    return down, dw, *vjp(dout.astype(jnp.float32))
+
+
+def layer(mesh):
+    def loss(x, ids, wts, wg, wu, wd):
+        y = moe_ffn(x, ids, wts, wg, wu, wd, mesh=mesh, gmm_impl="mosaic")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return jax.grad(loss, argnums=(0, 2, 3, 4, 5))
+
+
+def compile(fn, mesh, *shapes):
+    spec = lambda s: P("expert") if len(mesh.shape) > 1 or mesh.shape.get("expert") else P()
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in shapes]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower().compile(XLA_OPTIONS)
+
+
+one = gpu_mesh.mesh((1,), ("x",))
+r = P()
+c1 = compile(kernels, one, ((T, H), bf, r), ((G, H, F), bf, r), ((G, F, H), bf, r),
+             ((M,), jnp.int32, r), ((G,), jnp.int32, r), ((M, F), bf, r),
+             ((G, F, H), jnp.float32, r))
+ep = gpu_mesh.mesh((8,), ("expert",))
+e = P("expert")
+t, h, f, k, n = 8 * 1024, 256, 128, 4, 16
+c2 = compile(layer(ep), ep, ((t, h), bf, e), ((t, k), jnp.int32, e), ((t, k), jnp.float32, e),
+             ((n, h, f), bf, e), ((n, h, f), bf, e), ((n, f, h), bf, e))
+out = pathlib.Path(sys.argv[1])
+(out / "kernels.txt").write_text(c1.as_text())
+(out / "layer.txt").write_text(c2.as_text())
+"""
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    """(the Mosaic GPU dump directory, {program: HLO text}) of the subprocess above."""
+    kernels, hlo = tmp_path_factory.mktemp("mosaic"), tmp_path_factory.mktemp("hlo")
+    env = {
+        **os.environ,
+        "MOSAIC_GPU_DUMP_TO": str(kernels),
+        "MOSAIC_GPU_DUMP_PTX": "1",
+        "MOSAIC_GPU_DUMP_PTXAS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(hlo)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return kernels, {p: (hlo / f"{p}.txt").read_text() for p in ("kernels", "layer")}
+
+
+def test_every_kernel_call_takes_16_bit_operands(dump):
+    """The kernels' program: the gate's forward, dx and dW, the down projection, tgmm into a
+    float32 sum (its f32 accumulator is an operand it adds, not multiplies); the layer's fwd+bwd:
+    the ring's forward and recomputing backward. No call multiplies a float32 operand."""
+    for name, text in dump[1].items():
+        calls = triton_calls.mosaic_calls(text)
+        assert calls, name
+        assert {c.kernel.split(".")[0] for c in calls} <= {"relaymoe_gmm", "relaymoe_tgmm"}
+        assert not triton_calls.wide_float_calls(text), (name, calls)
+        assert not triton_calls.triton_calls(text), name  # nothing left on the Triton backend
+    assert len(triton_calls.mosaic_calls(dump[1]["kernels"])) == 5
+
+
+def _ptxas(path: pathlib.Path) -> dict:
+    text = path.read_text()
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    return {"registers": regs, "spill_bytes": sum(spills)}
+
+
+def test_ptx_issues_wgmma_on_bf16_and_ptxas_spills_nothing(dump):
+    """Each distinct kernel compiled (gmm, dx, tgmm at each shape): wgmma `.f32.bf16.bf16` only,
+    no spill, at most 255 registers a thread; registers and shared memory printed."""
+    kernels = triton_calls.mosaic_wgmma_kernels(dump[0])
+    assert kernels and all(name.startswith("relaymoe_") for name in kernels), kernels
+    for name, shapes in kernels.items():
+        assert shapes and all(s.endswith(".f32.bf16.bf16") for s in shapes), (name, shapes)
+        stem = name.removesuffix(".ptx")
+        info = _ptxas(dump[0] / f"{stem}.ptxas")
+        print(f"{stem}: {shapes}, {info['registers']} registers, no spill")
+        assert info["spill_bytes"] == 0 and info["registers"] <= 255, (name, info)
+    # shared memory is dumped per lowered kernel (numbered apart from the PTX files)
+    smem = {
+        int(m.group(1))
+        for f in dump[0].glob("*.resources.txt")
+        if (m := re.search(r"smem_scratch_bytes=(\d+)", f.read_text()))
+    }
+    print(f"shared memory of the kernels (bytes): {sorted(smem)}")
+    assert smem and max(smem) <= 232_448  # what a Hopper block may use
