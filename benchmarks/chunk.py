@@ -2,6 +2,8 @@
 
     python benchmarks/chunk.py                 # memory table (XLA:GPU, 8 abstract H100s)
     python benchmarks/chunk.py --cpu-time      # also: CPU time, old default vs new, one run
+    python benchmarks/chunk.py --gmm-impl mosaic -k 8 --chunks default   # one row, our Mosaic GPU
+                                               # kernel (the ring's; the all-to-all keeps "auto")
 
 Memory: the paper's shape (E=128, H=2048, F=768, 61,440 tokens per device, EP=8, bf16, k=8 and
 16), compiled (never run) by the XLA:GPU compiler for 8 abstract H100s with `XLA_OPTIONS` and the
@@ -44,6 +46,19 @@ def parse_args(argv=None):
     p.add_argument("--cpu-time", action="store_true", help="also time old vs new default on CPU")
     p.add_argument("--no-memory", action="store_true", help="skip the GPU-compiler table")
     p.add_argument("--runs", type=positive_int, default=5, help="timed runs (default 5)")
+    p.add_argument(
+        "--gmm-impl",
+        choices=["auto", "mosaic", "pallas"],
+        default="auto",
+        help="the ring's grouped matmul in the memory table (default auto: the Triton kernel)",
+    )
+    p.add_argument(
+        "--chunks",
+        nargs="+",
+        choices=[str(c) for c in CHUNKS],
+        default=[str(c) for c in CHUNKS],
+        help="the memory table's rows (default all)",
+    )
     return p.parse_args(argv)
 
 
@@ -58,14 +73,15 @@ def chunk_of(label, s) -> int:
     return int(label)
 
 
-def fwdbwd_temp(s, mesh, variant) -> int:
-    """fwd+bwd temp bytes per device of `variant` at shape `s`, compiled for `mesh`."""
+def fwdbwd_temp(s, mesh, variant, extra=None) -> int:
+    """fwd+bwd temp bytes per device of `variant` at shape `s`, compiled for `mesh` (`extra`:
+    more moe_ffn keyword arguments)."""
     import jax
 
     from relaymoe_jax import XLA_OPTIONS
     from relaymoe_jax.analysis import memory
 
-    fwdbwd = memory.layer_fns(s, mesh, variant)[1]
+    fwdbwd = memory.layer_fns(s, mesh, variant, extra=extra)[1]
     with jax.set_mesh(mesh):
         c = (
             jax.jit(fwdbwd)
@@ -85,7 +101,8 @@ def memory_table(args):
     mesh = gpu_mesh.mesh((PAPER["ep"],), ("expert",), target=args.target)
     print(
         f"# XLA:GPU for {PAPER['ep']} abstract {gpu_mesh.device_kind(args.target)}, "
-        "XLA_OPTIONS, Pallas kernel, bf16, fwd+bwd temp_size_in_bytes per device, "
+        f"XLA_OPTIONS, ring gmm_impl={args.gmm_impl!r} (auto: the Pallas Triton kernel), bf16, "
+        "fwd+bwd temp_size_in_bytes per device, "
         "MiB = 2^20 bytes; paper shape E128 H2048 F768 T61440/dev EP8",
         flush=True,
     )
@@ -99,10 +116,12 @@ def memory_table(args):
         base = memory.LayerShape(top_k=k, dtype="bfloat16", **PAPER)
         cap = fwdbwd_temp(base, mesh, "a2a-cap1.0")
         per_hop = chunking.balanced_share(base.tokens_per_device, k, base.ep)
-        for label in CHUNKS:
+        for label in (c for c in CHUNKS if str(c) in args.chunks):
             c = chunk_of(label, base)
             spans = min(e_local, math.ceil(c / (per_hop / e_local)) + 1)
-            ring = fwdbwd_temp(dataclasses.replace(base, chunk=c), mesh, "ring-expert")
+            ring = fwdbwd_temp(
+                dataclasses.replace(base, chunk=c), mesh, "ring-expert", {"gmm_impl": args.gmm_impl}
+            )
             print(
                 f"| {k} | {label} | {c:,} | {per_hop:,} | {math.ceil(per_hop / c)} | {spans} | "
                 f"{c / spans:,.0f} | {memory.mib(ring):,.1f} | {memory.mib(cap):,.1f} | "
