@@ -115,8 +115,8 @@ def test_too_few_xla_threads_are_refused_and_reserved(monkeypatch):
         QwenMoe(cfg, mesh=jax.make_mesh((1,), ("expert",)), rngs=nnx.Rngs(0), dtype=BF16)
     assert str(e.value) == (
         f"attention_impl='pallas-interpret' needs {interpret.THREADS} XLA:CPU threads (the "
-        f"caller and {interpret.THREADS - 1} warpgroups that wait on each other) and this "
-        "process has 2 (NPROC or its CPUs): a step would wait forever; set "
+        f"caller and up to {interpret.THREADS - 1} warpgroups of a kernel, which wait on each "
+        "other) and this process has 2 (NPROC or its CPUs): a step would wait forever; set "
         f"NPROC={interpret.THREADS} in the environment before jax starts, or use 'chunked'"
     )
     monkeypatch.setattr(interpret, "backends_started", lambda: False)

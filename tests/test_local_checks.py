@@ -218,6 +218,16 @@ def test_moe_ffn_refuses_the_mosaic_interpreter_on_several_devices():
         jax.jit(functools.partial(moe_ffn, mesh=m, gmm_impl="mosaic-interpret"))(*args)
 
 
+def test_moe_ffn_refuses_the_mosaic_interpreter_without_its_threads(monkeypatch):
+    """Fewer XLA:CPU threads than the caller and a kernel's three warpgroups: one line naming
+    NPROC, before anything waits (the pool's size is read from NPROC)."""
+    monkeypatch.setenv("NPROC", "2")
+    m = mesh("ep1")
+    args = inputs((64,), m, P("expert"))
+    with pytest.raises(ValueError, match=r"mosaic-interpret' needs 4 XLA:CPU threads.*'xla'"):
+        jax.jit(functools.partial(moe_ffn, mesh=m, gmm_impl="mosaic-interpret"))(*args)
+
+
 # ------------------------------------------------ what only a run can show: debug_checks
 
 DEBUG = {

@@ -110,7 +110,7 @@ def resolve(
     check_gmm_platform(impl, platform(mesh))
     check_interpret_devices(impl, mesh.size)
     if impl == "mosaic-interpret":
-        interpret.check_threads("gmm_impl='mosaic-interpret'")
+        interpret.check_threads("gmm_impl='mosaic-interpret'", "'xla'")
     spec = LocalSpec(
         dispatcher=options.dispatcher,
         expert_axes=where.expert_axes,

@@ -54,14 +54,14 @@ def check_devices(devices: int, where: str) -> None:
         )
 
 
-def check_threads(what: str = f"attention_impl={IMPL!r}") -> None:
+def check_threads(what: str = f"attention_impl={IMPL!r}", instead: str = "'chunked'") -> None:
     """A ValueError unless XLA:CPU has the threads the interpreter needs (`execute_threads`);
-    `what` names the option that asked for the interpreter."""
+    `what` names the option that asked for the interpreter, `instead` what runs without it."""
     have = execute_threads()
     if have < THREADS:
         raise ValueError(
-            f"{what} needs {THREADS} XLA:CPU threads (the caller and "
-            f"{THREADS - 1} warpgroups that wait on each other) and this process has {have} "
+            f"{what} needs {THREADS} XLA:CPU threads (the caller and up to {THREADS - 1} "
+            f"warpgroups of a kernel, which wait on each other) and this process has {have} "
             f"(NPROC or its CPUs): a step would wait forever; set NPROC={THREADS} in the "
-            "environment before jax starts, or use 'chunked'"
+            f"environment before jax starts, or use {instead}"
         )
