@@ -12,6 +12,8 @@ Row gathers (`lhs_rows`, `rhs_rows`) are done by XLA inside the op (Hopper's TMA
 rows): the gathered [M, K] exists for the kernel call only, as one ring chunk's rows.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -26,16 +28,9 @@ def _config(interpret, zero_padding=True, config=None) -> MosaicConfig:
     if config is not None and not isinstance(config, MosaicConfig):
         raise ValueError(f"config must be a MosaicConfig, got {type(config).__name__}")
     base = config or MosaicConfig()
+    interpret = interpret if interpret is not False else base.interpret
     return check_config(
-        MosaicConfig(
-            base.block_m,
-            base.block_n,
-            base.block_k,
-            base.stages,
-            base.num_sms,
-            interpret if interpret is not False else base.interpret,
-            bool(zero_padding),
-        )
+        dataclasses.replace(base, interpret=interpret, zero_padding=bool(zero_padding))
     )
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from relaymoe_jax.kernels.attention.mosaic_common import interpret_params  # one switch for both
 from relaymoe_jax.util.typed import varying_like
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -148,13 +149,6 @@ def num_sms(cfg: MosaicConfig) -> int:
     if jax.default_backend() == "gpu":
         return int(jax.devices()[0].core_count)
     return H100_SMS
-
-
-def interpret_params(interpret):
-    """plgpu.kernel's `interpret`: None (compile), or InterpretGPUParams (True: the defaults)."""
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    return interpret or None
 
 
 def my_tiles(total, sms: int):
