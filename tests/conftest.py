@@ -40,6 +40,10 @@ test that hangs (jax's Mosaic GPU interpreter can wait forever on its barriers:
 crashed in, instead of holding CI until its own limit. XLA:CPU gets at least the threads that
 interpreter needs (NPROC, `interpret.reserve_threads`).
 
+`RELAYMOE_TEST_COMPILE_LOG=DIR` writes, per pytest process, `DIR/<worker>.json`: for each test,
+the seconds jax spent tracing, lowering and compiling in that process (jax.monitoring's events)
+and how many programs it compiled (docs/development.md shows how to read them).
+
 The trainer's cache of prepared text (`train.data.prepared.cache_dir`) is a directory of the run's
 cache, not the user's ~/.cache.
 """
@@ -60,7 +64,10 @@ else:
     _OWNS_CACHE = False
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_ENV])
 os.environ.setdefault("RELAYMOE_DATA_CACHE", os.path.join(os.environ[_CACHE_ENV], "datasets"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# every program, the small ones too (a trainer process compiles ~100 programs of 30-800 ms
+# besides its step: its model initialisers, schedule, checksums): a test's later trainer
+# processes read them back in milliseconds (test_train_kill.py: 7% less CPU than at 0.5 s)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 for _flag in ("xla_backend_optimization_level=0", "xla_gpu_autotune_level=0"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -89,6 +96,33 @@ def _release_compiled_programs():
         train_step.clear_compiled()
     jax.clear_caches()
     gc.collect()
+
+
+if os.environ.get("RELAYMOE_TEST_COMPILE_LOG"):
+    import collections
+    import json
+
+    from jax import monitoring
+
+    _COMPILE_LOG = collections.defaultdict(collections.Counter)
+
+    def _log_compile_event(event, seconds, **_):
+        if event.startswith("/jax/core/compile/"):
+            test = os.environ.get("PYTEST_CURRENT_TEST", "(collection)").rsplit(" ", 1)[0]
+            name = event.rsplit("/", 1)[1].removesuffix("_duration")
+            _COMPILE_LOG[test][name + "_s"] += seconds
+            _COMPILE_LOG[test][name + "_n"] += 1
+
+    monitoring.register_event_duration_secs_listener(_log_compile_event)
+
+    def pytest_sessionfinish(session):
+        out = os.path.join(
+            os.environ["RELAYMOE_TEST_COMPILE_LOG"],
+            os.environ.get("PYTEST_XDIST_WORKER", "main") + ".json",
+        )
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(_COMPILE_LOG, f, indent=0)
 
 
 def pytest_unconfigure(config):

@@ -123,10 +123,13 @@ def test_reference_matches_float64_numpy(name):
 # ring routing with at least one. A dispatcher applies the activation in one place for both ring
 # routings (`dispatch.hop`: the forward's expert_mlp, the backward's jax.vjp of it) and in one for
 # the all-to-all (expert_mlp, autodiff), so this covers every activation's code in each; SwiGLU,
-# the default, runs through every dispatcher, routing and mesh in test_dispatch.py.
+# the default, runs through every dispatcher, routing and mesh in test_dispatch.py. The clamped
+# GPT-OSS activation runs through the ring (both routings) and the all-to-all, on this mesh and
+# these routing cases, in test_expert_biases.py::test_dispatchers_with_biases_match_the_reference
+# (with biases; the bias-free path is every other test's): its former cases here,
+# [gpt_oss_clamped-ring-expert] and [gpt_oss_clamped-alltoall-auto], are its [data x expert-ring-
+# expert-xla] and [data x expert-alltoall-auto-ragged_dot].
 DISPATCH_CASES = [
-    ("gpt_oss_clamped", "ring", "expert"),
-    ("gpt_oss_clamped", "alltoall", "auto"),
     ("geglu", "ring", "expert"),
     ("geglu_exact", "ring", "token"),
     ("gpt_oss", "alltoall", "auto"),
@@ -151,11 +154,11 @@ def test_dispatchers_match_the_reference_on_every_routing(name, dispatcher, rout
     [geglu-alltoall-auto], [geglu_exact-ring-expert], [geglu_exact-alltoall-auto],
     [gpt_oss-ring-expert], [gpt_oss-ring-token], [gpt_oss_clamped-ring-token]): see
     DISPATCH_CASES (token routing runs the clamped activation with biases in
-    test_expert_biases.py too). The clamped GPT-OSS case
-    also covers what test_other_grouped_matmuls_with_gpt_oss did with the default (blocked XLA)
-    grouped matmul; ragged_dot and the Pallas kernel with it run in
-    test_expert_biases.py::test_other_grouped_matmuls_with_biases and
-    test_dispatchers_with_biases_match_the_reference (clamped GPT-OSS, with biases)."""
+    test_expert_biases.py too). The clamped GPT-OSS cases ([gpt_oss_clamped-ring-expert] and
+    [gpt_oss_clamped-alltoall-auto], removed, see DISPATCH_CASES) run in
+    test_expert_biases.py::test_dispatchers_with_biases_match_the_reference (the default blocked
+    XLA grouped matmul: what test_other_grouped_matmuls_with_gpt_oss did; ragged_dot) and
+    test_other_grouped_matmuls_with_biases (the Pallas kernel), clamped GPT-OSS with biases."""
     a = CASES[name]
     m = mesh("dp2_ep4")
     e, k, t = 16, 4, 64

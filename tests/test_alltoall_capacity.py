@@ -56,7 +56,12 @@ def test_large_capacity_drops_nothing():
 
 
 def test_dropless_overflow_from_repeated_ids_is_counted():
-    """k > E/EP with a token repeating an id exceeds the T*min(k, E/EP) block: counted, not lost."""
+    """k > E/EP with a token repeating an id exceeds the T*min(k, E/EP) block: counted, not lost.
+
+    It also ran the ring on these inputs (dropless: nothing dropped, values and gradients equal to
+    the reference); that is test_dispatch.py's ring classes' test_routing_patterns
+    [repeated_ids_and_ties] (a token repeating an id) and [all_to_one_expert_k1_chunk_5] (every
+    pair on one expert): the ring's chunks have no block to overflow, whatever k and E/EP."""
     e = 8  # one expert per device
     ids = np.full((64, 2), 3)  # every token: expert 3 twice
     m = mesh("ep8")
@@ -64,8 +69,6 @@ def test_dropless_overflow_from_repeated_ids_is_counted():
     _, stats, _ = run("alltoall", inp, m)
     # Each device sends 16 pairs to device 3 through a block of 8 rows: 8 dropped per device.
     assert int(stats["dropped_pairs"]) == 8 * 8
-    got, _ = check_parity("ring", inp, m)  # the ring: all of them, exactly
-    assert int(got.aux["dropped_pairs"]) == 0
 
 
 def test_capacity_with_expert_tensor_parallelism_counts_each_drop_once():

@@ -55,6 +55,27 @@ def _loss_grads(attn, q, k, v, w):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
+def _jit_grads(attn, q, k, v, w):
+    """`_loss_grads` as one compiled program (eagerly, each of its dozens of ops compiled on
+    its own: the tests' compile time)."""
+    return jax.jit(lambda q, k, v, w: _loss_grads(attn, q, k, v, w))(q, k, v, w)
+
+
+def _jit_value_and_grads(attn, q, k, v, w):
+    """attn(q, k, v) and `_loss_grads(attn, q, k, v, w)` from one compiled program (the
+    gradient's program holds the forward anyway: one compile instead of two)."""
+
+    def fn(q, k, v, w):
+        def out(q, k, v):
+            o = attn(q, k, v)
+            return o.astype(F32), o
+
+        _, vjp, o = jax.vjp(out, q, k, v, has_aux=True)
+        return o, vjp(w)
+
+    return jax.jit(fn)(q, k, v, w)
+
+
 def _rel_err(got, want):
     """max |got - want| / max |want|, in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -74,10 +95,9 @@ def test_values_and_gradients(case):
     ref = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=scale_or_default, is_causal=True
     )
-    o = jax.jit(attn)(q, k, v)
-    grads = jax.jit(lambda q, k, v, w: _loss_grads(attn, q, k, v, w))(q, k, v, w)
+    o, grads = _jit_value_and_grads(attn, q, k, v, w)
     up = lambda x: x.astype(F32)
-    ref_grads = _loss_grads(ref, up(q), up(k), up(v), w)
+    ref_grads = _jit_grads(ref, up(q), up(k), up(v), w)
     val_tol, grad_tol = TOLS["large" if q_gain > 1 else jnp.dtype(dtype).name]
 
     assert o.dtype == dtype and o.shape == q.shape
@@ -235,7 +255,7 @@ def test_segment_ids_keep_attention_inside_each_document(impl):
     q, k, v, w = _inputs(b, s, n, kv, d, F32, seed=3)
     seg = _segments(b, s, seed=3)
     attn = lambda q, k, v: causal_attention(q, k, v, impl, block_k=16, segment_ids=jnp.asarray(seg))
-    got = jax.jit(attn)(q, k, v)
+    got, grads = _jit_value_and_grads(attn, q, k, v, w)
     want = masked_reference_np(q, k, v, seg, d**-0.5)
     assert _rel_err(got, want) < 1e-5
 
@@ -247,13 +267,22 @@ def test_segment_ids_keep_attention_inside_each_document(impl):
         p = jax.nn.softmax(jnp.where(ok[:, None], sc, -jnp.inf), axis=-1)
         return jnp.einsum("bnst,btnd->bsnd", p, vv, precision="highest")
 
-    for g_got, g_want in zip(_loss_grads(attn, q, k, v, w), _loss_grads(dense, q, k, v, w)):
+    for g_got, g_want in zip(grads, _jit_grads(dense, q, k, v, w)):
         assert _rel_err(g_got, g_want) < 1e-5
+    # Each document alone, as one batch row of its own padded at the end to S (causal: the
+    # document's outputs read none of the padding after it), all in one call and one compile.
     r, ids = 0, seg[0]
-    for doc in set(ids[ids > 0].tolist()):
-        sl = np.flatnonzero(ids == doc)
-        alone = causal_attention(q[r : r + 1, sl], k[r : r + 1, sl], v[r : r + 1, sl], impl, 16)
-        assert _rel_err(got[r : r + 1, sl], alone) < 1e-5
+    slices = [np.flatnonzero(ids == doc) for doc in sorted(set(ids[ids > 0].tolist()))]
+
+    def lone(x):  # [documents, S, heads, D] in numpy (eager jnp: one compile per document)
+        x, out = np.asarray(x), np.zeros((len(slices), *x.shape[1:]), np.asarray(x).dtype)
+        for i, sl in enumerate(slices):
+            out[i, : len(sl)] = x[r, sl]
+        return out
+
+    alone = jax.jit(causal_attention, static_argnums=(3, 4))(lone(q), lone(k), lone(v), impl, 16)
+    for i, sl in enumerate(slices):
+        assert _rel_err(got[r, sl], alone[i, : len(sl)]) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["segment_ids", "q_index", "k_index"])
@@ -341,7 +370,7 @@ def test_indexed_documents_values_gradients_and_visited_blocks(case):
     qi = ki[:, offset : offset + s]
     given = dict(segment_ids=qseg, kv_segment_ids=kseg, q_index=qi, k_index=ki)
     attn = lambda q, k, v: chunked_causal_attention(q, k, v, block_k=bk, block_q=bq, **given)
-    got = jax.jit(attn)(q, k, v)
+    got, grads = _jit_value_and_grads(attn, q, k, v, w)
     assert _rel_err(got, indexed_reference_np(q, k, v, qi, ki, qseg, kseg, d**-0.5)) < 1e-5
 
     def dense(q, k, v):
@@ -352,13 +381,18 @@ def test_indexed_documents_values_gradients_and_visited_blocks(case):
         p = jax.nn.softmax(jnp.where(ok[:, None], sc, -jnp.inf), axis=-1)
         return jnp.einsum("bnst,btnd->bsnd", p, vv, precision="highest")
 
-    for g_got, g_want in zip(_loss_grads(attn, q, k, v, w), _loss_grads(dense, q, k, v, w)):
+    for g_got, g_want in zip(grads, _jit_grads(dense, q, k, v, w)):
         assert _rel_err(g_got, g_want) < 1e-5
 
     arrays = (q, k, v, *map(jnp.asarray, (qi, ki, qseg, kseg)))
-    o, lse, fwd_visits = attention_xla.forward(*arrays, bq, bk, d**-0.5)
-    res = (*arrays[:3], *arrays[3:5], *arrays[5:], o, lse)
-    _, bwd_visits = attention_xla.backward(bq, bk, d**-0.5, res, w)
+
+    @jax.jit
+    def visits(arrays, w):  # the forward's and the backward's counts, one compiled program
+        o, lse, fwd_visits = attention_xla.forward(*arrays, bq, bk, d**-0.5)
+        res = (*arrays[:3], *arrays[3:5], *arrays[5:], o, lse)
+        return fwd_visits, attention_xla.backward(bq, bk, d**-0.5, res, w)[1]
+
+    fwd_visits, bwd_visits = visits(arrays, w)
     exact = _visible_pairs_np(qi, ki, qseg, kseg, bq, bk)
     total = -(-s // bq) * -(-t // bk)
     print(f"\n{case}: visited {int(fwd_visits)} / {total} block pairs, {exact} hold a visible pair")

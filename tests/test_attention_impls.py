@@ -7,6 +7,8 @@ The kernel's own values, gradients and visited blocks against float64 numpy are 
 tests/test_attention_pallas.py and tests/test_attention_pallas_bwd.py; its XLA:GPU compile in
 tests/test_attention_gpu_compile.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,10 +81,14 @@ def test_kernel_in_zigzag_order_equals_the_dense_reference():
         kw = dict(block_k=64, scale=None, seg_bs=seg, seg_kv=seg, kernel="pallas-interpret")
         return blockwise_attention(q, k, v, q_index=idx, k_index=idx, **kw)
 
-    want, vjp = jax.vjp(lambda *a: dense_reference(*a, idx, idx, seg, seg), q, k, v)
-    want_grads = vjp(do.astype(jnp.float32))
-    got, vjp = jax.vjp(kernel, q, k, v)
-    for name, g, w in zip(("o", "dq", "dk", "dv"), (got, *vjp(do)), (want, *want_grads)):
+    @functools.partial(jax.jit, static_argnums=0)
+    def value_and_vjp(fn, do):  # one compiled program each (eagerly: one per op)
+        o, vjp = jax.vjp(fn, q, k, v)
+        return o, *vjp(do)
+
+    dense = lambda *a: dense_reference(*a, idx, idx, seg, seg)
+    want = value_and_vjp(dense, do.astype(jnp.float32))
+    for name, g, w in zip(("o", "dq", "dk", "dv"), value_and_vjp(kernel, do), want):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         err = np.abs(g - w).max() / np.abs(w).max()
         assert err < 1e-2, (name, err)
@@ -151,7 +157,10 @@ def test_model_with_the_kernel_equals_the_chunked_model(monkeypatch):
     attention rematerialised (`jax.checkpoint` around the interpreted kernel): loss and
     gradients with attention_impl="pallas-interpret" equal "chunked"'s to bf16 rounding. jax
     refuses the interpreter's ordered-IO effect in a checkpoint's AD unless it is allowed: it
-    is disallowed here as in a fresh process, and the model allows it itself."""
+    is disallowed here as in a fresh process, and the model allows it itself. One layer: the
+    second of configs/tiny.yaml ran the same kernel, remat and packing path again (a second
+    interpreted kernel and its backward in the one compiled step); layers stacked under a
+    rematerialised scan: test_a_rematerialised_layer_scan_keeps_no_block_ranges."""
     types = jax_effects.remat_allowed_effects._effect_types
     fresh = {t for t in types if t is not jax_callback.OrderedIOEffect}
     monkeypatch.setattr(jax_effects.remat_allowed_effects, "_effect_types", fresh)
@@ -168,7 +177,12 @@ def test_model_with_the_kernel_equals_the_chunked_model(monkeypatch):
     for impl in ("chunked", "pallas-interpret"):
         extra = dict(attention_block_k=64) if impl == "chunked" else {}
         cfg = load_config(
-            "configs/tiny.yaml", head_dim=64, attention_impl=impl, attention_remat="full", **extra
+            "configs/tiny.yaml",
+            head_dim=64,
+            num_hidden_layers=1,
+            attention_impl=impl,
+            attention_remat="full",
+            **extra,
         )
         model = QwenMoe(cfg, mesh=m, rngs=nnx.Rngs(0), dtype=BF16)
 

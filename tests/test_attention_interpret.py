@@ -37,7 +37,7 @@ from train import cli
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
 TRAIN = ["--config", "configs/tiny.yaml", "--steps", "1", "seq_len=128", "batch_size=2"]
-TRAIN += ["num_experts=4", "compute_dtype=bfloat16", "head_dim=64"]
+TRAIN += ["num_experts=4", "compute_dtype=bfloat16", "head_dim=64", "num_hidden_layers=1"]
 TIMEOUT_S = 300  # an interpreted step takes about 8 s on 2 CPUs; a hang fails here
 
 
@@ -70,7 +70,9 @@ def _train(tmp_path, data, name, *extra):
 def test_the_trainer_runs_the_interpreter_on_one_device_with_two_cpus(tmp_path):
     """A step with attention_impl=pallas-interpret on one device, two CPUs and no NPROC (the
     trainer reserves XLA:CPU's threads): its loss (the kernel's forward) and gradient norm (its
-    backward) equal the chunked attention's to bf16 rounding."""
+    backward) equal the chunked attention's to bf16 rounding. One decoder layer (`TRAIN`): every
+    layer runs the same kernels, and the hang this guards against (two XLA:CPU threads for the
+    step and the kernel's warpgroups) comes in the first kernel call."""
     data = word_corpus(tmp_path / "data", 60)
     got = _train(tmp_path, data, "kernel", "attention_impl=pallas-interpret")
     want = _train(tmp_path, data, "chunked", "attention_impl=chunked", "attention_block_k=64")
@@ -128,8 +130,11 @@ def test_too_few_xla_threads_are_refused_and_reserved(monkeypatch):
 
 
 def _model_grads(impl, ids_bs, **overrides):
-    """Loss and gradients of the tiny bf16 model (head_dim 64) on a mesh of one device."""
-    cfg = load_config("configs/tiny.yaml", head_dim=64, attention_impl=impl, **overrides)
+    """Loss and gradients of the tiny bf16 model (head_dim 64, one decoder layer: every layer
+    runs the same attention) on a mesh of one device."""
+    cfg = load_config(
+        "configs/tiny.yaml", head_dim=64, attention_impl=impl, num_hidden_layers=1, **overrides
+    )
     model = QwenMoe(cfg, mesh=jax.make_mesh((1,), ("expert",)), rngs=nnx.Rngs(0), dtype=BF16)
 
     def loss(model, ids):

@@ -6,14 +6,14 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_cases import mesh
-from relaymoe_jax import moe_ffn, moe_ffn_local, testing
+from relaymoe_jax import moe_ffn, moe_ffn_local, poison_unwritten, testing
+from relaymoe_jax.testing import grads as testing_grads
 
 E, K = 16, 4
 
@@ -59,24 +59,26 @@ def test_caller_shaped_inputs_and_outputs(mesh_name, lead, spec, dispatcher, rou
     handling runs before the dispatcher, and each dispatcher keeps a split, padded case here
     (ring expert routing (2, 3), token routing (60, 1), the all-to-all (4,)); the dispatchers'
     other layouts run in test_dispatch.py. (60, 1) merges the removed [B, 1, H] case (4, 1) and
-    60 tokens over 8 shards (60,)."""
+    60 tokens over 8 shards (60,).
+
+    [B, S, H] over (data, expert) (the first case) also checks what the former
+    test_a_sharded_sequence_is_flattened_without_moving_data did, on the parity run's own
+    program (values and gradients, read from testing's cache: no second compile): no all-gather
+    and no all-to-all, only the ring's collective-permutes (and the weight gradients' all-reduce
+    over data)."""
     m = mesh(mesh_name)
     args = inputs(lead, m, spec)
     ours = functools.partial(moe_ffn, mesh=m, dispatcher=dispatcher, routing=routing)
     got, _ = testing.assert_moe_parity(ours, reference(m), *args)
     assert got.y.shape == args[0].shape
     assert got.y.sharding.is_equivalent_to(args[0].sharding, got.y.ndim)
-
-
-def test_a_sharded_sequence_is_flattened_without_moving_data():
-    """[B, S, H] over (data, expert): the ring's program has no all-gather and no all-to-all,
-    only the ring's collective-permutes (and the weight gradients' all-reduce over data)."""
-    m = mesh("dp2_ep4")
-    args = inputs((4, 16), m, P("data", "expert"))
-    f = jax.jit(lambda *a: jnp.sum(moe_ffn(*a, mesh=m, routing="expert") ** 2))
-    text = jax.jit(jax.grad(f, argnums=(0, 2, 3, 4, 5))).lower(*args).compile().as_text()
-    assert "collective-permute" in text
-    assert "all-gather" not in text and "all-to-all" not in text
+    if spec == P("data", "expert"):  # a sharded sequence is flattened without moving data
+        run = testing_grads.value_and_grads_fn(ours, (0, 2, 3, 4, 5), False, True, True)
+        r = testing_grads.random_cotangent(ours, args, False, 0)
+        with poison_unwritten():
+            text = run.lower(r, *args).compile().as_text()
+        assert "collective-permute" in text
+        assert "all-gather" not in text and "all-to-all" not in text
 
 
 def test_residual_add_on_an_explicit_mesh_of_three_axes():
@@ -122,7 +124,8 @@ def test_a_weight_sharded_over_an_unused_axis_warns_once_with_the_bytes(caplog):
     with caplog.at_level(logging.WARNING, logger="relaymoe_jax"):
         y = f(*args[:3], *ws)
         f(*args[:3], *ws)  # cached: no second trace
-        jax.jit(lambda *a: 2 * moe_ffn(*a, mesh=m))(*args[:3], *ws)  # traced again: no repeat
+        # traced again (lowered: the warning is the trace's; no compile): no repeat
+        jax.jit(lambda *a: 2 * moe_ffn(*a, mesh=m)).lower(*args[:3], *ws)
     gathered = [r.getMessage() for r in caplog.records if "all-gathered" in r.getMessage()]
     per_device = 3 * 16 // 4 * 16 * 24 * 4  # 3 weights x E/EP x H x F float32, gathered
     assert len(gathered) == 1, gathered  # one warning for the three weights
@@ -188,13 +191,19 @@ def test_moe_ffn_local_in_the_callers_shard_map(dispatcher, routing):
     testing.assert_moe_parity(ours, reference(m), *args)
 
 
-@pytest.mark.parametrize("tokens_over_etp", [True, False])
-def test_moe_ffn_local_with_an_expert_tensor_axis(tokens_over_etp):
+def test_moe_ffn_local_with_an_expert_tensor_axis():
     """Ring token routing (explicitly: `auto` picks it here too) with expert tensor parallelism,
-    tokens gathered over it or replicated: this is where token routing runs under ETP without
-    biases (test_dispatch.py's ETP layouts run expert routing and the all-to-all)."""
+    tokens replicated over it: this is where token routing runs under ETP without biases
+    (test_dispatch.py's ETP layouts run expert routing and the all-to-all).
+
+    The former case [True] (tokens gathered over ETP) is covered by
+    test_moe_ffn_local_with_an_expert_tensor_axis_without_check_vma[True] (ring token routing,
+    tokens gathered, values and every gradient) and, under check_vma=True,
+    test_expert_biases.py::test_moe_ffn_local_with_biases[ETP, tokens gathered] and
+    test_dispatch.py::test_expert_tensor_axis[*-True]: the all-gather in and reduce-scatter out
+    sit above the dispatcher (`dispatch.local`), the same for both ring routings."""
     m = mesh("ep4_etp2")
-    tokens = P(("expert", "expert_tensor")) if tokens_over_etp else P("expert")
+    tokens = P("expert")
     args = inputs((64,), m, tokens)
     ours = local_layer(m, tokens, etp="expert_tensor", routing="token")
     testing.assert_moe_parity(ours, reference(m), *args)

@@ -115,13 +115,16 @@ def test_dispatchers_with_biases_match_the_reference(layout, dispatcher, routing
             raise AssertionError(f"routing case {case!r}: {err}") from None
 
 
-@pytest.mark.parametrize(
-    "names,dispatcher", [(("b_down",), "alltoall"), (("b_gate", "b_up"), "ring")]
-)
-def test_some_biases_only(names, dispatcher):
-    """The others are zero, and only the given ones are differentiated. The given biases change
-    y: the same compiled program with them zeroed gives another y. The missing biases are filled
-    in by the op's front door (`Experts.complete`) before any dispatcher: one case each."""
+def test_some_biases_only():
+    """b_up only: the others are zero, and only the given one is differentiated. The given bias
+    changes y: the same compiled program with it zeroed gives another y. The missing biases are
+    filled in by the op's front door (`Experts.complete`) before any dispatcher, by one
+    expression for each (zeros shaped and varying like its weight): here b_gate (an input
+    projection's) and b_down (the output projection's) through the ring, whose expert routing
+    sends them round with the weights. This covers the former cases [names0-alltoall] (b_down
+    only: b_gate and b_up filled) and [names1-ring] (b_gate and b_up: b_down filled); the
+    all-to-all with every bias is test_dispatchers_with_biases_match_the_reference."""
+    names, dispatcher = ("b_up",), "ring"
     m = mesh("dp2_ep4")
     ids = testing.routing_case("uniform", T, K, E, 4, seed=5)
     inp = testing.moe_inputs(ids, E, seed=5)
@@ -144,22 +147,30 @@ def test_other_grouped_matmuls_with_biases():
     interpret] did: the all-to-all adds the biases outside the grouped matmul, the same code for
     every implementation (test_dispatchers_with_biases_match_the_reference, ragged_dot and xla);
     its Pallas calls run in test_dispatch_pallas.py. The ragged_dot cases moved to
-    test_dispatchers_with_biases_match_the_reference."""
+    test_dispatchers_with_biases_match_the_reference.
+
+    Run with jax_enable_x64=True and int64 ids: also what test_op_edges.py::test_x64[ring-expert-
+    pallas-interpret-int64] did (the ring's expert routing and the kernel's group sizes under x64
+    with int64 ids; the biases are float32 operands beside them), one Pallas-interpreter program
+    for both."""
     m = mesh("ep8")
-    ids = testing.routing_case("ragged", T, K, E, 8, seed=6)
-    inp = testing.moe_inputs(ids, E, seed=6)
-    a = CASES["gpt_oss_clamped"]
-    ours = with_biases(
-        functools.partial(
-            moe_ffn,
-            mesh=m,
-            dispatcher="ring",
-            routing="expert",
-            gmm_impl="pallas-interpret",
-            activation=a,
+    with jax.enable_x64(True):
+        ids = testing.routing_case("ragged", T, K, E, 8, seed=6)
+        args = list(testing.moe_inputs(ids, E, seed=6).args)
+        args[1] = args[1].astype(jnp.int64)
+        assert args[1].dtype == jnp.int64
+        a = CASES["gpt_oss_clamped"]
+        ours = with_biases(
+            functools.partial(
+                moe_ffn,
+                mesh=m,
+                dispatcher="ring",
+                routing="expert",
+                gmm_impl="pallas-interpret",
+                activation=a,
+            )
         )
-    )
-    testing.assert_moe_parity(ours, reference("ep8"), *inp.args, *biases(E, H, F, seed=6))
+        testing.assert_moe_parity(ours, reference("ep8"), *args, *biases(E, H, F, seed=6))
 
 
 def _local_layer(m, tokens, ea, etp=None, **kw):
@@ -189,8 +200,11 @@ def test_moe_ffn_local_with_biases(case):
     take_the_activation did), and expert tensor parallelism with tokens gathered (ring, expert
     routing: also covers test_dispatchers_with_biases_match_the_reference[ETP, tokens gathered-
     ring-expert] and [ETP, tokens replicated-ring-expert]) or replicated (the all-to-all: also
-    covers its [ETP, tokens replicated-alltoall-auto] and [ETP, tokens gathered-alltoall-auto])."""
-    ids = testing.routing_case("uniform", T, K, E, 8, seed=7)
+    covers its [ETP, tokens replicated-alltoall-auto] and [ETP, tokens gathered-alltoall-auto]).
+    The hierarchical ring also covers the former test_hierarchical.py::test_local_entry_point_
+    inside_a_shard_map (moe_ffn_local(ring="hierarchical") over (node, local) on its "ragged"
+    routing; the same entry point and ring, here with biases)."""
+    ids = testing.routing_case("ragged", T, K, E, 8, seed=7)
     inp = testing.moe_inputs(ids, E, seed=7)
     bb = biases(E, H, F, seed=7)
     if case == "hierarchical ring":
@@ -243,7 +257,9 @@ def test_moe_ffn_local_refuses_biases_sharded_unlike_their_weights():
         specs = (P("expert"),) * 3 + (w_in, w_in, w_out, *b_specs)
         arrays = (*inp.args, *b_arrays)
         args = [jax.device_put(a, NamedSharding(m, s)) for a, s in zip(arrays, specs)]
-        jax.jit(jax.shard_map(body, mesh=m, in_specs=specs, out_specs=P("expert")))(*args)
+        # lowered: the refusals are the trace's; the right layout's values and gradients are
+        # test_moe_ffn_local_with_biases[ETP, *]
+        jax.jit(jax.shard_map(body, mesh=m, in_specs=specs, out_specs=P("expert"))).lower(*args)
 
     good = (P("expert", etp), P("expert", etp), P("expert"))
     per_rank = lambda bb: (*bb[:2], jax.lax.pcast(bb[2], etp, to="varying"))
@@ -259,4 +275,4 @@ def test_moe_ffn_local_refuses_biases_sharded_unlike_their_weights():
         match=r"b_gate varies over \('expert_tensor',\), expected \('expert', 'expert_tensor'\)",
     ):
         run(replicated, (b_gate[: E // 4], b_up, b_down))
-    run(good, (b_gate, b_up, b_down))  # the right layout runs
+    run(good, (b_gate, b_up, b_down))  # the right layout traces

@@ -186,13 +186,37 @@ def test_summed_gradient_equals_one_batch(packed_rows, vg):
     for wi, mb in zip(w, micro):
         (_, (lm, _)), g = one(state.params, state.rest, accumulate.put_batch(mb, ids2, (2, S)))
         lm1 += wi * float(lm)
-        parts.append(jax.tree.map(lambda x, wi=wi: wi * x, g))
-    g1 = jax.tree.map(lambda *xs: sum(xs), *parts)
+        parts.append(g)
+    g1 = _weighted_sum(parts, [float(wi) for wi in w])
     batch = accumulate.put_batch(b, sharding, shape)
     (_, (lm4, _)), g4 = summed(state.params, state.rest, batch)
     assert float(lm4) == pytest.approx(lm1, rel=1e-6)
     for x, y in zip(_leaves(g4), _leaves(g1)):
         assert x.dtype == np.float32 and _rel(x, y) < 1e-6
+
+
+@jax.jit
+def _weighted_sum(trees, weights):
+    """sum_i weights[i] * trees[i], leaf by leaf, as one program (the weights traced: one
+    compile for every call with the same trees' shapes)."""
+    return jax.tree.map(lambda *xs: sum(w * x for w, x in zip(weights, xs)), *trees)
+
+
+@jax.jit
+def _router_combination(fulls, lms, weights):
+    """sum_i weights[i] * lms[i] + (fulls[i] - lms[i]) / N, leaf by leaf, as one program (op by
+    op, every leaf shape of every operation compiled a program of its own)."""
+    n = len(fulls)
+
+    def leaf(*xs):
+        return sum(w * m + (f - m) / n for w, f, m in zip(weights, xs[:n], xs[n:]))
+
+    return jax.tree.map(leaf, *fulls, *lms)
+
+
+def _apply(tx):
+    """params after `tx`'s update with the gradient, as one program."""
+    return jax.jit(lambda g, opt, params: optax.apply_updates(params, tx.update(g, opt, params)[0]))
 
 
 def _target_weight(batch) -> float:
@@ -215,17 +239,17 @@ def test_aux_loss_is_averaged_per_micro_batch(packed_rows, vg):
     ids = NamedSharding(mesh, rules.fit((b, S), "batch", "seq"))
     micro = _micro(rows, n, b)
     w_total = sum(_target_weight(mb) for mb in micro)
-    total, aux_losses = None, []
+    fulls, lms, ws, aux_losses = [], [], [], []
     for mb in micro:
         put = accumulate.put_batch(mb, ids, (b, S))
         (_, (_, aux)), g_full = full(state.params, state.rest, put)
         _, g_lm = lm_only(state.params, state.rest, put)
-        w = _target_weight(mb) / w_total  # the LM part by token weights, the router part 1/N
-        part = jax.tree.map(lambda f, m, w=w: w * m + (f - m) / n, g_full, g_lm)
-        total = part if total is None else jax.tree.map(jnp.add, total, part)
+        fulls.append(g_full)
+        lms.append(g_lm)
+        ws.append(_target_weight(mb) / w_total)  # the LM part by token weights, the router 1/N
         aux_losses.append(float(aux.aux_loss))
-    updates, _ = tx.update(total, state.opt_state, state.params)
-    want = jax.device_get(optax.apply_updates(state.params, updates))
+    total = _router_combination(fulls, lms, ws)
+    want = jax.device_get(_apply(tx)(total, state.opt_state, state.params))
     _assert_update_close(s0.params, want, s_acc.params)
     assert float(m_acc.aux_loss) == pytest.approx(np.mean(aux_losses), rel=1e-6)
     # batch_size=8's step (the aux loss of the whole batch's routing) is another

@@ -390,13 +390,12 @@ def test_fsdp_weights_gathered_invarying_match_the_reference():
 
 # ------------------------------------------------ partial-manual shard_map
 
-# Each dispatcher (ring expert, ring token, all-to-all) and each grouped matmul (xla, ragged_dot,
-# the Pallas interpreter) at least once, each dispatcher with two: the grouped matmul is the same
-# code under either dispatcher (what partial-manual changes is the manual/auto axis types of the
-# ops both run). The Pallas interpreter is slow: ring-expert and the all-to-all cover its calls.
+# Each dispatcher (ring expert, ring token, all-to-all), each grouped matmul (xla, ragged_dot,
+# the Pallas interpreter) and each check_vma at least once: the grouped matmul is the same code
+# under either dispatcher (what partial-manual changes is the manual/auto axis types of the ops
+# both run). The Pallas interpreter is slow: the all-to-all covers its calls.
 PARTIAL_MANUAL = [
-    ("ring", "expert", "xla", True),
-    ("ring", "expert", "pallas-interpret", False),
+    ("ring", "expert", "xla", False),
     ("ring", "token", "ragged_dot", True),
     ("alltoall", "auto", "xla", True),
     ("alltoall", "auto", "pallas-interpret", False),
@@ -409,8 +408,12 @@ def test_partial_manual_shard_map(dispatcher, routing, gmm_impl, check_vma):
     to the compiler. Values and every gradient against the reference (NaN-poisoned padding).
     jax 0.12's searchsorted failed there with an AssertionError on the manual axis type.
 
-    Also covers the former cases [ring-token-xla-True] (the xla grouped matmul: ring-expert-xla;
-    the token relay: ring-token-ragged_dot), [ring-expert-ragged_dot-True] and
+    Also covers the former cases [ring-expert-xla-True] and [ring-expert-pallas-interpret-False]
+    (the ring, expert routing, under check_vma=False: ring-expert-xla-False; the ring under
+    check_vma=True: ring-token-ragged_dot-True, whose hops are expert routing's code; the Pallas
+    interpreter's calls, the same kernel wrapper under either dispatcher:
+    alltoall-auto-pallas-interpret-False), [ring-token-xla-True] (the xla grouped matmul:
+    ring-expert-xla; the token relay: ring-token-ragged_dot), [ring-expert-ragged_dot-True] and
     [alltoall-auto-ragged_dot-True] (ragged_dot: ring-token-ragged_dot; both dispatchers: their
     xla and Pallas cases)."""
     m = mesh("dp2_ep4", explicit=False)

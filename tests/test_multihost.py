@@ -150,13 +150,16 @@ def test_two_processes_match_one(tmp_path):
     puts only its rows (tokens, segment ids, positions) into the global batch. The two
     processes run towards step 60 (the same cosine horizon as the one process's 5 steps:
     schedule_steps=60) and get a SIGTERM, to process 1 only, once 5 steps are logged; their
-    first 5 losses are compared. Also covers what
+    first 5 losses are compared (the model with one decoder layer, as test_grad_accum's runs of
+    this set-up: every layer runs the same ring, and one drops or misweights a (token, expert)
+    pair visibly; it shortens each of the three processes' tracing and compiles). Also covers what
     test_sigterm_to_one_process_stops_both_after_the_same_step did in two processes of its own:
     SIGTERM to process 1 only (jax.distributed's preemption notifier would swallow it: the
     trainer's handler is installed after it), both processes stop after the same step, save it
     together and exit 143."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4", "schedule_steps=60"]
+    args += ["num_hidden_layers=1"]  # each layer is the same ring: one compares the two rings
     dist = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     dist += ["--steps", "60", "--save-every", "50", "--out", str(multi)]
     procs = [

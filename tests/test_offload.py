@@ -58,7 +58,8 @@ def _assert_same(recs, want):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    """3 steps without offload, per mesh (run once each)."""
+    """3 steps without offload, per mesh (run once each; context=8 only, since the bitwise
+    offload test runs on it alone)."""
     runs = {}
 
     def get(mesh):
@@ -70,18 +71,25 @@ def baseline(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline, mesh):
-    """Both offloads at once (`offload_optimizer` and `offload_layer_inputs`), per mesh: also
+def test_offload_trains_to_bitwise_the_same_losses(tmp_path, baseline):
+    """Both offloads at once (`offload_optimizer` and `offload_layer_inputs`) on context=8: also
     covers what test_offload_trains_to_bitwise_the_same_losses[optimizer-<mesh>] and
     [layer_inputs-<mesh>] did, each offload alone on each mesh. Each one's code runs here as it
     runs alone (the update streamed from host memory; each layer's input to the host and back),
     so a dropped or misweighted value in either changes these losses. (Each alone: the layer
     inputs' step, loss and gradients bitwise in tests/test_offload_layer_inputs.py; the
     offloaded optimizer at bf16 in test_bfloat16_offload_differs_only_by_the_gradients_rounding;
-    both on context=8 in test_resume_with_offload_is_bitwise_the_uninterrupted_run too.)"""
-    recs = _run(tmp_path / "run", 3, f"mesh={mesh}", *BOTH)
-    _assert_same(recs, baseline(mesh))
+    both on context=8 in test_resume_with_offload_is_bitwise_the_uninterrupted_run too.)
+
+    Also covers what [fsdp=2,context=4] did: the offload's code (`train/step/offload.py`) has no
+    mesh-dependent branch (it streams the stacked layers whatever their sharding), and the state's
+    sharding over fsdp and context is the plain run's (checked per mesh by
+    test_the_train_state_is_stored_over_every_device). The offloaded optimizer on
+    fsdp=2,context=4 runs in test_bfloat16_offload_differs_only_by_the_gradients_rounding (step
+    1's loss equal, the rest to bf16 gradient rounding), the offloaded layer inputs there bitwise
+    in tests/test_offload_layer_inputs.py::test_same_loss_and_gradients[fsdp=2,context=4-*]."""
+    recs = _run(tmp_path / "run", 3, "mesh=context=8", *BOTH)
+    _assert_same(recs, baseline("context=8"))
 
 
 def test_resume_with_offload_is_bitwise_the_uninterrupted_run(tmp_path, baseline):
@@ -129,18 +137,19 @@ def _state_bytes(state) -> int:
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_the_train_state_is_stored_over_every_device(tmp_path, baseline, mesh):
+def test_the_train_state_is_stored_over_every_device(tmp_path, mesh):
     """With no `expert` axis the state was stored sharded over `fsdp` only: `mesh=context=8`
     held the dense weights and their moments on every device. Now each device's share of the
     state (the step's arguments, from `memory_analysis`) is within 5% of total / 8. The step is
     `baseline`'s (the trainer's settings, read by `cli.parse`, with the schedule's horizon the
-    run resolves; the layers scanned, as in every run here): the program its run compiled,
-    memoised, not compiled again."""
+    run resolves; the layers scanned, as in every run here): on context=8 the program its run
+    (made by the tests before) compiled, memoised, not compiled again; on fsdp=2,context=4, which
+    no other test here trains without offload, compiled here against the abstract state (no
+    run: only the compiled program's arguments are read)."""
     run = cli.parse([*ARGS, "--out", str(tmp_path / "x"), "--steps", "3", f"mesh={mesh}"])
     cfg, tc = run.model, run.train
     tc = dataclasses.replace(tc, schedule_steps=optimizer.schedule_horizon(tc, run.steps))
     m = tm.make_mesh(mesh)
-    baseline(mesh)  # compiles (and memoises) the step
     compiled = train_step.compile_abstract(cfg, tc, m)
     _, state, _, _ = train_step.abstract_state(cfg, tc, m)
     per_device = compiled.memory_analysis().argument_size_in_bytes

@@ -224,9 +224,25 @@ def layer_f64(cfg, params, x):
     return y, ids
 
 
-@pytest.mark.parametrize("dispatcher", ["ring", "alltoall"])
-@pytest.mark.parametrize("name", sorted(LAYERS))
+# Each family through one dispatcher, each dispatcher with two families. The family (router,
+# router and expert biases, activation, shared expert) is the layer's code around moe_ffn, the
+# same for every dispatcher; moe_ffn's dispatchers run every activation, the biases and every
+# routing against the reference in test_dispatch.py, test_activations.py and
+# test_expert_biases.py. This covers the former cross product ([deepseek_v3-alltoall],
+# [gpt_oss-alltoall], [grok_geglu-ring] and [qwen2_gated_shared-ring] too).
+FAMILY_DISPATCHERS = [
+    ("deepseek_v3", "ring"),
+    ("gpt_oss", "ring"),
+    ("grok_geglu", "alltoall"),
+    ("qwen2_gated_shared", "alltoall"),
+]
+
+
+@pytest.mark.parametrize("name,dispatcher", FAMILY_DISPATCHERS)
 def test_moe_layer_families_match_float64_numpy(name, dispatcher):
+    """The layer of each family (FAMILY_DISPATCHERS) against float64 numpy: y and the expert
+    load."""
+    assert sorted(n for n, _ in FAMILY_DISPATCHERS) == sorted(LAYERS)
     m = mesh("dp2_ep4")
     cfg, layer, params = _perturbed_layer(name, m, dispatcher)
     x = np.random.default_rng(12).standard_normal((2, 12, layer.hidden_size))

@@ -168,6 +168,7 @@ def test_wheel_installs_and_trains_outside_the_checkout(tmp_path):
             str(out),
             "seq_len=32",
             "batch_size=8",
+            "num_hidden_layers=1",  # what runs is the installed package: one layer shows it
             "--quiet",
         ],
         cwd=work,
