@@ -275,7 +275,8 @@ def test_segment_ids_keep_attention_inside_each_document(impl):
     slices = [np.flatnonzero(ids == doc) for doc in sorted(set(ids[ids > 0].tolist()))]
 
     def lone(x):  # [documents, S, heads, D] in numpy (eager jnp: one compile per document)
-        x, out = np.asarray(x), np.zeros((len(slices), *x.shape[1:]), np.asarray(x).dtype)
+        x = np.asarray(x)
+        out = np.zeros((len(slices), *x.shape[1:]), x.dtype)
         for i, sl in enumerate(slices):
             out[i, : len(sl)] = x[r, sl]
         return out
