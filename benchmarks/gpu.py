@@ -62,9 +62,12 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
 
 Time = median over `--runs` runs, after `--warmup` calls, of the wall time of `--inner` back-to-back
 calls ended by `jax.block_until_ready`, divided by `--inner` (a call slower than 10 ms is timed
-alone, and one slower than 0.2 s is run 3 times at most). Every section, kernel and cell is guarded:
-a failure prints `error: ...` (`n/a: ...` for the Mosaic-GPU kernel, e.g. on a non-Hopper GPU) and
-the run goes on. Once `--budget-min` minutes have passed, the remaining cases are skipped (said so).
+alone, and one slower than 0.2 s is run 3 times at most). With `--warmup 0` the first call (its
+compile included, where it compiles) is the first run: `--interpret`'s default, where each call
+runs a kernel in its interpreter and the times only show that the code runs. Every section,
+kernel and cell is guarded: a failure prints `error: ...` (`n/a: ...` for the Mosaic-GPU kernel,
+e.g. on a non-Hopper GPU) and the run goes on. Once `--budget-min` minutes have passed, the
+remaining cases are skipped (said so).
 
 `--tiny` shrinks every shape so it runs anywhere (M=256, K, N in {32, 64}, G in {4, 8}; the layer at
 E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128; attention
@@ -140,7 +143,10 @@ def parse_args(argv=None):
         "--runs", type=positive_int, default=None, help="timed runs (default 10; 1 interpret)"
     )
     p.add_argument(
-        "--warmup", type=non_negative_int, default=None, help="warm-up calls (default 2; 1 interp.)"
+        "--warmup",
+        type=non_negative_int,
+        default=None,
+        help="warm-up calls (default 2; 0 interpret: the first call is the first run)",
     )
     p.add_argument(
         "--inner",
@@ -195,7 +201,7 @@ def parse_args(argv=None):
             "shapes: add --tiny"
         )
     a.runs = a.runs or (1 if a.interpret else 10)
-    a.warmup = a.warmup if a.warmup is not None else (1 if a.interpret else 2)
+    a.warmup = a.warmup if a.warmup is not None else (0 if a.interpret else 2)
     a.inner = a.inner or (1 if a.interpret else 5)
     a.pallas_configs = a.pallas_configs or (TINY_PALLAS_CONFIGS if a.tiny else PALLAS_CONFIGS)
     for c in a.pallas_configs:

@@ -40,6 +40,7 @@ def relerr(got, want):
 
 def timed(fn, args, opts, keep=True):
     """Holds (first output or None, median seconds per call); the method: see gpu.py's module doc.
+    With `opts.warmup` 0 the first call (a compile included, where fn compiles) is the first run.
 
     Only one output is alive at a time while timing (with keep=False; else also the first).
     """
@@ -55,8 +56,8 @@ def timed(fn, args, opts, keep=True):
     first = first if keep else None
     inner = opts.inner if once < 0.01 else 1
     runs = opts.runs if once < 0.2 else min(opts.runs, 3)
-    times = []
-    for _ in range(runs):
+    times = [] if opts.warmup else [once]  # no warm-up: the first call is the first run
+    for _ in range(runs - len(times)):
         t0 = time.perf_counter()
         for _ in range(inner):
             out = None  # drop the previous output before the next call allocates its own

@@ -33,6 +33,14 @@ Compile time is most of the suite's time, so these settings cut it without chang
   is traced and compiled once, in one process. (xdist's `loadgroup` cannot group under pytest 9.2:
   it rewrites `item._nodeid`, which pytest no longer reads.)
 
+Python's cyclic garbage collector runs less often (`pytest_collection_finish`): what is alive
+once the tests are collected (jax, the modules, the test items) is frozen out of every later
+collection, and the youngest generation is collected every 20,000 net allocations instead of 700.
+Tracing allocates millions of short-lived objects, and each collection walked the whole young
+heap: about 4% of a tracing-heavy file's time, 70 s of the whole suite's wall time on 2 cores.
+Memory does not grow: reference counting frees nearly everything, and `_release_compiled_programs`
+still collects everything after each file.
+
 Every test has a hard time limit (pyproject's `faulthandler_timeout` with
 `faulthandler_exit_on_timeout`): past it the process prints every thread's stack and exits, so a
 test that hangs (jax's Mosaic GPU interpreter can wait forever on its barriers:
@@ -96,6 +104,13 @@ def _release_compiled_programs():
         train_step.clear_compiled()
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_collection_finish(session):
+    """The garbage collector's settings for the tests (module doc)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 100)
 
 
 if os.environ.get("RELAYMOE_TEST_COMPILE_LOG"):

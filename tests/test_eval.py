@@ -243,19 +243,27 @@ def test_bad_eval_inputs_fail_in_one_line_before_building(runs, tmp_path, no_bui
         )
 
 
-def test_eval_with_offload_optimizer_fetches_the_host_weights(runs, tmp_path):
-    """offload_optimizer=true (scanned layers, weights in pinned host memory): the evaluation
-    fetches them as the step does; float32 compute, so the same losses and held-out losses as
-    `runs`' evaluated run (unscanned, not offloaded: 1e-6 relative, the layer scan's rounding),
-    far closer than one step moves the held-out loss.
+def test_eval_with_offload_optimizer_and_grad_accum(runs, tmp_path):
+    """offload_optimizer=true (scanned layers, weights in pinned host memory) with grad_accum=2
+    of batch_size=4 and eval_batches=4: the evaluation fetches the host weights as the step does,
+    and its 4 batches of 4 rows are the 16 rows of eval_batches=2 of 8; float32 compute, so the
+    same losses and held-out loss as `runs`' evaluated run (unscanned, not offloaded, batch_size=8,
+    eval_batches=2: 1e-6 relative, the layer scan's and the micro-batches' rounding), far closer
+    than one step moves the held-out loss.
 
-    The run without offload it was compared to bitwise before (scanned as well) is `runs`'
-    unscanned one now: that run compiled both programs already."""
+    One run for what were two tests (`test_eval_with_offload_optimizer_fetches_the_host_weights`,
+    `test_eval_batches_are_micro_batches_under_grad_accum`: a run each, compared to the same run
+    with the same tolerance or a looser one): the evaluation reads the weights the same way at
+    every batch size, and splits its rows by batch_size whatever the weights' memory, so each
+    property is shown as before. The run without offload it was compared to bitwise before
+    (scanned as well) is `runs`' unscanned one now: that run compiled both programs already."""
     out = tmp_path / "offloaded"
-    argv = [*runs["common"], "--out", str(out), "--eval-data", str(runs["eval"]), "eval_batches=2"]
+    argv = [*runs["common"], "--out", str(out), "--eval-data", str(runs["eval"]), "eval_batches=4"]
     argv[argv.index("--steps") + 1] = "2"
-    assert cli.main([*argv, "scan_layers=true", "offload_optimizer=true"]) == 0
+    argv[argv.index("batch_size=8")] = "batch_size=4"
+    assert cli.main([*argv, "grad_accum=2", "scan_layers=true", "offload_optimizer=true"]) == 0
     got, want = _math(_metrics(out)), _math(_metrics(runs["evaled"]))[:2]
+    assert [r["step"] for r in got] == [1, 2]  # one line per optimizer step
     assert [r["step"] for r in got if "eval_loss" in r] == [2]  # unset eval_every: the end
     for a, b in zip(got, want, strict=True):
         for k in ("loss", "lm_loss", "eval_loss"):
@@ -279,17 +287,3 @@ def test_a_resume_may_change_the_evaluation_logged(runs, tmp_path, capsys):
     assert (changed["eval_every"]["old"], changed["eval_every"]["new"]) == (2, 3)
     assert "eval_data" in capsys.readouterr().out
     assert [r["step"] for r in recs if "eval_loss" in r] == [2, 4, 6]
-
-
-def test_eval_batches_are_micro_batches_under_grad_accum(runs, tmp_path):
-    """grad_accum=2 batch_size=4 trains on the rows batch_size=8 does; eval_batches=4 of 4 rows
-    are the 16 rows of eval_batches=2 of 8: the same mean (the weights agree to rounding)."""
-    out = tmp_path / "accum"
-    argv = [*runs["common"], "--out", str(out), "--eval-data", str(runs["eval"])]
-    argv[argv.index("--steps") + 1] = "2"
-    argv[argv.index("batch_size=8")] = "batch_size=4"
-    assert cli.main([*argv, "grad_accum=2", "eval_batches=4"]) == 0
-    got, want = _metrics(out)[-1], _metrics(runs["evaled"])[1]
-    assert got["step"] == want["step"] == 2
-    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
-    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

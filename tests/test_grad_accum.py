@@ -227,7 +227,9 @@ def _target_weight(batch) -> float:
 
 def test_aux_loss_is_averaged_per_micro_batch(packed_rows, vg):
     """The accumulated step with the aux and z losses on equals the documented combination of
-    per-micro-batch gradients of the ordinary step's loss, and not batch_size=8's."""
+    per-micro-batch gradients of the ordinary step's loss, and not batch_size=8's (that one the
+    ordinary loss's gradient of the 8 rows and the same update: it ran the trainer's batch_size=8
+    step before, which computes the same, `test_accumulated_steps_equal_one_batch` shows)."""
     n, b = 4, 2
     cfg = _cfg(router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
     rows = packed_rows[0]
@@ -249,14 +251,20 @@ def test_aux_loss_is_averaged_per_micro_batch(packed_rows, vg):
         ws.append(_target_weight(mb) / w_total)  # the LM part by token weights, the router 1/N
         aux_losses.append(float(aux.aux_loss))
     total = _router_combination(fulls, lms, ws)
-    want = jax.device_get(_apply(tx)(total, state.opt_state, state.params))
+    apply = _apply(tx)
+    want = jax.device_get(apply(total, state.opt_state, state.params))
     _assert_update_close(s0.params, want, s_acc.params)
     assert float(m_acc.aux_loss) == pytest.approx(np.mean(aux_losses), rel=1e-6)
-    # batch_size=8's step (the aux loss of the whole batch's routing) is another
-    _, (s8, m8) = _train(cfg, 8, 1, [rows], packed=True)
-    assert float(m8.lm_loss) == pytest.approx(float(m_acc.lm_loss), rel=1e-6)
-    assert abs(float(m8.aux_loss) - float(m_acc.aux_loss)) > 1e-4
-    assert max(_rel(x, y) for x, y in zip(_leaves(s8.params), _leaves(s_acc.params))) > 1e-4
+    # batch_size=8's step (the aux loss of the whole batch's routing) is another: the ordinary
+    # loss's gradient of the whole batch and the same AdamW update (`apply`, compiled above),
+    # which is batch_size=8's step without compiling that step
+    ids8 = NamedSharding(mesh, rules.fit((n * b, S), "batch", "seq"))
+    put8 = accumulate.put_batch(rows, ids8, (n * b, S))
+    (_, (lm8, aux8)), g8 = full(state.params, state.rest, put8)
+    s8 = jax.device_get(apply(g8, state.opt_state, state.params))
+    assert float(lm8) == pytest.approx(float(m_acc.lm_loss), rel=1e-6)
+    assert abs(float(aux8.aux_loss) - float(m_acc.aux_loss)) > 1e-4
+    assert max(_rel(x, y) for x, y in zip(_leaves(s8), _leaves(s_acc.params))) > 1e-4
 
 
 def test_micro_batches_are_consecutive_rows_of_the_global_batch():
@@ -280,7 +288,7 @@ def test_micro_batches_are_consecutive_rows_of_the_global_batch():
 # --------------------------------------------------------------------------- the trainer
 
 # test_multihost's trainer arguments (tiny, seq_len=32, batch_size=8) with one layer, a fixed
-# schedule (runs of 2 and 3 steps share it, and their compiled step), grad_accum=2 on the
+# schedule (runs of 1 and 2 steps share it, and their compiled step), grad_accum=2 on the
 # two-process mesh; `accum_runs` adds --data
 ACCUM = ["schedule_steps=10", "num_hidden_layers=1", "mesh=node=2,expert=4", "grad_accum=2"]
 
@@ -297,9 +305,11 @@ def _meta(out, step: int) -> dict:
 @pytest.fixture(scope="module")
 def accum_runs(tmp_path_factory):
     """The trainer with grad_accum=2 (8-row micro-batches, 16 rows per optimizer step) on a
-    packed word corpus: in this process of 8 devices 3 steps ("whole"), 2 steps then resumed to
-    3 ("cut"), batch_size=16 without accumulation ("b16"); and as two processes of 4 devices
-    (`test_multihost`'s set-up, started first, run alongside: "multi", 2 steps, logs p0/p1)."""
+    packed word corpus: in this process of 8 devices 2 steps ("whole"), 1 step then resumed to
+    2 ("cut"), batch_size=16 without accumulation ("b16"); and as two processes of 4 devices
+    (`test_multihost`'s set-up, started first, run alongside: "multi", 2 steps, logs p0/p1).
+    Two steps show all they did with three before: the resume restores the step-1 state and
+    data position and repeats step 2 bitwise, and step 2's loss depends on step 1's update."""
     from test_multihost import ARGS, TIMEOUT_S, free_port, start_process, wait_all
 
     tmp = tmp_path_factory.mktemp("accum")
@@ -312,15 +322,15 @@ def accum_runs(tmp_path_factory):
     ]
     try:
         whole, cut, b16 = tmp / "whole", tmp / "cut", tmp / "b16"
-        assert cli.main([*args, "--steps", "3", "--out", str(whole)]) == 0
+        assert cli.main([*args, "--steps", "2", "--out", str(whole)]) == 0
+        assert cli.main([*args, "--steps", "1", "--out", str(cut)]) == 0
+        cut_position = _meta(cut, 1)["data_position"]
         assert cli.main([*args, "--steps", "2", "--out", str(cut)]) == 0
-        cut_position = _meta(cut, 2)["data_position"]
-        assert cli.main([*args, "--steps", "3", "--out", str(cut)]) == 0
         single = [
             {"grad_accum=2": "grad_accum=1", "batch_size=8": "batch_size=16"}.get(a, a)
             for a in args
         ]
-        assert cli.main([*single, "--steps", "3", "--out", str(b16)]) == 0
+        assert cli.main([*single, "--steps", "2", "--out", str(b16)]) == 0
     except BaseException:
         for p in procs:
             p.kill()
@@ -332,16 +342,16 @@ def accum_runs(tmp_path_factory):
 
 def test_trainer_accumulates_resumes_and_refuses_a_change(accum_runs):
     whole, cut = accum_runs["whole"], accum_runs["cut"]
-    assert accum_runs["cut_position"] == 2 * 16  # rows: optimizer steps x 16
+    assert accum_runs["cut_position"] == 1 * 16  # rows: optimizer steps x 16
     assert _metrics(cut) == _metrics(whole)  # bitwise: the same floats
-    assert [m["step"] for m in _metrics(whole)] == [1, 2, 3]  # one line per optimizer step
+    assert [m["step"] for m in _metrics(whole)] == [1, 2]  # one line per optimizer step
     # the same rows as batch_size=16, in the same order: the same losses
     for a, b in zip(_metrics(whole), _metrics(accum_runs["b16"]), strict=True):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-6)
     # grad_accum changes the math (the aux loss's averaging, the rows per step)
     argv = [{"grad_accum=2": "grad_accum=4"}.get(a, a) for a in accum_runs["args"]]
     with pytest.raises(identity.ResumeRefusedError, match=r"grad_accum 2 -> 4 would change"):
-        cli.main([*argv, "--steps", "4", "--out", str(cut)])
+        cli.main([*argv, "--steps", "3", "--out", str(cut)])
 
 
 def test_progress_line_shows_tokens_per_optimizer_step(accum_runs, tmp_path, capsys):
@@ -381,7 +391,7 @@ def test_two_processes_read_their_rows_of_every_micro_batch(accum_runs):
     for name in ("p0", "p1"):  # 4 rows of each micro-batch of 8, the same ones in both
         first = {r for r in read[name] if r < 8}
         assert len(first) == 4 and read[name] == first | {r + 8 for r in first}
-    got, want = _metrics(tmp / "multi"), _metrics(accum_runs["whole"])[:2]
+    got, want = _metrics(tmp / "multi"), _metrics(accum_runs["whole"])
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2]
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)

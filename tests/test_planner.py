@@ -136,12 +136,17 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     hence the 20%). save_all saves no more FLOPs, so even an unlimited budget plans
     save_attn_out. The dense variant of the tiny model: without moe_remat the MLP block is
     not recomputed in either step, so the FLOPs saved are the attention's whatever the block
-    (the MoE block under the chunked attention is compiled by the next test)."""
+    (the MoE block under the chunked attention is compiled by the next test). One layer (a
+    third less to compile): what is read here is per layer; the plan's bytes and FLOPs summed
+    over two layers are checked against the compiled steps by
+    test_budget_respected_and_flops_fall_as_budget_grows (XLA attention) and, for the chunked
+    attention, test_moe_remat_plan_fits_its_compiled_step (its planned peak)."""
     cfg = load_config(
         "configs/tiny.yaml",
         attention_impl="chunked",
         attention_block_k=TC.seq_len // 2,
         num_experts=0,
+        num_hidden_layers=1,
     )
     mesh = tm.make_mesh(TC.mesh)
     costs = planner.remat.option_costs(
@@ -151,10 +156,10 @@ def test_chunked_attention_plan_skips_the_forward_scan():
     )
     assert costs["save_all"].flops == costs["save_attn_out"].flops
     full = planner.step_cost(dataclasses.replace(cfg, attention_remat="full"), TC, mesh)
-    r = planner.plan_remat(cfg, TC, mesh, full.peak + 2 * costs["save_attn_out"].bytes)
-    assert r.plan.options == ("save_attn_out", "save_attn_out") and r.fits
+    r = planner.plan_remat(cfg, TC, mesh, full.peak + costs["save_attn_out"].bytes)
+    assert r.plan.options == ("save_attn_out",) and r.fits
     scan = costs["save_attn_out"].flops - costs["save_qkv"].flops
-    seen = 2 * (costs["save_qkv"].flops + scan // 2)  # per layer, loop body once
+    seen = costs["save_qkv"].flops + scan // 2  # one layer, loop body once
     assert seen <= r.flops_saved < 1.2 * seen, (r.flops_saved, seen)
     unlimited = planner.remat.plan_attention_remat(
         cfg,
@@ -164,7 +169,7 @@ def test_chunked_attention_plan_skips_the_forward_scan():
         dtype=TC.compute_dtype,
         budget=10**12,
     )
-    assert unlimited.options == ("save_attn_out", "save_attn_out")
+    assert unlimited.options == ("save_attn_out",)
 
 
 def test_moe_remat_plan_fits_its_compiled_step():

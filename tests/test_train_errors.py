@@ -339,6 +339,39 @@ def _waited(ready, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+class _Stderr:
+    """fd 2 into a pipe for the block, read as lines while another thread writes them. Not
+    capfd: its `readouterr` reads its file, then truncates it, and drops a line the watcher
+    thread writes in between (a test polling for that line then waits in vain)."""
+
+    def __enter__(self) -> "_Stderr":
+        self._read, write = os.pipe()
+        os.set_blocking(self._read, False)
+        self._saved = os.dup(2)
+        os.dup2(write, 2)
+        os.close(write)
+        self.lines: list[str] = []
+        self._partial = b""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self.read()
+        os.close(self._read)
+
+    def read(self) -> list[str]:
+        """Every complete line written so far."""
+        try:
+            while chunk := os.read(self._read, 1 << 16):
+                self._partial += chunk
+        except BlockingIOError:
+            pass
+        *done, self._partial = self._partial.split(b"\n")
+        self.lines += [line.decode() for line in done]
+        return self.lines
+
+
 # a second signal's note while a checkpoint is written
 WAITING = (
     "waiting for it, then exiting (SIGKILL stops at once; an unfinished save is never restored)"
@@ -364,7 +397,7 @@ def test_stop_records_the_first_signal_and_restores_handlers():
     assert interrupt.Interrupted(signal.SIGTERM, "x").exit_code == 143
 
 
-def test_a_second_signal_stops_at_once_unless_a_checkpoint_is_being_written(tmp_path, capfd):
+def test_a_second_signal_stops_at_once_unless_a_checkpoint_is_being_written(tmp_path):
     """The watcher thread's answer to a second (third, ...) signal (the process's end,
     `exit_now`, recorded here instead): before the first step, during a step, or after a step
     saved, at once, with a line naming the newest committed checkpoint (not a temporary
@@ -377,17 +410,15 @@ def test_a_second_signal_stops_at_once_unless_a_checkpoint_is_being_written(tmp_
     tmp6.mkdir()
     background = threading.Event()  # the manager writing a checkpoint
     exits = queue.Queue()
-    err: list[str] = []
 
     def said(line: str) -> None:
-        _waited(lambda: err.extend(capfd.readouterr().err.splitlines()) or line in err, line)
+        _waited(lambda: line in err.read(), line)
 
     def again(sig, code: int) -> None:
         os.kill(os.getpid(), sig)
         assert exits.get(timeout=10) == code
 
-    capfd.readouterr()
-    with interrupt.Stop(exit_now=exits.put, poll_s=0.01) as stop:
+    with _Stderr() as err, interrupt.Stop(exit_now=exits.put, poll_s=0.01) as stop:
         stop.watch(run_io.saves(tmp_path, SimpleNamespace(is_saving_in_progress=background.is_set)))
         os.kill(os.getpid(), signal.SIGTERM)  # the first: recorded
         assert stop.requested() == signal.SIGTERM
@@ -411,9 +442,8 @@ def test_a_second_signal_stops_at_once_unless_a_checkpoint_is_being_written(tmp_
             os.kill(os.getpid(), signal.SIGINT)
             said(f"SIGINT again while checkpoint step 8 is being written: {WAITING}")
         assert exits.empty()
-    err.extend(capfd.readouterr().err.splitlines())
     resume = f"a rerun resumes from checkpoint step {{}} in {ckdir.resolve()}"
-    assert err == [
+    assert err.lines == [
         "SIGINT again before the first step: stopping now; " + resume.format(3),
         "SIGTERM again during step 7: stopping now without saving it; " + resume.format(3),
         f"SIGTERM again while checkpoint step 6 is being written: {WAITING}",
