@@ -2,12 +2,13 @@
 
     python benchmarks/chunk.py                 # memory table (XLA:GPU, 8 abstract H100s)
     python benchmarks/chunk.py --cpu-time      # also: CPU time, old default vs new, one run
-    python benchmarks/chunk.py --gmm-impl mosaic -k 8 --chunks default   # one row, our Mosaic GPU
+    python benchmarks/chunk.py --gmm-impl pallas -k 8 --chunks default   # one row, the Triton
                                                # kernel (the ring's; the all-to-all keeps "auto")
 
 Memory: the paper's shape (E=128, H=2048, F=768, 61,440 tokens per device, EP=8, bf16, k=8 and
-16), compiled (never run) by the XLA:GPU compiler for 8 abstract H100s with `XLA_OPTIONS` and the
-Pallas kernel (`relaymoe_jax.gpu_mesh`, the gpu-compile extra): the fwd+bwd temp bytes per device
+16), compiled (never run) by the XLA:GPU compiler for 8 abstract H100s with `XLA_OPTIONS` and
+`--gmm-impl` (default "auto": our Mosaic GPU kernel there; `relaymoe_jax.gpu_mesh`, the
+gpu-compile extra): the fwd+bwd temp bytes per device
 (`compiled.memory_analysis()`) of the ring (expert routing) at each chunk, against the capacity-1.0
 all-to-all's. Per row: pairs per hop (the balanced share T*k/EP), chunks per hop, the experts one
 chunk spans (a chunk is a contiguous run of the hop's expert-sorted pairs: about chunk / (T*k/E) + 1
@@ -50,7 +51,8 @@ def parse_args(argv=None):
         "--gmm-impl",
         choices=["auto", "mosaic", "pallas"],
         default="auto",
-        help="the ring's grouped matmul in the memory table (default auto: the Triton kernel)",
+        help="the ring's grouped matmul in the memory table (default auto: our Mosaic GPU "
+        "kernel on H100/H200; the all-to-all's is always auto)",
     )
     p.add_argument(
         "--chunks",
@@ -97,11 +99,12 @@ def memory_table(args):
 
     from relaymoe_jax.analysis import gpu_mesh, memory
     from relaymoe_jax.dispatch import chunking
+    from relaymoe_jax.kernels.gmm import describe_impl
 
     mesh = gpu_mesh.mesh((PAPER["ep"],), ("expert",), target=args.target)
     print(
         f"# XLA:GPU for {PAPER['ep']} abstract {gpu_mesh.device_kind(args.target)}, "
-        f"XLA_OPTIONS, ring gmm_impl={args.gmm_impl!r} (auto: the Pallas Triton kernel), bf16, "
+        f"XLA_OPTIONS, ring gmm_impl={describe_impl(args.gmm_impl, mesh)}, bf16, "
         "fwd+bwd temp_size_in_bytes per device, "
         "MiB = 2^20 bytes; paper shape E128 H2048 F768 T61440/dev EP8",
         flush=True,

@@ -8,7 +8,8 @@ is the command that reproduces the output, the second the jax version, device ki
 compute rates instead of its assumed one); nothing is written without it. Sections, in this order:
 
 1. `## MoE layer` -- `moe_ffn` fwd+bwd on one device (mesh of 1, expert axis of size 1): ring
-   (expert and token routing) vs all-to-all (dropless, and capacity factor 1.0), gmm_impl="pallas".
+   (expert and token routing) vs all-to-all (dropless, and capacity factor 1.0), gmm_impl="auto"
+   (what a user gets: our Mosaic GPU kernel on Hopper, the Triton one on other GPUs).
    Shape: E=16 experts (Qwen3-30B-A3B's 128 experts over EP=8 leave 16 per device), k=8, H=2048,
    F=768, T=8192 tokens, bf16: T*k = 65536 routed rows, the M of the kernel shapes below; the
    layer's arrays and temporaries take a few GB, far below 80 GB. Columns: compiled temp bytes
@@ -17,15 +18,18 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    fwd+bwd: three matmuls, forward + two gradients each); pairs the capacity dropped; the largest
    |y - y_ring_expert| / max|y_ring_expert|. This section runs first, before the others allocate
    anything, because the allocator's peak cannot be reset (see `layer_section`).
-2. `## One ring hop` -- the compute of one hop of the paper's ring (E=128 over EP=8: E_l=16
-   local experts, k=8, H=2048, F=768, bf16, T=61,440 tokens per device): a hop computes the
-   balanced share T*k/EP = 61,440 pairs, so on one device `moe_ffn(dispatcher="ring",
-   routing="expert", gmm_impl="pallas")` with 16 experts and 61,440/8 = 7,680 tokens (k=8: the
-   same 61,440 pairs, all on the one device) is that hop. Timed at two chunk sizes: the default
-   (`dispatch.chunking.default_chunk(61_440, 8, 8, 128)`) and the balanced share (one chunk, the
-   old default). fwd ms; bwd ms = fwd+bwd - fwd; TFLOP/s = 6*pairs*H*F / fwd and 12*pairs*H*F /
-   bwd (`costmodel.hop_flops`: the three matmuls and their six gradients; the ring's backward
-   also recomputes gate and up, not counted). These are the cost model's compute term.
+2. `## One ring hop` -- the compute of one hop of the paper's ring (E=128 over EP=8: E_l=16 local
+   experts, k=8, H=2048, F=768, bf16, T=61,440 tokens per device): a hop computes the balanced share
+   T*k/EP = 61,440 pairs, so on one device `moe_ffn(dispatcher="ring", routing="expert",
+   gmm_impl=...)` with 16 experts and 61,440/8 = 7,680 tokens (k=8: the same 61,440 pairs, all on
+   the one device) is that hop. Timed at two chunk sizes, the default
+   (`dispatch.chunking.default_chunk(61_440, 8, 8, 128)`) and the balanced share (one chunk, the old
+   default), with each grouped matmul (`gpu_layer.hop_cases`): ours on Mosaic GPU ("mosaic", what
+   gmm_impl="auto" takes on Hopper) and on Triton ("pallas") at both, `lax.ragged_dot`
+   ("ragged_dot") at the default chunk. fwd ms; bwd ms = fwd+bwd - fwd; TFLOP/s = 6*pairs*H*F / fwd
+   and 12*pairs*H*F / bwd (`costmodel.hop_flops`: the three matmuls and their six gradients; the
+   ring's backward also recomputes gate and up, not counted). The default chunk's row with "auto"'s
+   grouped matmul is the cost model's compute term.
 3. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs: the three passes of
    one grouped matmul timed apart: fwd out = x @ W_g, dx = dout @ W_g^T (gmm with
    transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: ours on Mosaic GPU (impl="mosaic",
@@ -73,8 +77,8 @@ remaining cases are skipped (said so).
 E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128; attention
 at N=4, K=2, D=64, 128 tokens, documents of 64, chunked block_k=64). `--interpret`
 (needs `--tiny`) runs the Pallas kernels (gmm and attention) with interpret=True, the Mosaic-GPU
-kernels under `plgpu.force_gpu_interpret_mode` and the layer and hop with
-gmm_impl="pallas-interpret": this is how tests/test_gpu_script.py runs the script on CPU. Its
+kernels under `plgpu.force_gpu_interpret_mode` and the hop with "pallas-interpret"; the layer runs
+with gmm_impl="xla". This is how tests/test_gpu_script.py runs the script on CPU. Its
 times only show that the code runs. Without `--interpret` the script needs a GPU.
 """
 
@@ -290,8 +294,8 @@ def main(argv=None):
     if opts.interpret:
         print(
             "# --interpret: Pallas (gmm, attention) interpret=True, Mosaic GPU under "
-            "force_gpu_interpret_mode, layer and hop gmm_impl='pallas-interpret'; times only "
-            "show that the code runs"
+            "force_gpu_interpret_mode, hop gmm_impl 'pallas-interpret', layer 'xla'; times "
+            "only show that the code runs"
         )
     budget, results = Budget(opts.budget_min), Results()
     sections = {

@@ -1,6 +1,6 @@
 """The `## MoE layer` and `## One ring hop` sections of benchmarks/gpu.py: moe_ffn fwd+bwd on one
-device (ring vs all-to-all: compiled temp bytes, run peak, time) and the compute of one hop of the
-paper's ring at two chunk sizes."""
+device (ring vs all-to-all: compiled temp bytes, run peak, time) with the default grouped matmul,
+and the compute of one hop of the paper's ring at two chunk sizes with each grouped matmul."""
 
 import dataclasses
 import math
@@ -19,15 +19,30 @@ HOP = dict(experts=16, top_k=8, hidden=2048, ffn=768, tokens=7_680, ep=8, chunk=
 TINY_HOP = dict(experts=4, top_k=2, hidden=32, ffn=32, tokens=64, ep=8, chunk=32)
 
 
-def _moe_impl(opts):
-    """Holds the layer's gmm_impl: pallas (its interpreter with --interpret), else xla."""
-    from relaymoe_jax.kernels.gmm import MOE_IMPLS
+# The hop's grouped matmuls, per chunk (default, balanced share): ours on Mosaic GPU and on
+# Triton at both, lax.ragged_dot (XLA's, the anchor a user would otherwise take) at the default.
+# Under --interpret (a CPU check that the script runs) the Triton kernel's interpreter only: the
+# Mosaic GPU interpreter runs every SM's program in turn, many times slower, and its ring hops
+# are tested in tests/test_dispatch_mosaic.py.
+HOP_IMPLS = {True: ("mosaic", "pallas", "ragged_dot"), False: ("mosaic", "pallas")}
+HOP_INTERPRET_IMPLS = {True: ("pallas-interpret",), False: ("pallas-interpret",)}
 
-    impl = "pallas-interpret" if opts.interpret else "pallas"
-    if impl not in MOE_IMPLS:
-        print(f"# gmm_impl={impl!r} is not in MOE_IMPLS {MOE_IMPLS}: using 'xla' instead")
-        impl = "xla"
-    return impl
+
+def _moe_impl(opts):
+    """Holds the layer's gmm_impl: "auto" (what a user gets: our Mosaic GPU kernel on Hopper, the
+    Triton one on other GPUs); with --interpret the blocked "xla" (the kernels' interpreters run
+    in the hop and kernel sections)."""
+    return "xla" if opts.interpret else "auto"
+
+
+def _auto_impl(opts, mesh) -> str:
+    """The gmm_impl "auto" resolves to for bf16 on `mesh` (its interpreter under --interpret)."""
+    import jax.numpy as jnp
+
+    from relaymoe_jax.kernels.gmm import resolve_impl
+
+    impl = resolve_impl("auto", interpret=opts.interpret, mesh=mesh, dtypes=(jnp.bfloat16,))
+    return f"{impl}-interpret" if opts.interpret else impl
 
 
 def _one_device():
@@ -123,13 +138,13 @@ def layer_section(opts, budget, results):
     shp = dict(TINY_LAYER if opts.tiny else LAYER)
     shp["tokens"] = opts.layer_tokens or shp["tokens"]
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
-    impl = "pallas-interpret" if opts.interpret else "pallas"
-    print(
-        f"\n## MoE layer fwd+bwd on one device: E={e} k={k} H={h} F={f} T={t} bf16, "
-        f"gmm_impl={impl!r}\n"
-    )
     impl = _moe_impl(opts)
     dev, mesh, sharding = _one_device()
+    named = f"{impl!r}" + (f" = {_auto_impl(opts, mesh)!r}" if impl == "auto" else "")
+    print(
+        f"\n## MoE layer fwd+bwd on one device: E={e} k={k} H={h} F={f} T={t} bf16, "
+        f"gmm_impl={named}\n"
+    )
     args = layer_inputs(shp, sharding)
     stats = lambda: dev.memory_stats() or {}
     print(
@@ -221,6 +236,8 @@ class HopTiming:
     fwd_tflops: float | None
     bwd_tflops: float | None
     error: str | None = None
+    impl: str = "pallas"  # the hop's gmm_impl (files before 2026-12-07: the Triton kernel)
+    default_impl: bool = True  # the one gmm_impl="auto" picks on this device
 
 
 def hop_chunks(shp):
@@ -254,6 +271,7 @@ def time_hop(shp, chunk, mesh, args, impl, opts):
 
 HOP_COLS = (
     "chunk (pairs)",
+    "gmm_impl",
     "chunks per hop",
     "fwd ms",
     "bwd ms",
@@ -263,54 +281,63 @@ HOP_COLS = (
 )
 
 
+def hop_cases(shp, opts):
+    """Holds [(chunk, is the default chunk, gmm_impl)] in the order timed: the default chunk's
+    impls, then the balanced share's (`HOP_IMPLS`)."""
+    impls = HOP_INTERPRET_IMPLS if opts.interpret else HOP_IMPLS
+    return [
+        (chunk, is_default, impl)
+        for chunk, is_default in hop_chunks(shp)
+        for impl in impls[is_default]
+    ]
+
+
 def hop_section(opts, budget, results):
-    """One hop of the paper's ring on one device, at the default chunk and at one chunk."""
+    """One hop of the paper's ring on one device, at the default chunk and at one chunk, with each
+    grouped matmul (`hop_cases`)."""
     shp = TINY_HOP if opts.tiny else HOP
     e, k, h, f, t = (shp[x] for x in ("experts", "top_k", "hidden", "ffn", "tokens"))
-    pairs, impl = t * k, _moe_impl(opts)
+    pairs = t * k
+    _, mesh, sharding = _one_device()
+    auto = _auto_impl(opts, mesh)
     print(
         f"\n## One ring hop: E_l={e} local experts (E={e * shp['ep']} over EP={shp['ep']}), "
         f"k={k}, H={h}, F={f}, bf16, {pairs:,} pairs (T={t * shp['ep']:,} per device / EP; "
-        f"{t:,} tokens on one device), gmm_impl={impl!r}\n"
+        f"{t:,} tokens on one device), each gmm_impl (gmm_impl='auto' here: {auto!r})\n"
     )
     flop_f, flop_b = costmodel.hop_flops(pairs, h, f)
     print(
-        f"# moe_ffn(dispatcher='ring', routing='expert', chunk_size=chunk) under jit on a "
-        f"1-device mesh; bwd = fwd+bwd - fwd; TFLOP/s: {costmodel.HOP_FWD_UNITS}*pairs*H*F / "
-        f"fwd, {costmodel.HOP_BWD_UNITS}*pairs*H*F / bwd (the recompute not counted)",
+        f"# moe_ffn(dispatcher='ring', routing='expert', chunk_size=chunk, gmm_impl=...) under "
+        f"jit on a 1-device mesh; bwd = fwd+bwd - fwd; TFLOP/s: {costmodel.HOP_FWD_UNITS}*pairs"
+        f"*H*F / fwd, {costmodel.HOP_BWD_UNITS}*pairs*H*F / bwd (the recompute not counted)",
         flush=True,
     )
-    _, mesh, sharding = _one_device()
     args = layer_inputs(shp, sharding)
     print_head(HOP_COLS)
-    for chunk, is_default in hop_chunks(shp):
+    for chunk, is_default, impl in hop_cases(shp, opts):
         rec = dict(
-            chunk=chunk, default_chunk=is_default, pairs=pairs, experts=e, top_k=k, hidden=h, ffn=f
+            chunk=chunk,
+            default_chunk=is_default,
+            pairs=pairs,
+            experts=e,
+            top_k=k,
+            hidden=h,
+            ffn=f,
+            impl=impl,
+            default_impl=impl == auto,
         )
         label = f"{chunk:,}" + (" (default)" if is_default else " (balanced share)")
+        failed = dict(fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None)
         if budget.over():
             why = f"skipped: time budget of {budget.minutes} min"
-            results.hop.append(
-                HopTiming(
-                    **rec, fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None, error=why
-                )
-            )
-            print_row([label, "", why, "", "", "", ""])
+            results.hop.append(HopTiming(**rec, **failed, error=why))
+            print_row([label, impl, "", why, "", "", "", ""])
             continue
         try:
             t_fwd, t_all = time_hop(shp, chunk, mesh, args, impl, opts)
         except Exception as ex:
-            results.hop.append(
-                HopTiming(
-                    **rec,
-                    fwd_ms=None,
-                    bwd_ms=None,
-                    fwd_tflops=None,
-                    bwd_tflops=None,
-                    error=error_text(ex),
-                )
-            )
-            print_row([label, "", f"error: {error_text(ex)}", "", "", "", ""])
+            results.hop.append(HopTiming(**rec, **failed, error=error_text(ex)))
+            print_row([label, impl, "", f"error: {error_text(ex)}", "", "", "", ""])
             continue
         t_bwd = t_all - t_fwd
         tf_b = flop_b / t_bwd / 1e12 if t_bwd > 0 else None
@@ -326,6 +353,7 @@ def hop_section(opts, budget, results):
         print_row(
             [
                 label,
+                impl,
                 -(-pairs // chunk),
                 num(t_fwd * 1e3),
                 num(t_bwd * 1e3),

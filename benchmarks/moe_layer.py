@@ -3,7 +3,8 @@
 Memory is XLA's own buffer assignment (`compiled.memory_analysis()`), per device, on emulated CPU
 devices, or with `--target h100|h200` on abstract GPUs: the XLA:GPU compiler's buffer assignment
 for an 8-GPU node, compiled without a GPU (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra), bf16,
-with the Pallas grouped-matmul kernel. Ring traffic is read from the compiled HLO: the bytes of the
+with the grouped matmul `--gmm-impl` names ("auto": our Mosaic GPU kernel on H100/H200; the
+header names it). Ring traffic is read from the compiled HLO: the bytes of the
 collective permutes in one iteration of the forward ring loop and of the backward ring loop, next
 to the paper's Table 2 prediction. Run `python benchmarks/moe_layer.py --help`; the first output
 line is the command that reproduces the table. No timing is possible with --target.
@@ -23,6 +24,8 @@ import sys
 
 from relaymoe_jax.cli.argtypes import positive_int
 from relaymoe_jax.dispatch.activation import ACTIVATIONS
+
+GMM_IMPLS = ("auto", "mosaic", "pallas", "xla", "ragged_dot")  # compiled ones (no interpreters)
 
 VARIANTS = ("ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0")  # = memory.VARIANTS
 # Paper §4.5's 384-expert configs (H = F = 2048 at 20K tokens) and E128 k8 (Qwen3-30B-A3B's
@@ -107,6 +110,13 @@ def parse_args(argv=None):
         action="store_true",
         help="also time fwd+bwd: median of --runs runs after warm-up, as ratios; a "
         "variant whose memory would not fit this host is skipped",
+    )
+    p.add_argument(
+        "--gmm-impl",
+        choices=GMM_IMPLS,
+        default="auto",
+        help="the grouped matmul of the ring and the all-to-alls (default auto: with --target "
+        "our Mosaic GPU kernel, 'pallas' the Triton one; XLA's blocked one on CPU devices)",
     )
     p.add_argument("--runs", type=positive_int, default=5, help="timed runs (default 5)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -227,6 +237,7 @@ def main(argv=None):
 
     from relaymoe_jax.analysis import gpu_mesh, memory
     from relaymoe_jax.cli.devices import use_cpu_devices
+    from relaymoe_jax.kernels.gmm import describe_impl
 
     use_cpu_devices(args.ep)  # --ep emulated devices, unless XLA_FLAGS sets a device count
 
@@ -243,9 +254,9 @@ def main(argv=None):
         print(
             f"# jax {jax.__version__}, XLA:GPU compiler for {args.ep} abstract "
             f"{gpu_mesh.device_kind(args.target)} ({gib:,.1f} "
-            "GiB each), no GPU: buffer assignment only, no timing; gmm_impl='auto' = the Pallas "
-            "kernel; per-device temp_size_in_bytes from compiled.memory_analysis(); "
-            "MiB = 2^20 bytes"
+            f"GiB each), no GPU: buffer assignment only, no timing; gmm_impl="
+            f"{describe_impl(args.gmm_impl, mesh)}; per-device temp_size_in_bytes from "
+            "compiled.memory_analysis(); MiB = 2^20 bytes"
         )
         wire = "as the GPU program sends them: bf16 stays bf16"
     else:
@@ -301,7 +312,7 @@ def main(argv=None):
             f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
             f"{s.dtype}: auto picks {vol.explain()}"
         )
-        extra = {"activation": args.activation}
+        extra = {"activation": args.activation, "gmm_impl": args.gmm_impl}
         got = {v: memory.measure_layer(s, mesh, v, extra=extra) for v in args.variants}
         secs = {
             v: time_fwdbwd(s, mesh, v, args.runs, extra)

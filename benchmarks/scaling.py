@@ -3,7 +3,8 @@
 Each EP is a mesh of EP/8 hosts x 8 abstract H100s (or H200s; `relaymoe_jax.gpu_mesh`), axes
 ("node", "local"), the experts and tokens split over both (`expert_axis=("node", "local")`), and
 each variant's forward and forward+backward of `moe_ffn` compiled (never run) by the XLA:GPU
-compiler, bf16, the Pallas grouped matmul (`--gmm auto`). Per row, all per GPU:
+compiler, bf16, the grouped matmul `--gmm` names (default auto: our Mosaic GPU kernel on H100/H200;
+`--gmm pallas` the Triton one). Per row, all per GPU:
 
 - fwd / fwd+bwd MiB: `compiled.memory_analysis().temp_size_in_bytes` (XLA's buffer assignment);
 - x ring: fwd+bwd over that of the flat ring in the mode `routing="auto"` picks;
@@ -77,9 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--target", choices=["h100", "h200"], default="h100")
     p.add_argument(
         "--gmm",
-        choices=["auto", "xla"],
+        choices=["auto", "mosaic", "pallas", "xla"],
         default="auto",
-        help="grouped matmul: auto = the Pallas kernel (default), xla = the blocked XLA one",
+        help="grouped matmul: auto (default: our Mosaic GPU kernel on H100/H200), mosaic, "
+        "pallas (the Triton kernel), xla (the blocked XLA one)",
     )
     p.add_argument("--json", metavar="OUT", help="write every measured figure to OUT (JSON)")
     a = p.parse_args(argv)
@@ -177,6 +179,7 @@ def main(argv=None):
         jax.config.update("jax_platforms", "cpu")
 
     from relaymoe_jax.analysis import gpu_mesh, memory
+    from relaymoe_jax.kernels.gmm import describe_impl
 
     logging.getLogger("relaymoe_jax").setLevel(logging.ERROR)  # capacity warnings: we know
     warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
@@ -191,9 +194,9 @@ def main(argv=None):
         f"# jax {jax.__version__}, XLA:GPU compiler for EP/8 hosts x 8 abstract "
         f"{gpu_mesh.device_kind(args.target)} ({device_bytes / 2**30:,.1f} GiB each), no GPU: "
         f"buffer assignment only, no timing; E={args.experts} H={args.hidden} F={args.ffn} "
-        f"T/dev={args.tokens_per_device} bfloat16, gmm_impl={args.gmm!r}"
-        + (" (the Pallas kernel)" if args.gmm == "auto" else "")
-        + "; MiB = 2^20 bytes"
+        f"T/dev={args.tokens_per_device} bfloat16, gmm_impl="
+        f"{describe_impl(args.gmm, gpu_mesh.mesh((8,), ('expert',), target=args.target))}"
+        "; MiB = 2^20 bytes"
     )
     print(
         "# per GPU: temp_size_in_bytes of the forward and the forward+backward; hop KiB: one "

@@ -137,8 +137,8 @@ TRAIN_STEPS = {
     # Qwen3-30B-A3B's attention and experts (1 of its 48 layers, a small vocabulary), every
     # device on `context`: the zigzag order, each device's queries against the gathered keys.
     # One layer (2 before): the scan compiles one layer body whatever the count (the same 3
-    # Mosaic GPU and 33 Triton calls at 1 and 2 layers, a fifth less CPU time at 1); the scan
-    # over several layers is [tiny-expert8-auto]'s (tiny.yaml: 2 layers)
+    # attention calls and 33 grouped-matmul calls at 1 and 2 layers, a fifth less CPU time at
+    # 1); the scan over several layers is [tiny-expert8-auto]'s (tiny.yaml: 2 layers)
     "qwen3-30b-a3b-context8": (
         "configs/qwen3-30b-a3b.yaml",
         dict(num_hidden_layers=1, vocab_size=4096),
@@ -157,13 +157,14 @@ TRAIN_STEPS = {
 def test_train_step_calls_the_kernel_in_every_layer(name):
     """The whole train step (packed documents, compute_dtype=bfloat16, layer scan, moe_remat)
     compiled for 8 H100s with the trainer's options: the scanned layer calls the three Mosaic
-    GPU kernels (forward, dq, dk/dv), all on 16-bit tiles, and no kernel (the grouped matmul's
-    Triton calls included) takes a wider float it multiplies.
+    GPU attention kernels (forward, dq, dk/dv), all on 16-bit tiles, and the experts' grouped
+    matmuls (gmm_impl="auto": our Mosaic GPU kernels on H100s, no Triton call left); no kernel
+    takes a wider float it multiplies.
 
     [tiny-expert8-auto] is the ring's step with the layer scan and `moe_remat` (each layer's
     weights cast to bf16 inside the MoE block's checkpoint, its gradient leaving it in
     float32): it also covers what test_gpu_compile.py's
-    test_train_step_kernels_take_16_bit_operands[ring-False-True] checked (its Triton calls)."""
+    test_train_step_kernels_take_16_bit_operands[ring-False-True] checked (its kernel calls)."""
     from relaymoe_jax.models.config_files import load_config
     from train.settings import TrainConfig
     from train.step import mesh as train_mesh
@@ -184,11 +185,13 @@ def test_train_step_calls_the_kernel_in_every_layer(name):
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
         text = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=True).as_text()
-    calls = triton_calls.mosaic_calls(text)
+    every = triton_calls.mosaic_calls(text)
+    grouped = [c for c in every if "relaymoe_" in c.kernel]  # relaymoe_gmm, relaymoe_tgmm
+    calls = [c for c in every if c not in grouped]  # the attention's
     kernels = sorted(c.kernel for c in calls)
     assert kernels == ["attention_bwd_dkv", "attention_bwd_dq", "flash_fwd"], kernels
-    grouped = triton_calls.triton_calls(text)  # the experts' grouped matmuls
     assert len(grouped) >= 9 * cfg.num_hidden_layers, [c.kernel for c in grouped]
+    assert not triton_calls.triton_calls(text)
     assert not triton_calls.wide_float_calls(text)
     tiles = [o for c in calls for o in c.operands if len(o[1]) == 4]
     assert {t for t, _ in tiles} == {"bf16"}, tiles

@@ -1,6 +1,7 @@
 """Tests of gmm / tgmm against the float64 numpy reference, for every implementation."""
 
 import itertools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -408,6 +409,43 @@ def test_work_items_layout():
         zip(np.asarray(items.group_i)[:count].tolist(), np.asarray(items.tile_i)[:count].tolist())
     )
     assert pairs == [(0, 0), (2, 0), (2, 1), (3, 1), (3, 2)]
+
+
+def _gpu(kind, capability=None):
+    """A stand-in for a mesh whose (abstract) devices are GPUs of `kind`: what `resolve_impl`
+    reads (an abstract mesh's device; a real GPU also says its compute capability)."""
+    dev = SimpleNamespace(platform="gpu", device_kind=kind)
+    if capability is not None:
+        dev.compute_capability = capability
+    return SimpleNamespace(abstract_device=dev)
+
+
+@pytest.mark.parametrize(
+    "mesh, hopper",
+    [
+        (_gpu("NVIDIA H100 80GB HBM3"), True),
+        (_gpu("NVIDIA H200"), True),
+        (_gpu("NVIDIA GH200 480GB"), True),
+        (_gpu("NVIDIA H100 PCIe", "9.0"), True),
+        (_gpu("NVIDIA A100-SXM4-80GB"), False),
+        (_gpu("NVIDIA A100-SXM4-80GB", "8.0"), False),
+        (_gpu("NVIDIA B200", "10.0"), False),
+        (_gpu("NVIDIA L40S", "8.9"), False),
+        (_gpu("NVIDIA H100 80GB HBM3", "8.0"), False),  # the capability decides
+    ],
+)
+def test_auto_is_mosaic_on_hopper_for_16_bit_operands_else_pallas_on_gpus(mesh, hopper):
+    """On a GPU, "auto" is our Mosaic GPU kernel (wgmma: Hopper only) where an operand is 16-bit,
+    and the Triton kernel on other GPUs and for float32 x float32 (which "mosaic" refuses); a
+    device's compute capability outranks its name."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    want = "mosaic" if hopper else "pallas"
+    assert resolve_impl("auto", mesh=mesh, dtypes=(bf, bf)) == want
+    assert resolve_impl("auto", mesh=mesh, dtypes=(f32, bf)) == want  # multiplied in bf16
+    assert resolve_impl("auto", mesh=mesh, dtypes=(jnp.float16, f32)) == want
+    assert resolve_impl("auto", mesh=mesh, dtypes=(f32, f32)) == "pallas"
+    assert resolve_impl("auto", mesh=mesh, interpret=True, dtypes=(bf, bf)) == "pallas"
+    assert resolve_impl("mosaic", mesh=mesh, dtypes=(f32, f32)) == "mosaic"  # asked: as asked
 
 
 def test_auto_is_xla_on_cpu_and_pallas_when_interpreting():

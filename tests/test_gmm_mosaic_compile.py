@@ -1,6 +1,7 @@
 """The Mosaic GPU grouped matmul compiled by XLA:GPU for abstract H100s (deviceless,
 `relaymoe_jax.gpu_mesh`; nothing runs): its three kernels at Qwen3-30B-A3B's expert shapes and
-moe_ffn's ring fwd+bwd and Qwen3-30B-A3B's train step on 8 H100s with gmm_impl="mosaic". Read
+moe_ffn's ring fwd+bwd on 8 H100s with gmm_impl="mosaic" (Qwen3-30B-A3B's train step with them:
+test_attention_gpu_compile.py). Read
 from what the CUDA plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read when the process
 starts: one subprocess compiles both programs): every kernel's PTX issues wgmma on bf16 operands
 accumulating in f32 and no other wgmma, ptxas spills nothing, and each kernel's registers and
@@ -80,26 +81,10 @@ c2 = compile(layer(ep), ep, ((t, h), bf, e), ((t, k), jnp.int32, e), ((t, k), jn
 out = pathlib.Path(sys.argv[1])
 (out / "kernels.txt").write_text(c1.as_text())
 (out / "layer.txt").write_text(c2.as_text())
-
-from relaymoe_jax.models.config_files import load_config
-from train.settings import TrainConfig
-from train.step import mesh as train_mesh
-from train.step import train_step
-
-tc = TrainConfig(batch_size=8, seq_len=1024, compute_dtype="bfloat16", mesh="expert=8")
-sizes = train_mesh.parse_mesh(tc.mesh, 8)
-mesh = gpu_mesh.mesh(tuple(sizes.values()), tuple(sizes))
-cfg = load_config(
-    "configs/qwen3-30b-a3b.yaml", expert_size=train_mesh.expert_size(sizes), num_hidden_layers=1,
-    vocab_size=1024, gmm_impl="mosaic", attention_impl="chunked", scan_layers=True, moe_remat=True,
-)
-with jax.set_mesh(mesh):
-    step = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=True)
-(out / "train_step.txt").write_text(step.as_text())
 """
 
 
-PROGRAMS = ("kernels", "layer", "train_step")
+PROGRAMS = ("kernels", "layer")
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +112,11 @@ def dump(tmp_path_factory):
 def test_every_kernel_call_takes_16_bit_operands(dump):
     """The kernels' program: the gate's forward, dx and dW, the down projection, tgmm into a
     float32 sum (its f32 accumulator is an operand it adds, not multiplies); the layer's fwd+bwd:
-    the ring's forward and recomputing backward; Qwen3-30B-A3B's train step (2 of its layers,
-    scanned, `moe_remat`, bf16 compute, 16 local experts on expert=8): its MoE blocks. No call
-    multiplies a float32 operand."""
+    the ring's forward and recomputing backward. No call multiplies a float32 operand.
+    Qwen3-30B-A3B's train step with these kernels (gmm_impl="auto" on H100s: scanned layers,
+    `moe_remat`, bf16 compute) is test_attention_gpu_compile.py's
+    test_train_step_calls_the_kernel_in_every_layer[qwen3-30b-a3b-context8], which reads its
+    grouped-matmul calls the same way (this module compiled it too before "auto" took them)."""
     for name, text in dump[1].items():
         calls = triton_calls.mosaic_calls(text)
         assert calls, name
@@ -137,8 +124,8 @@ def test_every_kernel_call_takes_16_bit_operands(dump):
         assert not triton_calls.wide_float_calls(text), (name, calls)
         assert not triton_calls.triton_calls(text), name  # nothing left on the Triton backend
     assert len(triton_calls.mosaic_calls(dump[1]["kernels"])) == 5
-    # the ring's forward (3) and backward (2 recomputed, 3 dx, 3 dW) in the scanned layer body
-    assert len(triton_calls.mosaic_calls(dump[1]["train_step"])) >= 11
+    # the ring's forward (3) and backward (2 recomputed, 3 dx, 3 dW) in its loop bodies
+    assert len(triton_calls.mosaic_calls(dump[1]["layer"])) >= 11
 
 
 def _ptxas(path: pathlib.Path) -> dict:

@@ -66,7 +66,8 @@ def test_mesh_devices_and_hosts(target):
     assert gpu_mesh.platform(mesh) == "gpu"
     with jax.set_mesh(mesh):
         assert gpu_mesh.platform() == "gpu"
-        assert resolve_impl("auto") == "pallas"
+        assert resolve_impl("auto") == "mosaic"  # Hopper (H100, H200), 16-bit (no dtypes)
+        assert resolve_impl("auto", dtypes=(jnp.float32, jnp.float32)) == "pallas"
     assert gpu_mesh.platform() == jax.default_backend() == "cpu"
     assert resolve_impl("auto") == "xla"
 
@@ -294,8 +295,8 @@ def test_ring_compiles_and_overlaps(routing, gmm_impl):
     """fwd+bwd compiles; every ring loop body (forward and backward) starts its transfer before
     the hop's chunk loop and waits for it after: the transfer hides behind the compute.
 
-    gmm_impl="auto" must be the Pallas kernel here although the process's backend is the CPU:
-    it is chosen from the mesh's (abstract GPU) devices.
+    gmm_impl="auto" must be our Mosaic GPU kernel here (bf16 on H100s) although the process's
+    backend is the CPU: it is chosen from the mesh's (abstract GPU) devices.
 
     Each routing with the kernel, and each XLA implementation with one routing: the grouped
     matmul is the hop's (`dispatch/hop.py`, shared by both routings), so [expert-xla] also
@@ -303,8 +304,8 @@ def test_ring_compiles_and_overlaps(routing, gmm_impl):
     gather the chunk's rows before an XLA matmul, where the kernel reads them in place)."""
     c = RING_LAYERS[routing, gmm_impl]()
     text = c.as_text()
-    kernels = text.count(TRITON_CALL)
-    assert jax.default_backend() == "cpu"
+    kernels = len(triton_calls.mosaic_calls(text))
+    assert jax.default_backend() == "cpu" and TRITON_CALL not in text
     assert (kernels > 0) == (gmm_impl == "auto"), kernels
     bodies = hlo.loop_schedules(text)
     assert len(bodies) == 2, bodies  # the forward ring loop and the backward ring loop
@@ -466,23 +467,28 @@ BF16_LAYERS = {
 @needs_plugin
 @pytest.mark.parametrize("name", sorted(BF16_LAYERS))
 def test_every_layer_kernel_takes_16_bit_operands(name):
-    """Read from the compiled 8 x H100 fwd+bwd: every Triton call of a bf16 layer receives
+    """Read from the compiled 8 x H100 fwd+bwd: every kernel call of a bf16 layer receives
     16-bit float operands only. A float32 operand would make the kernel multiply in f32 FMA
     without the tensor cores (before the fix, 6 of the all-to-all backward's 9 kernels did).
+    The ring's layers (not the partial-manual one) take gmm_impl="auto", our Mosaic GPU kernel on
+    H100s; the others the Triton kernel ("pallas"): both backends are read.
 
     [partial-manual-*]: moe_ffn_local in MaxText's partial-manual shard_map (CPU tests check
     its values with the other implementations and the interpreter)."""
-    calls = triton_calls.triton_calls(BF16_LAYERS[name]().as_text())
+    calls = triton_calls.triton_calls(BF16_LAYERS[name]().as_text(), triton_calls.KERNEL_TARGETS)
+    mosaic = name.startswith("ring")
+    want = triton_calls.MOSAIC_TARGET if mosaic else triton_calls.TRITON_TARGET
+    assert {c.target for c in calls} == {want}, _kernel_report(calls)
     kinds = {c.kernel for c in calls}
     assert kinds == {"relaymoe_gmm", "relaymoe_tgmm"}, kinds
     assert len(calls) >= 9, _kernel_report(calls)  # 3 forward, 6 backward at least
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
-    if "ring" in name:  # the hop's dW sums in place into its f32 accumulator
+    if "ring" in name:  # the hop's dW sums into its f32 accumulator (Triton: in place)
         tgmms = [c for c in calls if c.kernel == "relaymoe_tgmm"]
-        assert tgmms and all(c.aliased and c.operands[c.aliased[0]][0] == "f32" for c in tgmms), (
-            _kernel_report(tgmms)
-        )
+        acc = [c.operands[c.aliased[0] if c.aliased else -1] for c in tgmms]
+        assert tgmms and all(a[0] == "f32" and len(a[1]) == 3 for a in acc), _kernel_report(tgmms)
+        assert all(bool(c.aliased) == (not mosaic) for c in tgmms), _kernel_report(tgmms)
 
 
 @needs_plugin
@@ -490,14 +496,14 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
 def test_train_step_kernels_take_16_bit_operands(dispatcher, packed):
     """The tiny model's whole train step (router, attention, experts, chunked LM loss, AdamW),
     compute_dtype=bfloat16, one layer (the layers are alike), compiled by XLA:GPU for 8 H100s
-    with the trainer's options: every Triton call takes 16-bit float operands. The ring's step
-    on packed documents (`packed`: segment ids and positions, the chunked attention masked
-    block by block, the loss mask), as `--data DIR` runs it; the all-to-all's on plain rows
-    (the XLA attention), as `--synthetic` runs it. The Triton calls are the experts' grouped
-    matmuls either way. The ring's step with the layer scan and `moe_remat` (each layer's
-    weights cast to bf16 inside the MoE block's checkpoint, its gradient leaving it in float32;
-    [ring-False-True] of this test) is test_attention_gpu_compile.py's
-    test_train_step_calls_the_kernel_in_every_layer[tiny-expert8-auto], which checks its Triton
+    with the trainer's options: every kernel call takes 16-bit float operands (the experts'
+    grouped matmuls, gmm_impl="auto": our Mosaic GPU kernel on H100s). The ring's step on
+    packed documents (`packed`: segment ids and positions, the chunked attention masked block
+    by block, the loss mask), as `--data DIR` runs it; the all-to-all's on plain rows (the XLA
+    attention), as `--synthetic` runs it. The ring's step with the layer scan and `moe_remat`
+    (each layer's weights cast to bf16 inside the MoE block's checkpoint, its gradient leaving
+    it in float32; [ring-False-True] of this test) is test_attention_gpu_compile.py's
+    test_train_step_calls_the_kernel_in_every_layer[tiny-expert8-auto], which checks its kernel
     calls the same way."""
     from relaymoe_jax.models.config_files import load_config
     from train.settings import TrainConfig
@@ -521,7 +527,8 @@ def test_train_step_kernels_take_16_bit_operands(dispatcher, packed):
         text = compiled.as_text()
     batch_arrays = jax.tree.leaves(compiled.input_shardings[0][1])  # None fields are no arrays
     assert len(batch_arrays) == (3 if packed else 1)
-    calls = triton_calls.triton_calls(text)
+    calls = triton_calls.triton_calls(text, triton_calls.KERNEL_TARGETS)
+    assert {c.target for c in calls} == {triton_calls.MOSAIC_TARGET}, _kernel_report(calls)
     assert len(calls) >= 9 * cfg.num_hidden_layers, _kernel_report(calls)
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
@@ -677,3 +684,40 @@ def test_mosaic_call_parser_reads_operands_and_leaves_out_row_statistics():
     assert calls[0].wide_floats == ()
     assert calls[1].wide_floats == (("f32", (1, 256, 4, 64)),)
     assert triton_calls.wide_float_calls(text) == calls[1:]
+
+
+def test_mosaic_grouped_matmul_calls_flag_every_multiplied_float32_operand():
+    """Our Mosaic GPU grouped matmul as XLA:GPU prints it (abridged from the compiled ring): tgmm's
+    last operand, its float32 [G, K, N] accumulator, is added in the epilogue (not flagged, though
+    nothing is aliased); any other float32 operand of tgmm or gmm, of any rank, is multiplied
+    (flagged), unlike the attention's rank-3 statistics above."""
+    call = (
+        '%mosaic.{i} = {out} custom-call({args}), custom_call_target="mosaic_gpu_v2", '
+        "operand_layout_constraints={{{ops}}}, api_version=API_VERSION_TYPED_FFI, "
+        'metadata={{op_name="jit(f)/transpose(jvp(relaymoe_{k}))/mpmd_map"}}'
+    )
+    tgmm = "s32[2]{{0}}, s32[2]{{0}}, {x}[512,256]{{1,0}}, bf16[512,128]{{1,0}}, "
+    tgmm += "f32[2,256,128]{{2,1,0}}"
+    gmm = "s32[10]{{0}}, s32[1]{{0}}, {x}[512,128]{{1,0}}, {w}[2,256,128]{{2,1,0}}"
+    text = "\n".join(
+        call.format(i=i, out="f32[2,256,128]", args="%a", k=k, ops=ops)
+        for i, (k, ops) in enumerate(
+            [
+                ("tgmm", tgmm.format(x="bf16")),
+                ("tgmm", tgmm.format(x="f32")),
+                ("gmm", gmm.format(x="bf16", w="bf16")),
+                ("gmm", gmm.format(x="f32", w="bf16")),
+                ("gmm", gmm.format(x="bf16", w="f32")),
+            ]
+        )
+    )
+    calls = triton_calls.mosaic_calls(text)
+    kinds = ["tgmm"] * 2 + ["gmm"] * 3
+    assert [c.kernel for c in calls] == [f"transpose(jvp(relaymoe_{k}))" for k in kinds]
+    assert [c.wide_floats for c in calls] == [
+        (),
+        (("f32", (512, 256)),),
+        (),
+        (("f32", (512, 128)),),
+        (("f32", (2, 256, 128)),),
+    ]

@@ -1,7 +1,8 @@
 """benchmarks/gpu.py runs end to end on CPU (--tiny --interpret), so the GPU script does not rot.
 
 The kernels run in their interpreters (Pallas interpret=True, Mosaic GPU under
-force_gpu_interpret_mode) and the layer and the hop with gmm_impl="pallas-interpret", on a
+force_gpu_interpret_mode) in the kernel section, and the hop with "pallas-interpret" (the Mosaic GPU
+kernel's ring hops: tests/test_dispatch_mosaic.py); the layer runs with gmm_impl="xla". On a
 1-device mesh. One run (module fixture) feeds every check, its `--json` file included, which the
 cost model's loader must read back.
 
@@ -22,7 +23,6 @@ import sys
 import pytest
 
 from relaymoe_jax.analysis import costmodel as cm
-from relaymoe_jax.kernels.gmm import MOE_IMPLS
 from scripts import load_script
 
 
@@ -105,9 +105,10 @@ def test_hop_table(gpu, run):
     assert f"{pairs:,} pairs" in head and f"E_l={shp['experts']}" in head
     rows = _table(out, "chunk (pairs)")
     share = pairs  # the balanced share of the paper-like ring: T*k / EP = tokens*k here
-    assert [r["chunk (pairs)"] for r in rows] == [
-        f"{shp['chunk']} (default)",
-        f"{share} (balanced share)",
+    assert head.endswith("(gmm_impl='auto' here: 'pallas-interpret')")
+    assert [(r["chunk (pairs)"], r["gmm_impl"]) for r in rows] == [
+        (f"{shp['chunk']} (default)", "pallas-interpret"),
+        (f"{share} (balanced share)", "pallas-interpret"),
     ]
     assert [int(r["chunks per hop"]) for r in rows] == [pairs // shp["chunk"], 1]
     hf = shp["hidden"] * shp["ffn"]
@@ -124,8 +125,7 @@ def test_hop_table(gpu, run):
 def test_layer_table(gpu, run):
     out = run[0]
     head = next(ln for ln in out if ln.startswith("## MoE layer"))
-    impl = "pallas-interpret" if "pallas-interpret" in MOE_IMPLS else "xla"
-    assert f"gmm_impl={impl!r}" in head
+    assert "gmm_impl='xla'" in head  # the kernels' interpreters: the hop and kernel sections
     layer = {r["variant"]: r for r in _table(out, "variant")}
     assert set(layer) == {"ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0"}
     for r in layer.values():
@@ -193,8 +193,12 @@ def test_json_has_the_printed_figures(gpu, run):
         assert f"{rec['ms']:.4g}" == first[f"{p} ms"]
         assert f"{rec['tflops']:.4g}" == first[f"{p} TFLOP/s"]
     hops = _table(out, "chunk (pairs)")
-    assert [(h["chunk"], h["default_chunk"]) for h in doc["hop"]] == [
-        (int(r["chunk (pairs)"].split()[0].replace(",", "")), i == 0) for i, r in enumerate(hops)
+    assert [(h["chunk"], h["default_chunk"], h["impl"]) for h in doc["hop"]] == [
+        (int(r["chunk (pairs)"].split()[0].replace(",", "")), "default" in r["chunk (pairs)"], i)
+        for r, i in ((r, r["gmm_impl"]) for r in hops)
+    ]
+    assert [h["default_impl"] for h in doc["hop"]] == [
+        h["impl"] == "pallas-interpret" for h in doc["hop"]
     ]
     for rec, r in zip(doc["hop"], hops):
         assert f"{rec['fwd_ms']:.4g}" == r["fwd ms"] and f"{rec['bwd_ms']:.4g}" == r["bwd ms"]
@@ -206,7 +210,8 @@ def test_cost_model_reads_the_json_back(gpu, run):
     out, path = run
     shp = gpu.TINY_HOP
     rates = cm.load_rates(path, hidden=shp["hidden"], ffn=shp["ffn"])
-    default = _table(out, "chunk (pairs)")[0]
+    default = _table(out, "chunk (pairs)")[0]  # the default chunk with auto's gmm_impl
+    assert default["gmm_impl"] == "pallas-interpret" and "(default)" in default["chunk (pairs)"]
     assert rates.fwd.origin == "hop" and f"{rates.fwd.tflops:.4g}" == default["fwd TFLOP/s"]
     measured = [rates.fwd]
     if default["bwd TFLOP/s"].startswith("n/a"):  # no tiny kernel shape is H x F: assumed

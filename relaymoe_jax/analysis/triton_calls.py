@@ -61,15 +61,28 @@ class TritonCall:
 
     @property
     def wide_floats(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The operands of a float type wider than 16 bits (f32, f64) that the kernel multiplies:
-        an operand aliased to the output (an in-place accumulator, `tgmm(acc=)`) is not one, nor
-        a Mosaic GPU call's operand of rank below 4 (row statistics: the module doc)."""
-        stats = lambda o: self.target == MOSAIC_TARGET and len(o[1]) < 4
+        """The operands of a float type wider than 16 bits (f32, f64) that the kernel multiplies
+        (the others: `_added`)."""
         return tuple(
             o
             for i, o in enumerate(self.operands)
-            if _FLOAT_BITS.get(o[0], 0) > 16 and i not in self.aliased and not stats(o)
+            if _FLOAT_BITS.get(o[0], 0) > 16 and not self._added(i)
         )
+
+    def _added(self, i: int) -> bool:
+        """Operand `i` is summed or kept, not multiplied: one aliased to the output (the Triton
+        tgmm's in-place accumulator, `tgmm(acc=)`); the Mosaic GPU tgmm's accumulator (its last
+        operand, [G, K, N], added in the epilogue: those kernels alias nothing); another Mosaic
+        GPU kernel's operand of rank below 4 (the attention's row statistics: the module doc).
+        The Mosaic GPU gmm multiplies every float operand it takes."""
+        if i in self.aliased:
+            return True
+        if self.target != MOSAIC_TARGET or "relaymoe_gmm" in self.kernel:
+            return False
+        rank = len(self.operands[i][1])
+        if "relaymoe_tgmm" in self.kernel:
+            return i == len(self.operands) - 1 and rank == 3
+        return rank < 4
 
 
 def triton_calls(hlo_text: str, targets: tuple[str, ...] = (TRITON_TARGET,)) -> list[TritonCall]:

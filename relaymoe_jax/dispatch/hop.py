@@ -10,9 +10,10 @@ are one contiguous segment of that order. A hop walks it in chunks of C pairs wi
 Rows of the last chunk past the segment are don't-care (zero router weight; the grouped matmuls
 return exact zeros for them and never read them as group members).
 
-With the Pallas kernel the chunk's token rows (x forward; x and dy backward) are never gathered
-into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a fused row gather).
-Other implementations gather the rows first (NaN-filled past the segment when poisoned).
+With the Triton kernel (gmm_impl "pallas") the chunk's token rows (x forward; x and dy backward)
+are never gathered into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a
+fused row gather). The other implementations gather the chunk's rows first (NaN-filled past the
+segment when poisoned), our Mosaic GPU kernel included (Hopper's TMA cannot gather rows).
 
 The expert side is an `Experts` record (`dispatch.experts`): the forward is `expert_mlp` with the
 chunk's grouped matmuls; the backward recomputes `gate_up` and writes out the rest of the chain

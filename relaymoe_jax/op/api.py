@@ -123,9 +123,11 @@ def moe_ffn(
         order. Default: x's own sharding when it is known (an Explicit mesh, or an array placed
         on the mesh), else every axis of the mesh.
       gmm_impl: ring and alltoall only: the grouped matmul, see `relaymoe_jax.kernels.gmm`:
-        "auto" (default: the Pallas kernel when `mesh`'s devices are GPUs, abstract ones
-        included; the blocked XLA one elsewhere), "xla", "ragged_dot", "pallas", or
-        "pallas-interpret" (the Pallas kernel in its CPU interpreter: slow, for tests).
+        "auto" (default: on GPUs, abstract ones included, our Mosaic GPU kernel on Hopper with
+        16-bit operands and the Pallas Triton kernel otherwise; the blocked XLA one elsewhere),
+        "xla", "ragged_dot", "mosaic", "pallas" (deprecated with jax's Triton backend), or
+        "mosaic-interpret" / "pallas-interpret" (a kernel in its CPU interpreter: slow, for
+        tests).
       out_sharding: where to put y (a NamedSharding, or a PartitionSpec on `mesh`). Default: x's
         own sharding when known, else the layout the op computed in.
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).

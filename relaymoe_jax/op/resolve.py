@@ -122,7 +122,11 @@ def resolve(
         chunk=choice.chunk,
         routing=choice.routing,
         capacity_factor=options.capacity_factor,
-        gmm_impl=resolve_impl("auto", mesh=mesh) if impl == "auto" else impl,
+        gmm_impl=(
+            resolve_impl("auto", mesh=mesh, dtypes=(dtypes.x, dtypes.weights))
+            if impl == "auto"
+            else impl
+        ),
         poison=poison,
         return_stats=return_stats,
         check_vma=check_vma,

@@ -52,7 +52,8 @@ With `--target h100|h200` every step is compiled by the XLA:GPU compiler for abs
 (`relaymoe_jax.gpu_mesh`, the `gpu-compile` extra; no GPU needed): `--hosts` hosts of 8 GPUs,
 `mesh=` over all of them, laid out host-major (`--hosts 2 mesh=node=2,expert=8`: experts over
 both hosts, `node` across them and `expert` within each), `--memory` defaulting to the target's,
-and the grouped matmul the Pallas kernel. That is the GPU compiler's own buffer assignment;
+and the grouped matmul `gmm_impl="auto"`'s (our Mosaic GPU kernel at bf16, the Triton one at
+float32; a `gmm_impl=` setting names another). That is the GPU compiler's own buffer assignment;
 still no timing, and the GPU compiler gives no `cost_analysis()`, so the FLOPs saved come from
 the solver's formula only.
 """
@@ -110,7 +111,7 @@ class StepCost:
 def step_cost(cfg, tc: TrainConfig, mesh, memo: bool = True) -> StepCost:
     """Compile (not run) the train step of `cfg` and `tc` on `mesh`
     (`train_step.compile_abstract`), under `mesh` as the context mesh (an abstract GPU mesh needs
-    it for the Pallas kernel)."""
+    it for the GPU kernels)."""
     with jax.set_mesh(mesh):
         return StepCost.of(train_step.compile_abstract(cfg, tc, mesh, memo))
 

@@ -98,11 +98,12 @@ def assumed_rate(tflops: float = DEFAULT_TFLOPS) -> Rate:
 def load_rates(
     path=None, *, assumed_tflops: float = DEFAULT_TFLOPS, hidden: int = 2048, ffn: int = 768
 ) -> ComputeRates:
-    """The compute rates from a `benchmarks/gpu.py --json` file: each of forward and backward
-    from its hop section (the default-chunk row), else from its kernel section (the default
-    Pallas config on balanced groups at K, N = hidden, ffn or ffn, hidden: total FLOPs / total
-    time; backward: dx and dW), else `assumed_tflops`. `path` None: MEASUREMENTS if it exists
-    (all assumed if not); a given path must exist. Raises MeasurementError for a malformed file."""
+    """The compute rates from a `benchmarks/gpu.py --json` file: each of forward and backward from
+    its hop section (the row of the default chunk and grouped matmul), else from its kernel section
+    (the default Pallas config on balanced groups at K, N = hidden, ffn or ffn, hidden: total FLOPs
+    / total time; backward: dx and dW), else `assumed_tflops`. `path` None: MEASUREMENTS if it
+    exists (all assumed if not); a given path must exist. Raises MeasurementError for a malformed
+    file."""
     if path is None and not MEASUREMENTS.is_file():
         return ComputeRates(assumed_rate(assumed_tflops), assumed_rate(assumed_tflops))
     path = Path(MEASUREMENTS if path is None else path)
@@ -190,16 +191,20 @@ def _row(rows: list, i: int, path, section: str) -> tuple[dict, str]:
 
 
 def _hop_rates(rows: list, path) -> list:
-    """[(fwd TFLOP/s, note) or None, (bwd ..., note) or None] from the default-chunk hop row."""
+    """[(fwd TFLOP/s, note) or None, (bwd ..., note) or None] from the hop row of the default
+    chunk and the default grouped matmul (`default_impl`; a file without it has one impl)."""
     out = [None, None]
     for i in range(len(rows)):
         r, w = _row(rows, i, path, "hop")
         if not _field(r, "default_chunk", bool, path, w):
             continue
+        if _field(r, "default_impl", bool, path, w, optional=True) is False:
+            continue
+        impl = _field(r, "impl", str, path, w, optional=True)
         note = (
             f"hop section: {_field(r, 'pairs', int, path, w):,} pairs, "
             f"H={_field(r, 'hidden', int, path, w)}, F={_field(r, 'ffn', int, path, w)}, "
-            f"chunk {_field(r, 'chunk', int, path, w):,}"
+            f"chunk {_field(r, 'chunk', int, path, w):,}" + (f", gmm_impl {impl}" if impl else "")
         )
         for j, key in enumerate(("fwd_tflops", "bwd_tflops")):
             value = _field(r, key, float, path, w, optional=True)

@@ -20,11 +20,11 @@ precision (`Precision.HIGHEST`, no TF32).
 impl="mosaic" is our Pallas Mosaic GPU kernel (`mosaic.py`; Hopper: TMA, wgmma, warp
 specialisation; 16-bit operands), impl="pallas" the Pallas Triton kernel (`pallas.py`; deprecated
 with jax's Triton backend), both with the custom VJPs of `vjp.py`; `interpret=True` runs either
-on CPU in its interpreter (tests). "auto" picks "pallas" when the code compiles for a GPU (the
-Mosaic GPU kernel is opt-in until the deviceless compiles and the tables are moved to it) and
-the blocked "xla" version elsewhere; the platform is that of the mesh in context
-(`jax.set_mesh`, a shard_map's mesh), so a deviceless compile for an abstract GPU mesh
-(`relaymoe_jax.gpu_mesh`) gets the kernel although its process runs on a CPU backend.
+on CPU in its interpreter (tests). "auto" picks "mosaic" when the code compiles for a Hopper GPU
+and an operand is 16-bit, "pallas" on other GPUs (Ampere) and for float32 x float32 (which the
+Mosaic GPU kernel refuses), and the blocked "xla" version elsewhere; the platform is that of the
+mesh in context (`jax.set_mesh`, a shard_map's mesh), so a deviceless compile for an abstract
+GPU mesh (`relaymoe_jax.gpu_mesh`) gets the kernel although its process runs on a CPU backend.
 """
 
 from __future__ import annotations
@@ -37,29 +37,47 @@ from relaymoe_jax.kernels.gmm import mosaic, pallas
 from relaymoe_jax.kernels.gmm.common import check_acc
 from relaymoe_jax.kernels.gmm.ragged import gmm_ragged, tgmm_ragged
 from relaymoe_jax.kernels.gmm.xla import DEFAULT_TILE_M, gmm_xla, tgmm_xla
-from relaymoe_jax.util.platform import platform
+from relaymoe_jax.util.platform import hopper, platform
 
 IMPLS = ("auto", "xla", "ragged_dot", "mosaic", "pallas")
 KERNELS = ("mosaic", "pallas")  # the Pallas kernels: interpretable, fused or in-op row gathers
 
 
-def resolve_impl(impl: str, interpret: bool = False, mesh=None) -> str:
+def resolve_impl(impl: str, interpret: bool = False, mesh=None, dtypes=()) -> str:
     """Holds the concrete implementation name for `impl`.
 
-    "auto" is "pallas" when the code compiles for a GPU (or when `interpret` asks for an
-    interpreter), else "xla". The platform is `mesh`'s when given, else the context mesh's, else
-    JAX's default backend (`relaymoe_jax.util.platform.platform`). `interpret` applies to the
+    "auto": with `interpret`, "pallas" (its interpreter); where the code compiles for a GPU,
+    "mosaic" on Hopper when one of the operand `dtypes` is 16-bit (the product runs in it:
+    `common.operand_dtype`), else "pallas" (Ampere, or float32 x float32); elsewhere "xla". The
+    platform is `mesh`'s when given, else the context mesh's, else JAX's default backend
+    (`relaymoe_jax.util.platform`); no `dtypes` counts as 16-bit. `interpret` applies to the
     kernels ("mosaic", "pallas").
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if interpret or platform(mesh) == "gpu" else "xla"
+        if interpret:
+            return "pallas"
+        if platform(mesh) != "gpu":
+            return "xla"
+        narrow = not dtypes or any(np.dtype(d).itemsize == 2 for d in dtypes)
+        return "mosaic" if narrow and hopper(mesh) else "pallas"
     if interpret and impl not in KERNELS:
         raise ValueError(
             f"interpret=True runs a Pallas kernel ({KERNELS}); it does not apply to impl={impl!r}"
         )
     return impl
+
+
+KERNEL_NAMES = {"mosaic": "our Mosaic GPU kernel", "pallas": "the Pallas Triton kernel"}
+
+
+def describe_impl(impl: str, mesh=None, dtype=jnp.bfloat16) -> str:
+    """`impl` as a benchmark's header names it, resolved for `mesh` and `dtype` operands:
+    "'auto' = 'mosaic' (our Mosaic GPU kernel)" on H100s, "'pallas' (the Pallas Triton kernel)"."""
+    concrete = resolve_impl(impl, mesh=mesh, dtypes=(dtype,))
+    name = repr(concrete) + (f" ({KERNEL_NAMES[concrete]})" if concrete in KERNEL_NAMES else "")
+    return name if impl == concrete else f"{impl!r} = {name}"
 
 
 # moe_ffn's `gmm_impl`: an `impl`, or a kernel in its interpreter on CPU.
@@ -169,7 +187,7 @@ def gmm(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != 2:
         raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
-    impl = resolve_impl(impl, interpret)
+    impl = resolve_impl(impl, interpret, dtypes=(lhs.dtype, rhs.dtype))
     if impl not in KERNELS:
         lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
     if rhs.ndim != 3:
@@ -234,7 +252,7 @@ def tgmm(
     rows like gmm's `lhs_rows` (fused into the kernel by "pallas").
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    impl = resolve_impl(impl, interpret)
+    impl = resolve_impl(impl, interpret, dtypes=(lhs.dtype, rhs.dtype))
     if impl not in KERNELS or lhs.ndim != 2 or rhs.ndim != 2:
         lhs, lhs_rows = _gather(lhs, lhs_rows, "lhs_rows"), None
         rhs, rhs_rows = _gather(rhs, rhs_rows, "rhs_rows"), None
