@@ -25,7 +25,7 @@ TINY_HOP = dict(experts=4, top_k=2, hidden=32, ffn=32, tokens=64, ep=8, chunk=32
 # Mosaic GPU interpreter runs every SM's program in turn, many times slower, and its ring hops
 # are tested in tests/test_dispatch_mosaic.py.
 HOP_IMPLS = {True: ("mosaic", "pallas", "ragged_dot"), False: ("mosaic", "pallas")}
-HOP_INTERPRET_IMPLS = {True: ("pallas-interpret",), False: ("pallas-interpret",)}
+HOP_INTERPRET_IMPL = "pallas-interpret"
 
 
 def _moe_impl(opts):
@@ -284,11 +284,10 @@ HOP_COLS = (
 def hop_cases(shp, opts):
     """Holds [(chunk, is the default chunk, gmm_impl)] in the order timed: the default chunk's
     impls, then the balanced share's (`HOP_IMPLS`)."""
-    impls = HOP_INTERPRET_IMPLS if opts.interpret else HOP_IMPLS
     return [
         (chunk, is_default, impl)
         for chunk, is_default in hop_chunks(shp)
-        for impl in impls[is_default]
+        for impl in ((HOP_INTERPRET_IMPL,) if opts.interpret else HOP_IMPLS[is_default])
     ]
 
 

@@ -145,6 +145,16 @@ def parse_args(argv=None):
         a.tokens_per_device, a.dtype, a.compile_only = [61440], ["float32", "bfloat16"], True
     if a.time and a.compile_only:
         p.error("--time needs real arrays; drop --compile-only/--paper")
+    if a.gmm_impl in ("mosaic", "pallas") and not a.target:
+        p.error(
+            f"--gmm-impl {a.gmm_impl} is a GPU kernel; without --target the layer compiles for "
+            "the emulated CPU devices: add --target h100|h200, or use auto/xla/ragged_dot"
+        )
+    if a.gmm_impl == "ragged_dot" and a.time:
+        p.error(
+            "--gmm-impl ragged_dot with --time: lax.ragged_dot on CPU is a dense G-times "
+            "emulation, not a grouped matmul worth timing; use auto or xla"
+        )
     for s in shapes(a):
         if s.top_k > s.experts:
             p.error(f"--top-k {s.top_k} is more than --experts {s.experts}")

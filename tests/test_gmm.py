@@ -10,8 +10,8 @@ import pytest
 
 from gmm_cases import BF16_RTOL, F32_RTOL, assert_close, rand
 from relaymoe_jax.kernels import gmm, tgmm
+from relaymoe_jax.kernels.gmm import describe_impl, resolve_impl
 from relaymoe_jax.kernels.gmm import reference as ref
-from relaymoe_jax.kernels.gmm import resolve_impl
 from relaymoe_jax.kernels.gmm.common import work_items
 
 # (M, group_sizes, tile_m): tile_m 8 makes many tiles and tiles that span groups.
@@ -446,6 +446,21 @@ def test_auto_is_mosaic_on_hopper_for_16_bit_operands_else_pallas_on_gpus(mesh, 
     assert resolve_impl("auto", mesh=mesh, dtypes=(f32, f32)) == "pallas"
     assert resolve_impl("auto", mesh=mesh, interpret=True, dtypes=(bf, bf)) == "pallas"
     assert resolve_impl("mosaic", mesh=mesh, dtypes=(f32, f32)) == "mosaic"  # asked: as asked
+
+
+def test_describe_impl_names_what_auto_resolves_to():
+    """The benchmark headers' names: "auto" with what it resolves to, a kernel with its backend."""
+    h100 = _gpu("NVIDIA H100 80GB HBM3")
+    assert describe_impl("auto", mesh=h100) == "'auto' = 'mosaic' (our Mosaic GPU kernel)"
+    assert describe_impl("pallas", mesh=h100) == "'pallas' (the Pallas Triton kernel)"
+    assert describe_impl("auto", mesh=_gpu("NVIDIA A100-SXM4-80GB")) == (
+        "'auto' = 'pallas' (the Pallas Triton kernel)"
+    )
+    assert describe_impl("auto", mesh=h100, dtype=jnp.float32) == (
+        "'auto' = 'pallas' (the Pallas Triton kernel)"
+    )
+    assert describe_impl("auto") == "'auto' = 'xla'"  # the CPU
+    assert describe_impl("xla", mesh=h100) == "'xla'"
 
 
 def test_auto_is_xla_on_cpu_and_pallas_when_interpreting():

@@ -590,6 +590,10 @@ def moe_layer():
         (["--runs", "0"], "argument --runs"),
         (["--chunk", "-1"], "argument --chunk"),
         (["-T", "many"], "expected a positive integer, got 'many'"),
+        (["--gmm-impl", "pallas"], "--gmm-impl pallas is a GPU kernel; without --target"),
+        (["--gmm-impl", "mosaic", "--paper"], "--gmm-impl mosaic is a GPU kernel"),
+        (["--gmm-impl", "ragged_dot", "--time"], "lax.ragged_dot on CPU is a dense G-times"),
+        (["--gmm-impl", "triton"], "argument --gmm-impl: invalid choice: 'triton'"),
     ],
 )
 def test_moe_layer_bad_arguments(moe_layer, capsys, argv, said):
