@@ -52,6 +52,11 @@ interpreter needs (NPROC, `interpret.reserve_threads`).
 the seconds jax spent tracing, lowering and compiling in that process (jax.monitoring's events)
 and how many programs it compiled (docs/development.md shows how to read them).
 
+Python writes the checkout's bytecode (`__pycache__/`, git-ignored) even where the environment
+says not to (PYTHONDONTWRITEBYTECODE, set on these machines): every trainer and script subprocess
+the tests start imports the library and the trainer, and compiled them from source each time
+(0.27 s a process for relaymoe_jax and train; pip already compiled the installed packages).
+
 The trainer's cache of prepared text (`train.data.prepared.cache_dir`) is a directory of the run's
 cache, not the user's ~/.cache.
 """
@@ -62,6 +67,8 @@ import shutil
 import sys
 import tempfile
 
+sys.dont_write_bytecode = False  # module doc; before the imports below, for them too
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _CACHE_ENV = "RELAYMOE_TEST_JAX_CACHE"

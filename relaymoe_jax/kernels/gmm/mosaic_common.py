@@ -14,6 +14,7 @@ next tile while the consumers finish this one and store it (the epilogue).
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -252,12 +253,21 @@ def persistent(total, sms: int, tile_body) -> None:
     lax.fori_loop(0, my_tiles(total, sms), body, jnp.int32(0))
 
 
-def launch(name: str, body, sp, scratch: dict, shape, dtype, interpret, *args):
-    """`body(sp, *refs, **scratch)` as a persistent warp-specialised Mosaic GPU kernel named `name`
-    (its name in the HLO's op_name and the dumps): sp.sms programs of WARPGROUPS warpgroups, one
-    output of `shape` and `dtype`. The output varies over the shard_map axes its operands vary
-    over (a Mosaic GPU kernel's output comes back varying over none)."""
+def launch(name: str, body, sp, scratch, shape, dtype, interpret, *args):
+    """`body(sp, *refs, **scratch(sp))` as a persistent warp-specialised Mosaic GPU kernel named
+    `name` (its name in the HLO's op_name and the dumps): sp.sms programs of WARPGROUPS
+    warpgroups, one output of `shape` and `dtype`. The output varies over the shard_map axes its
+    operands vary over (a Mosaic GPU kernel's output comes back varying over none).
 
+    The call is a jitted function of its static description (`_launch`): a program whose calls
+    share a kernel (the ring's gate and up projections, a hop's forward and its recomputation in
+    the backward) lowers it once, not once per call: Mosaic GPU's lowering of each kernel costs
+    about a quarter of a second of Python."""
+    return _launch(name, body, sp, scratch, shape, np.dtype(dtype), interpret, *args)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(7)))
+def _launch(name, body, sp, scratch, shape, dtype, interpret, *args):
     def kernel(*refs, **scratch_refs):
         body(sp, *refs, **scratch_refs)
 
@@ -269,7 +279,7 @@ def launch(name: str, body, sp, scratch: dict, shape, dtype, interpret, *args):
         grid_names=("sm",),
         num_threads=WARPGROUPS,
         thread_name="wg",
-        scratch_types=scratch,
+        scratch_types=scratch(sp),
         interpret=interpret_params(interpret),
     )
     return varying_like(call(*args), *args)

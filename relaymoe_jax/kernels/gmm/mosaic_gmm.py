@@ -172,9 +172,8 @@ def _launch(items, x, w, transpose_rhs: bool, out_dtype, cfg: MosaicConfig, bn: 
     sp = _Spec(m, k, n, groups, cfg.block_m, bn, bk, transpose_rhs, x.dtype, out_dtype, 2, sms)
     sp = sp._replace(stages=stages(cfg, *_smem_bytes(sp)))
 
-    scratch = _scratch(sp)
     return launch(
-        "relaymoe_gmm", _kernel, sp, scratch, (m, n), out_dtype, cfg.interpret, *items, x, w
+        "relaymoe_gmm", _kernel, sp, _scratch, (m, n), out_dtype, cfg.interpret, *items, x, w
     )
 
 

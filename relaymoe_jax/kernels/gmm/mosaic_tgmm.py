@@ -219,8 +219,10 @@ def _launch(start_g, end_g, x, y, out_dtype, cfg: MosaicConfig, bn: int, acc):
     sp = sp._replace(stages=stages(cfg, *_smem_bytes(sp)))
 
     operands = (start_g, end_g, x, y, *(() if acc is None else (acc,)))
-    scratch, shape = _scratch(sp), (groups, k, n)
-    return launch("relaymoe_tgmm", _kernel, sp, scratch, shape, out_dtype, cfg.interpret, *operands)
+    shape = (groups, k, n)
+    return launch(
+        "relaymoe_tgmm", _kernel, sp, _scratch, shape, out_dtype, cfg.interpret, *operands
+    )
 
 
 def tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: MosaicConfig, acc=None):

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +161,38 @@ def _out_shape(shape, dtype, operand) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(operand).manual_axis_type)
 
 
+class _Call(NamedTuple):
+    """A kernel launch's static description (hashable): `pallas_call(partial(kernel, **params))`
+    with an output of `shape` and `dtype` varying like operand `like` (`_out_shape`)."""
+
+    kernel: object
+    params: tuple  # (name, value) pairs
+    shape: tuple
+    dtype: np.dtype
+    grid: tuple
+    compiler: plt.CompilerParams
+    interpret: bool
+    name: str
+    like: int  # the operand whose shard_map axes the output varies over
+    aliases: tuple = ()  # input_output_aliases as (operand, output) pairs
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _launch(call: _Call, *args):
+    """The kernel of `call` on `args`, as a jitted function of its static description: a program
+    whose calls share a kernel (the gate and up projections, a hop's forward and its recomputation
+    in the backward) lowers it once, not once per call."""
+    return pl.pallas_call(
+        functools.partial(call.kernel, **dict(call.params)),
+        out_shape=_out_shape(call.shape, call.dtype, args[call.like]),
+        grid=call.grid,
+        input_output_aliases=dict(call.aliases),
+        compiler_params=call.compiler,
+        interpret=call.interpret,
+        name=call.name,
+    )(*args)
+
+
 def _load(ref, mask):
     """Holds ref[...] with masked-off elements read as 0 (and never fetched)."""
     if mask is None:
@@ -264,24 +297,22 @@ def gmm_call(x, w_gkn, group_sizes_g, rows_m, transpose_rhs: bool, out_dtype, cf
     meta = row_items(group_sizes_g, m, bm, cfg.zero_padding)[:4]
     compute = operand_dtype(x.dtype, w_gkn.dtype)  # bf16 x f32 -> bf16 (tensor cores)
     x, w_gkn = x.astype(compute), w_gkn.astype(compute)
-    kernel = functools.partial(
-        _gmm_kernel,
-        bm=bm,
-        bn=bn,
-        bk=bk,
-        transpose_rhs=transpose_rhs,
-        gather=rows_m is not None,
-        compute=compute,
+    params = dict(
+        bm=bm, bn=bn, bk=bk, transpose_rhs=transpose_rhs, gather=rows_m is not None, compute=compute
     )
     rows = () if rows_m is None else (rows_m,)
-    return pl.pallas_call(
-        kernel,
-        out_shape=_out_shape((m, n), out_dtype, x),
-        grid=(meta[0].shape[0], pl.cdiv(n, bn)),
-        compiler_params=compiler_params(cfg, "gmm", ((bm, bk, x.dtype), (bk, bn, w_gkn.dtype))),
-        interpret=cfg.interpret,
-        name="relaymoe_gmm",
-    )(*meta, x, w_gkn, *rows)
+    call = _Call(
+        _gmm_kernel,
+        tuple(params.items()),
+        (m, n),
+        np.dtype(out_dtype),
+        (meta[0].shape[0], pl.cdiv(n, bn)),
+        compiler_params(cfg, "gmm", ((bm, bk, x.dtype), (bk, bn, w_gkn.dtype))),
+        cfg.interpret,
+        "relaymoe_gmm",
+        like=len(meta),
+    )
+    return _launch(call, *meta, x, w_gkn, *rows)
 
 
 # --------------------------------------------------------------- tgmm kernel
@@ -359,8 +390,7 @@ def tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config, a
     start_g, end_g = clamp_group_bounds(group_sizes_g, m)
     compute = operand_dtype(x.dtype, y.dtype)  # bf16 x f32 -> bf16 (tensor cores)
     x, y = x.astype(compute), y.astype(compute)
-    kernel = functools.partial(
-        _tgmm_kernel,
+    params = dict(
         bm=bm,
         bk=bk,
         bn=bn,
@@ -371,12 +401,16 @@ def tgmm_call(x, y, group_sizes_g, x_rows_m, y_rows_m, out_dtype, cfg: Config, a
     )
     rows = tuple(r for r in (x_rows_m, y_rows_m) if r is not None)
     tail = () if acc is None else (acc,)
-    return pl.pallas_call(
-        kernel,
-        out_shape=_out_shape((num_groups, k, n), out_dtype, x),
-        grid=(num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
-        input_output_aliases={} if acc is None else {4 + len(rows): 0},
-        compiler_params=compiler_params(cfg, "tgmm", ((bm, bk, x.dtype), (bm, bn, y.dtype))),
-        interpret=cfg.interpret,
-        name="relaymoe_tgmm",
-    )(start_g, end_g, x, y, *rows, *tail)
+    call = _Call(
+        _tgmm_kernel,
+        tuple(params.items()),
+        (num_groups, k, n),
+        np.dtype(out_dtype),
+        (num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+        compiler_params(cfg, "tgmm", ((bm, bk, x.dtype), (bm, bn, y.dtype))),
+        cfg.interpret,
+        "relaymoe_tgmm",
+        like=2,
+        aliases=() if acc is None else ((4 + len(rows), 0),),
+    )
+    return _launch(call, start_g, end_g, x, y, *rows, *tail)
