@@ -333,6 +333,22 @@ def test_large_hops_overlap_only_with_the_xla_options(routing):
 
 
 @needs_plugin
+def test_the_fp8_ring_sends_e4m3_weights():
+    """expert_fp8=True on 8 abstract H100s: a forward hop sends the partition's e4m3 values (one
+    byte each) and float32 block scales, half the bf16 relay's bytes plus the scales, and the
+    backward hop the same beside its float32 dW accumulator (tests/test_fp8_op.py checks the
+    numbers). The blocked XLA grouped matmul: what travels does not depend on the kernel."""
+    ring = {**RING_EXPERT, "gmm_impl": "xla"}
+    fwd16, bwd16 = sorted(hlo.loop_permute_bytes(_compiled_layer(**ring).as_text()))
+    fwd8, bwd8 = sorted(hlo.loop_permute_bytes(_compiled_layer(**ring, expert_fp8=True).as_text()))
+    e_l = E // EP
+    blocks = 3 * e_l * -(-H // 128) * -(-F // 128)  # gate, up [H, F] and down [F, H] alike
+    assert fwd16 == 2 * 3 * e_l * H * F
+    assert fwd8 == 3 * e_l * H * F + 4 * blocks <= 0.52 * fwd16
+    assert bwd16 - bwd8 == fwd16 - fwd8
+
+
+@needs_plugin
 def test_alltoall_compiles_and_ring_uses_less_memory():
     """Both all-to-alls compile with the kernel. XLA:GPU's buffer assignment, bf16: the ring's
     fwd+bwd temporaries are below the capacity-1.0 all-to-all's, and those below the dropless

@@ -18,7 +18,8 @@ from relaymoe_jax.op.options import USED_BY
 
 # which dispatcher uses which option, written from the dispatchers' code (op/global_call.py:
 # the reference branch returns before `resolve`, which alone reads routing, ring, chunk_size,
-# capacity_factor and gmm_impl; `dispatch/alltoall.py` reads no chunk)
+# capacity_factor and gmm_impl; `dispatch/alltoall.py` reads no chunk; expert_fp8 is read by the
+# reference branch and by `dispatch/local.py`, which every other dispatcher runs through)
 EXPECTED_USERS = {
     "dispatcher": {"ring", "alltoall", "reference"},
     "routing": {"ring"},
@@ -26,6 +27,7 @@ EXPECTED_USERS = {
     "capacity_factor": {"alltoall"},
     "chunk_size": {"ring"},
     "gmm_impl": {"ring", "alltoall"},
+    "expert_fp8": {"ring", "alltoall", "reference"},
 }
 SET = {  # a value away from each option's default
     "routing": "token",
@@ -33,6 +35,7 @@ SET = {  # a value away from each option's default
     "capacity_factor": 0.25,
     "chunk_size": 3,
     "gmm_impl": "xla",
+    "expert_fp8": True,
 }
 # (dispatcher, option) pairs the dispatcher ignores
 IGNORED = [

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.typed import varying_like
 
 
@@ -60,6 +61,27 @@ class Experts(NamedTuple):
             for w, b in zip(self.weights, self.biases)
         )
         return Experts(*self.weights, *filled)
+
+    def fake_quantized(self) -> "Experts":
+        """The three matrices as e4m3 with 128 x 128 block scales sees them (`quant.fp8`,
+        dequantised: exact in bf16), their gradient passed straight through to these weights;
+        biases as they are."""
+        return self._replace(**{n: fp8.fake_quantize_ste(w) for n, w in self._weight_items()})
+
+    def quantized(self) -> "Experts":
+        """The three matrices as `fp8.Fp8` records (e4m3 values and block scales: what the ring
+        relays, half the bytes of bf16); biases as they are."""
+        return self._replace(**{n: fp8.quantize(w) for n, w in self._weight_items()})
+
+    def dequantized(self) -> "Experts":
+        """`quantized()` undone (exact: the matrices the FP8 GEMMs multiply); a record of plain
+        arrays is returned as it is."""
+        return self._replace(
+            **{n: fp8.dequantize(w) for n, w in self._weight_items() if isinstance(w, fp8.Fp8)}
+        )
+
+    def _weight_items(self):
+        return zip(self._fields[:3], self.weights)
 
 
 BIAS_NAMES: tuple[str, ...] = Experts._fields[3:]

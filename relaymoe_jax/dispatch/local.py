@@ -40,6 +40,7 @@ class LocalSpec:
     check_vma: bool = True  # False: shard_map's transpose sums the weight gradients itself
     hierarchical: bool = False  # the ring: rounds of an inner ring over expert_axes[-1]
     activation: Activation = SWIGLU  # the experts' gated activation
+    expert_fp8: bool = False  # the expert matrices in e4m3 (`Experts.fake_quantized`)
 
     @property
     def stat_axes(self) -> tuple:
@@ -65,6 +66,8 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
     Returns (y [T, H], dropped pairs summed over the token axes).
     """
     etp, gather = spec.etp, spec.gather_etp
+    if spec.expert_fp8:  # this device's blocks: the global ones, as F / ETP is whole blocks
+        experts = experts.fake_quantized()
     if experts.has_biases and etp is not None:
         experts = experts._replace(b_down=jnp.where(lax.axis_index(etp) == 0, experts.b_down, 0))
     if etp is not None:
@@ -100,6 +103,7 @@ def _ring(spec: LocalSpec, *args):
         poison=spec.poison,
         hierarchical=spec.hierarchical,
         activation=spec.activation,
+        fp8_relay=spec.expert_fp8 and spec.routing == "expert",  # the weights travel
     )
     return ring_moe(cfg, *args)
 

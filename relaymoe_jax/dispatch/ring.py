@@ -92,6 +92,9 @@ class RingConfig:
     poison: bool = False  # fill padding rows with NaN (tests)
     hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
     activation: Activation = SWIGLU  # the experts' gated activation
+    # the weights, already e4m3's values (`Experts.fake_quantized`), travel as e4m3 and block
+    # scales (`Experts.quantized`): half the bytes, the same numbers (the rounding is idempotent)
+    fp8_relay: bool = False
 
 
 class RingLevel(NamedTuple):
@@ -180,7 +183,7 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
 
 def _expert_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
-    visit = lambda src, w, out_th: (None, hop.forward(tk, src, w, out_th))
+    visit = lambda src, w, out_th: (None, hop.forward(tk, src, w.dequantized(), out_th))
     return relay(_rings(cfg, hop), w, visit, zeros_f32(tk.x_th.shape, tk.x_th))[0]
 
 
@@ -188,10 +191,10 @@ def _expert_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     # zeros made once the weights they pair with exist (`late_zero`): anchored to the home
     # weights, the last hop's partial would be allocated before the loop and live through it
-    zeros = lambda w: jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)
+    zeros = lambda w: jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w.dequantized())
 
     def visit(src, w, state):  # partial dW of the visiting w
-        dw, dx_th, dwts_p = hop.backward(tk, src, w, dy_th, *state, zeros(w))
+        dw, dx_th, dwts_p = hop.backward(tk, src, w.dequantized(), dy_th, *state, zeros(w))
         return dw, (dx_th, dwts_p)
 
     state = (zeros_f32(tk.x_th.shape, tk.x_th), zeros_f32(tk.wts_p.shape, tk.wts_p))
@@ -231,6 +234,7 @@ def _ring_op(cfg: RingConfig):
 
     def fwd(x_th, ids_tk, wts_tk, w):
         tk = make_tokens(cfg, x_th, ids_tk, wts_tk)
+        w = w.quantized() if cfg.fp8_relay else w  # what travels, and the residual
         return forward(cfg, tk, w).astype(x_th.dtype), (tk, w)
 
     def bwd(res, dy_th):
@@ -238,7 +242,7 @@ def _ring_op(cfg: RingConfig):
         dw, dx_th, dwts_p = backward(cfg, tk, w, dy_th)
         if cfg.reduce_axes:
             dw = lax.psum(dw, cfg.reduce_axes)
-        dw = jax.tree.map(lambda d, a: d.astype(a.dtype), dw, w)
+        dw = jax.tree.map(lambda d, a: d.astype(a.dtype), dw, w.dequantized())
         return (
             dx_th.astype(tk.x_th.dtype),
             None,

@@ -9,8 +9,8 @@ model's (the hidden size, the initializer's std, the router losses' coefficients
 The flat form: in YAML, on the command line, in a checkpoint's run identity and wherever a config
 is written or compared, the records' fields are keys next to the others (`KEYS`, in field order:
 `moe` spelled out as `MoEConfig`'s fields, its `options` as `MoEOptions`' dispatcher, routing,
-ring, capacity_factor, chunk_size, gmm_impl). `ModelConfig.from_dict` is the strict loader of
-that form behind the YAML files in `configs/`, `as_dict` writes it, and
+ring, capacity_factor, chunk_size, gmm_impl, expert_fp8). `ModelConfig.from_dict` is the strict
+loader of that form behind the YAML files in `configs/`, `as_dict` writes it, and
 `cfg.replace(dispatcher="alltoall", num_experts=16)` changes fields by flat key. An unknown key,
 a wrong type or inconsistent sizes raise a ValueError that names the key and what it accepts
 (`key=value: expected ...`).

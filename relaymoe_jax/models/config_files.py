@@ -4,8 +4,8 @@
 `load_config("path/to/file.yaml")` gives a checked `ModelConfig`. The YAML keys are the flat
 form's (`config.KEYS`: the `ModelConfig` field names, with the MoE block's fields (`num_experts`,
 `router`, `activation`, ...) in place of `moe`, and its options `dispatcher`, `routing`, `ring`,
-`capacity_factor`, `chunk_size`, `gmm_impl` in place of `moe.options`); an omitted key takes the
-field's default. Every problem is a ValueError that names the file, the line
+`capacity_factor`, `chunk_size`, `gmm_impl`, `expert_fp8` in place of `moe.options`); an omitted
+key takes the field's default. Every problem is a ValueError that names the file, the line
 where it can, and the key: YAML syntax, an empty file (`{}` means all the defaults), a duplicate
 key, an unknown key (with the close matches), a wrong type, inconsistent sizes (`config.check`),
 and, when `expert_size` is given, experts that do not split over the expert axis

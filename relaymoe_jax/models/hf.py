@@ -205,9 +205,10 @@ def from_pretrained(
     """Load a local Hugging Face Qwen3-MoE / Qwen2-MoE checkpoint directory onto `mesh`.
 
     `overrides` (flat keys, `config.KEYS`) replace config.json's values: the op's options
-    (`dispatcher`, `routing`, `ring`, `capacity_factor`, `chunk_size`, `gmm_impl`) and the router
-    options (`router_z_loss_coef`, `expert_bias`, ...); what the Hugging Face architecture does not
-    have (another router or activation, biases: `hf_config.check_hf`) is refused. Parameters are
+    (`dispatcher`, `routing`, `ring`, `capacity_factor`, `chunk_size`, `gmm_impl`, `expert_fp8`) and
+    the router options (`router_z_loss_coef`, `expert_bias`, ...); what the Hugging Face
+    architecture does not have (another router or activation, biases: `hf_config.check_hf`) is
+    refused. Parameters are
     stored in `dtype`; `storage(abstract)`, if given, says where each is placed instead of its
     model sharding (`abstract`: a `jax.ShapeDtypeStruct` on that sharding; the trainer stores its
     state over `fsdp` and `context` too, `train.step.storage`).

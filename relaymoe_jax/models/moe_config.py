@@ -35,7 +35,7 @@ The shared expert:
                            (DeepSeek-V3's shared experts, one MLP of n_shared * F)
 How `moe_ffn` runs:
     options                one `MoEOptions` (flat keys dispatcher, routing, ring,
-                           capacity_factor, chunk_size, gmm_impl)
+                           capacity_factor, chunk_size, gmm_impl, expert_fp8)
 
 The hidden size and the initializer's std are the model's (`ModelConfig`), given to `MoELayer`
 as arguments. The router losses' coefficients are the model's too: they weigh the layers' losses

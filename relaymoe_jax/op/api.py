@@ -64,6 +64,7 @@ def moe_ffn(
     chunk_size=_UNSET,
     token_axes=None,
     gmm_impl=_UNSET,
+    expert_fp8=_UNSET,
     out_sharding=None,
     return_stats=False,
     options=None,
@@ -128,12 +129,17 @@ def moe_ffn(
         "xla", "ragged_dot", "mosaic", "pallas" (deprecated with jax's Triton backend), or
         "mosaic-interpret" / "pallas-interpret" (a kernel in its CPU interpreter: slow, for
         tests).
+      expert_fp8: True runs the expert matrices as e4m3 with one power-of-two scale per
+        128 x 128 block (`relaymoe_jax.quant.fp8`): the outputs and every gradient are those of
+        the rounded matrices (exact in bf16), their gradient passed straight through to w_gate,
+        w_up and w_down; the ring's expert routing relays them as e4m3 (half the bytes of bf16).
+        Activations stay 16-bit so far. Default False.
       out_sharding: where to put y (a NamedSharding, or a PartitionSpec on `mesh`). Default: x's
         own sharding when known, else the layout the op computed in.
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).
       options: a `relaymoe_jax.MoEOptions` record instead of the keywords dispatcher, routing,
-        ring, capacity_factor, chunk_size and gmm_impl (none of which may then be passed, even
-        at its default value).
+        ring, capacity_factor, chunk_size, gmm_impl and expert_fp8 (none of which may then be
+        passed, even at its default value).
       activation: the experts' gated activation act(g, u) (`relaymoe_jax.ACTIVATIONS`):
         "swiglu" silu(g) * u (default), "geglu" gelu(g) * u with GELU's tanh approximation,
         "geglu_exact" with the exact (erf) GELU, "gpt_oss" GPT-OSS's clamped SwiGLU
@@ -164,6 +170,7 @@ def moe_ffn(
         capacity_factor=capacity_factor,
         chunk_size=chunk_size,
         gmm_impl=gmm_impl,
+        expert_fp8=expert_fp8,
     )
     act = as_activation(activation)
     tokens = (x, expert_ids, expert_weights)
@@ -206,6 +213,7 @@ def moe_ffn_local(
     capacity_factor=_UNSET,
     chunk_size=_UNSET,
     gmm_impl=_UNSET,
+    expert_fp8=_UNSET,
     return_stats=False,
     options=None,
     debug_checks=False,
@@ -266,6 +274,7 @@ def moe_ffn_local(
         capacity_factor=capacity_factor,
         chunk_size=chunk_size,
         gmm_impl=gmm_impl,
+        expert_fp8=expert_fp8,
     )
     return local_call.run(
         (x, expert_ids, expert_weights),

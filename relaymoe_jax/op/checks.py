@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from relaymoe_jax.dispatch.experts import BIAS_NAMES, Experts, check_experts_divide
+from relaymoe_jax.quant import fp8
 
 
 class Sizes(NamedTuple):
@@ -213,4 +214,21 @@ def check_sizes(sizes: Sizes, *, ep, expert_axis, etp, etp_size, local=False) ->
         raise ValueError(
             f"w_gate: ffn size {sizes.ffn} is not divisible by the size {etp_size} of "
             f"expert_tensor_axis {etp!r}"
+        )
+
+
+def check_fp8_blocks(sizes: Sizes, *, expert_fp8: bool, etp, etp_size, local=False) -> None:
+    """With `expert_fp8` and an expert-tensor axis, each device's ffn slice must be whole
+    128-column blocks, so that the blocks it quantises are the whole matrix's (every dispatcher,
+    and the reference, then round the same values). `local`: `sizes.ffn` is the slice."""
+    if not expert_fp8 or etp_size == 1:
+        return
+    block = fp8.BLOCK
+    ffn_slice = sizes.ffn if local else sizes.ffn // etp_size
+    if ffn_slice % block:
+        raise ValueError(
+            f"expert_fp8=True with expert_tensor_axis {etp!r}: each device's ffn slice "
+            f"({ffn_slice} = ffn / {etp_size}) must be a multiple of the {block}-column "
+            f"quantisation block, so that its blocks are the whole matrix's; use an ffn size "
+            f"that divides so, or no expert_tensor_axis"
         )

@@ -70,6 +70,12 @@ def check(
         etp=etp,
         etp_size=mesh.shape[etp] if etp is not None else 1,
     )
+    checks.check_fp8_blocks(
+        sizes,
+        expert_fp8=options.expert_fp8,
+        etp=etp,
+        etp_size=mesh.shape[etp] if etp is not None else 1,
+    )
     topology.check_ring_axes(options.ring, ea)
     checks.check_biases(sizes, experts)
     return GlobalCall(mesh, ea, etp, token_axes, sizes)
@@ -153,6 +159,8 @@ def _moe_ffn(
     layout = lay.resolve(x, mesh, ea, etp, call.token_axes, known=known)
     tok = layout.spec(None)
     if options.dispatcher == "reference":  # every device computes everything, keeps its tokens
+        if options.expert_fp8:
+            experts = experts.fake_quantized()
         y = _reference(mesh, activation, x, ids, wts, experts)
         return place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 

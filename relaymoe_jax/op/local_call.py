@@ -117,6 +117,9 @@ def run(
     checks.check_sizes(
         local, ep=ep, expert_axis=expert_axis, etp=etp, etp_size=etp_size, local=True
     )
+    checks.check_fp8_blocks(
+        local, expert_fp8=options.expert_fp8, etp=etp, etp_size=etp_size, local=True
+    )
     axes = local_axes.read_axes(x, given, expert_axis, ea, etp, manual, tokens_sharded_over_etp)
     checks.check_interpret_vma(options.gmm_impl, axes.typed, who="moe_ffn_local")
     where = _placement(options, ea, etp, mesh, local, axes.gather_etp, axes.reduce_axes)

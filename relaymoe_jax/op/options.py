@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from relaymoe_jax.kernels.gmm import MOE_IMPLS
-from relaymoe_jax.util.checks import fail, int_at_least, is_number, one_of
+from relaymoe_jax.util.checks import fail, int_at_least, is_bool, is_number, one_of
 
 Dispatcher = Literal["ring", "alltoall", "reference"]
 Routing = Literal["expert", "token", "auto"]
@@ -52,6 +52,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "capacity_factor": ("alltoall",),
     "chunk_size": ("ring",),
     "gmm_impl": ("ring", "alltoall"),
+    "expert_fp8": DISPATCHERS,
 }
 
 
@@ -94,13 +95,14 @@ VALIDATORS = {
     "capacity_factor": _capacity_factor,
     "chunk_size": _chunk_size,
     "gmm_impl": functools.partial(one_of, "gmm_impl", allowed=GMM_IMPLS),
+    "expert_fp8": functools.partial(is_bool, "expert_fp8"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEOptions:
     """How `moe_ffn` runs (never what it computes: every choice gives the same numbers, except
-    a capacity factor, which drops pairs).
+    a capacity factor, which drops pairs, and expert_fp8, which rounds the expert matrices).
 
     dispatcher: "ring" (RelayMoE), "alltoall" (the Megatron-style baseline) or "reference" (dense).
     routing: the ring's mode, "expert" (weights travel), "token" (tokens travel) or "auto".
@@ -108,6 +110,9 @@ class MoEOptions:
     capacity_factor: the all-to-all's; None is dropless.
     chunk_size: the ring's pairs per chunk; None is `dispatch.chunking.default_chunk`.
     gmm_impl: the grouped matmul (`kernels.gmm`).
+    expert_fp8: the expert matrices in e4m3 with 128 x 128 block scales (`quant.fp8`), gradients
+    straight through to the full-precision weights; the ring relays them as e4m3 (half the bytes
+    of bf16). Changes the numbers (by e4m3's rounding), unlike the other options.
     """
 
     dispatcher: Dispatcher = "ring"
@@ -116,6 +121,7 @@ class MoEOptions:
     capacity_factor: float | None = None
     chunk_size: int | None = None
     gmm_impl: GmmImpl = "auto"
+    expert_fp8: bool = False
 
     def __post_init__(self):
         for name, check in VALIDATORS.items():

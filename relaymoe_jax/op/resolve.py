@@ -132,5 +132,6 @@ def resolve(
         check_vma=check_vma,
         hierarchical=where.hierarchical,
         activation=activation,
+        expert_fp8=options.expert_fp8,
     )
     return spec, choice.volumes
