@@ -42,7 +42,13 @@ from cost_model_inputs import (
     load_rows,
     t_checks_section,
 )
-from cost_model_predict import lines_section, plot, prediction_section, statements_section
+from cost_model_predict import (
+    fp8_lines_section,
+    lines_section,
+    plot,
+    prediction_section,
+    statements_section,
+)
 
 from relaymoe_jax.analysis import costmodel as cm
 from relaymoe_jax.cli.argtypes import positive_float, positive_int
@@ -251,6 +257,7 @@ def main(argv=None):
     secs = flops_section(args, shape, rates)  # the FLOPs, from the stand-in
     pred = prediction_section(args, model_in, secs, links)
     lines = lines_section(args, model_in, secs, links)  # where a hop's compute = its transfer
+    fp8_lines_section(args, model_in, secs, links, shape, lines)  # the same with expert_fp8
     statements_section(args, rates, pred, lines)
     out = plot(args, rates, pred, lines, Path(args.out))
     print(f"\n# plot: {out}")

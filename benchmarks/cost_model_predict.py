@@ -169,6 +169,66 @@ def lines_section(args, model_in, secs, links):
     return lines
 
 
+FP8_HEAD = (
+    "EP",
+    "hosts",
+    "P bf16 / e4m3 MiB",
+    "flat line: bf16",
+    "FP8 relay fwd / bwd",
+    "FP8 relay",
+    "+ e4m3 GEMMs at 2x",
+    "hier line: bf16",
+    "FP8 relay",
+    "+ e4m3 GEMMs at 2x",
+)
+
+
+def fp8_lines_section(args, model_in, secs, links, shape, lines):
+    """Prints the lines with `expert_fp8`'s relay (P as e4m3 + block scales; the f32 dW
+    accumulator as before), at today's bf16-rate matmuls and at twice that rate (an e4m3 grouped
+    matmul at the tensor cores' 2x; not built yet); returns {ep: (flat, hier) at each}."""
+    print("\n### Where the ring stops hiding its transfers with expert_fp8 (tokens per device)\n")
+    print(
+        "The same lines with the weights relayed as e4m3 and one float32 scale per 128 x 128 "
+        "block (`costmodel.fp8_payload`; the backward's float32 dW accumulator A travels as "
+        "before, so a backward hop moves P/2 + A instead of P + A): at today's compute (the "
+        "grouped matmuls multiply the dequantised bf16 matrices), and were the matmuls e4m3 at "
+        "the tensor cores' 2x bf16 rate (assumed: that kernel is not built)\n"
+    )
+    print_head(FP8_HEAD)
+    t_ref, (_, hidden, ffn) = max(args.tokens), shape
+    out = {}
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    for ep in args.ep:
+        b = model_in[ep][3]
+        b8 = dict(b, payload=cm.fp8_payload(int(b["payload"]), hidden, ffn))
+        per_tok = tuple(c / t_ref for c in secs[ep, t_ref][:2])
+        relay, _ = _lines(ep, b8, per_tok, links)
+        fast, _ = _lines(ep, b8, tuple(c / 2 for c in per_tok), links)
+        fl = cm.flat_levels(ep, b8["share_intra"], b8["share_inter"])[0]
+        p8, a = b8["payload"], b8["acc"]
+        fwd_bwd = [
+            cm.threshold_tokens(cm.transfer_time(nb, fl, links), ft, 1.0)
+            for nb, ft in zip((p8, p8 + a), per_tok)
+        ]
+        out[ep] = {"relay": relay, "fast": fast}
+        hier = lambda d: f"{d['hier']:,.0f}" if d["hosts"] > 1 else "-"
+        cells = [
+            ep,
+            relay["hosts"],
+            f"{mib(b['payload'])} / {mib(p8)}",
+            f"{lines[ep]['flat']:,.0f}",
+            " / ".join(f"{x:,.0f}" for x in fwd_bwd),
+            f"{relay['flat']:,.0f}",
+            f"{fast['flat']:,.0f}",
+            hier(lines[ep]),
+            hier(relay),
+            hier(fast),
+        ]
+        print(table_row(cells))
+    return out
+
+
 # ---------------------------------------------------------------- in words
 
 

@@ -29,7 +29,10 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    ("ragged_dot") at the default chunk. fwd ms; bwd ms = fwd+bwd - fwd; TFLOP/s = 6*pairs*H*F / fwd
    and 12*pairs*H*F / bwd (`costmodel.hop_flops`: the three matmuls and their six gradients; the
    ring's backward also recomputes gate and up, not counted). The default chunk's row with "auto"'s
-   grouped matmul is the cost model's compute term.
+   grouped matmul is the cost model's compute term. A last row times that hop with
+   `expert_fp8=True` (docs/precision.md): the same 16-bit kernel on e4m3-rounded operands until an
+   e4m3 kernel exists, so it shows what the rounding costs (the FP8 relay's bytes are not in a
+   one-device hop; the cost model's FP8 lines predict them).
 3. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs: the three passes of
    one grouped matmul timed apart: fwd out = x @ W_g, dx = dout @ W_g^T (gmm with
    transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: ours on Mosaic GPU (impl="mosaic",

@@ -238,6 +238,7 @@ class HopTiming:
     error: str | None = None
     impl: str = "pallas"  # the hop's gmm_impl (files before 2026-12-07: the Triton kernel)
     default_impl: bool = True  # the one gmm_impl="auto" picks on this device
+    fp8: bool = False  # expert_fp8 (the FP8 recipe; files before 2026-12-07 have no such rows)
 
 
 def hop_chunks(shp):
@@ -251,7 +252,7 @@ def hop_chunks(shp):
     return [(small, True), (share, False)]
 
 
-def time_hop(shp, chunk, mesh, args, impl, opts):
+def time_hop(shp, chunk, mesh, args, impl, opts, fp8=False):
     """Holds (fwd s, fwd+bwd s) of the ring's one hop at `chunk` pairs per chunk."""
     fwd, fwdbwd = layer_fns(
         dict(
@@ -261,6 +262,7 @@ def time_hop(shp, chunk, mesh, args, impl, opts):
             expert_axis="expert",
             gmm_impl=impl,
             chunk_size=chunk,
+            expert_fp8=fp8,
         ),
         stats=False,
     )
@@ -281,14 +283,22 @@ HOP_COLS = (
 )
 
 
-def hop_cases(shp, opts):
-    """Holds [(chunk, is the default chunk, gmm_impl)] in the order timed: the default chunk's
-    impls, then the balanced share's (`HOP_IMPLS`)."""
-    return [
-        (chunk, is_default, impl)
+def hop_cases(shp, opts, auto):
+    """Holds [(chunk, is the default chunk, gmm_impl, expert_fp8)] in the order timed: the
+    default chunk's impls, then the balanced share's (`HOP_IMPLS`), then the default chunk with
+    `auto`'s impl and expert_fp8 (the FP8 recipe; its matmuls are the 16-bit kernel's on the
+    rounded values until an e4m3 kernel exists: this row is what the rounding costs)."""
+    bf16 = [
+        (chunk, is_default, impl, False)
         for chunk, is_default in hop_chunks(shp)
         for impl in ((HOP_INTERPRET_IMPL,) if opts.interpret else HOP_IMPLS[is_default])
     ]
+    return [*bf16, (hop_chunks(shp)[0][0], True, auto, True)]
+
+
+def impl_label(impl: str, fp8: bool) -> str:
+    """The hop table's gmm_impl cell."""
+    return impl + (" + expert_fp8" if fp8 else "")
 
 
 def hop_section(opts, budget, results):
@@ -313,7 +323,7 @@ def hop_section(opts, budget, results):
     )
     args = layer_inputs(shp, sharding)
     print_head(HOP_COLS)
-    for chunk, is_default, impl in hop_cases(shp, opts):
+    for chunk, is_default, impl, fp8 in hop_cases(shp, opts, auto):
         rec = dict(
             chunk=chunk,
             default_chunk=is_default,
@@ -324,19 +334,22 @@ def hop_section(opts, budget, results):
             ffn=f,
             impl=impl,
             default_impl=impl == auto,
+            fp8=fp8,
         )
         label = f"{chunk:,}" + (" (default)" if is_default else " (balanced share)")
         failed = dict(fwd_ms=None, bwd_ms=None, fwd_tflops=None, bwd_tflops=None)
         if budget.over():
             why = f"skipped: time budget of {budget.minutes} min"
             results.hop.append(HopTiming(**rec, **failed, error=why))
-            print_row([label, impl, "", why, "", "", "", ""])
+            print_row([label, impl_label(impl, fp8), "", why, "", "", "", ""])
             continue
         try:
-            t_fwd, t_all = time_hop(shp, chunk, mesh, args, impl, opts)
+            t_fwd, t_all = time_hop(shp, chunk, mesh, args, impl, opts, fp8)
         except Exception as ex:
             results.hop.append(HopTiming(**rec, **failed, error=error_text(ex)))
-            print_row([label, impl, "", f"error: {error_text(ex)}", "", "", "", ""])
+            print_row(
+                [label, impl_label(impl, fp8), "", f"error: {error_text(ex)}", "", "", "", ""]
+            )
             continue
         t_bwd = t_all - t_fwd
         tf_b = flop_b / t_bwd / 1e12 if t_bwd > 0 else None
@@ -352,7 +365,7 @@ def hop_section(opts, budget, results):
         print_row(
             [
                 label,
-                impl,
+                impl_label(impl, fp8),
                 -(-pairs // chunk),
                 num(t_fwd * 1e3),
                 num(t_bwd * 1e3),

@@ -10,8 +10,6 @@ orders, so the curves are not bitwise equal; rounding differences grow slowly as
 amplifies them, hence the two windows.
 """
 
-import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -19,35 +17,15 @@ import numpy as np
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's train/
+if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules, when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-from relaymoe_jax.cli.argtypes import positive_int
-from relaymoe_jax.cli.devices import use_cpu_devices
-from train import cli
+import tiny_runs
+
 from train.errors import WriteError
 from train.run import guards, plot
 
 DISPATCHERS = {"ring": ["dispatcher=ring"], "alltoall": ["dispatcher=alltoall"]}
-
-
-def run(out: Path, steps: int, extra: list[str]) -> dict[str, Path]:
-    runs = {}
-    for name, over in DISPATCHERS.items():
-        d = out / name
-        cli.main(
-            [
-                "--config",
-                "configs/tiny.yaml",
-                "--steps",
-                str(steps),
-                "--out",
-                str(d),
-                "--quiet",
-                *over,
-                *extra,
-            ]
-        )
-        runs[name] = d / "metrics.jsonl"
-    return runs
 
 
 def differences(runs: dict[str, Path]) -> dict[str, float]:
@@ -69,18 +47,10 @@ def differences(runs: dict[str, Path]) -> dict[str, float]:
 
 
 def main(argv=None) -> dict:
-    use_cpu_devices(8)  # the emulated mesh, unless XLA_FLAGS sets a device count
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=positive_int, default=200)
-    p.add_argument("--out", type=Path, default=Path("runs/parity"))
-    p.add_argument("extra", nargs="*", help="trainer key=value overrides (seq_len=32 ...)")
-    args = p.parse_args(argv)
-    print(
-        "# reproduce: python benchmarks/train_parity.py "
-        + shlex.join([f"--steps={args.steps}", f"--out={args.out}", *args.extra]),
-        flush=True,
+    args = tiny_runs.parse(
+        argv, "benchmarks/train_parity.py", __doc__.splitlines()[0], 200, "runs/parity"
     )
-    runs = run(args.out, args.steps, args.extra)
+    runs = tiny_runs.train(args.out, args.steps, DISPATCHERS, args.extra)
     d = differences(runs)
     png = plot.plot_losses(
         runs, args.out / "parity.png", title=f"tiny: ring vs all-to-all, {args.steps} steps"

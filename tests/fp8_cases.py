@@ -46,3 +46,50 @@ def ref_quantize(x: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
 def ref_dequantize(q, scale, block):
     full = np.repeat(np.repeat(scale, block[0], axis=-2), block[1], axis=-1)
     return q.astype(np.float64) * full[..., : q.shape[-2], : q.shape[-1]]
+
+
+def ref_fake(x, block) -> np.ndarray:
+    """x's values as e4m3 with `block` scales, in float64."""
+    return ref_dequantize(*ref_quantize(x, block), block)
+
+
+TILE, BLOCK = (1, 128), (128, 128)
+
+
+def ref_fp8_moe(x, ids, wts, wg, wu, wd, dy, quantize=True):
+    """The FP8 recipe's MoE FFN with SwiGLU (docs/precision.md), pair by pair in float64, and its
+    gradients written out by hand: (y, {x, wts, wg, wu, wd}) for y's cotangent dy.
+
+    Forward: x rounded per 1 x 128 tile, the matrices per 128 x 128 block; gate = xq @ wg_e,
+    up = xq @ wu_e, h = silu(gate) * up rounded per tile, y = sum_j wts_j * h @ wd_e.
+    Backward: dy rounded per tile (every use of it), the gate's and up's gradients rounded per
+    tile before their dgrad and wgrad products; the roundings' gradients are the identity (x's and
+    the matrices' gradients are those at the rounded values). quantize=False: the same formulas
+    with no rounding (the unquantised reference)."""
+    f64 = lambda a: np.asarray(a, np.float64)
+    x, wts, wg, wu, wd, dy = map(f64, (x, wts, wg, wu, wd, dy))
+    ids = np.asarray(ids)
+    qt = (lambda a: ref_fake(a, TILE)) if quantize else (lambda a: a)
+    qb = (lambda a: ref_fake(a, BLOCK)) if quantize else (lambda a: a)
+    xq, wgq, wuq, wdq, dyq = qt(x), qb(wg), qb(wu), qb(wd), qt(dy)
+    y = np.zeros_like(x)
+    grads = {n: np.zeros_like(a) for n, a in (("x", x), ("wts", wts), ("wg", wg), ("wu", wu))}
+    grads["wd"] = np.zeros_like(wd)
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        g = np.einsum("th,thf->tf", xq, wgq[e])
+        u = np.einsum("th,thf->tf", xq, wuq[e])
+        sig = 1.0 / (1.0 + np.exp(-g))
+        hq = qt(g * sig * u)
+        y_p = np.einsum("tf,tfh->th", hq, wdq[e])
+        y += wts[:, j, None] * y_p
+        dy_p = wts[:, j, None] * dyq
+        grads["wts"][:, j] = np.sum(dyq * y_p, axis=-1)
+        np.add.at(grads["wd"], e, np.einsum("tf,th->tfh", hq, dy_p))
+        dh = np.einsum("th,tfh->tf", dy_p, wdq[e])
+        dg = qt(dh * u * sig * (1.0 + g * (1.0 - sig)))
+        du = qt(dh * g * sig)
+        grads["x"] += np.einsum("tf,thf->th", dg, wgq[e]) + np.einsum("tf,thf->th", du, wuq[e])
+        np.add.at(grads["wg"], e, np.einsum("th,tf->thf", xq, dg))
+        np.add.at(grads["wu"], e, np.einsum("th,tf->thf", xq, du))
+    return y, grads

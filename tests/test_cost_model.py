@@ -408,6 +408,40 @@ def test_script_end_to_end_on_synthetic_rows(script, tmp_path, capsys):
     assert "the hierarchical ring moves that line" in text
 
 
+def test_fp8_relay_lines(script, tmp_path, capsys):
+    """The expert_fp8 lines: the forward line scales with the e4m3 payload (P8 / P, with
+    `fp8_payload`'s scales), the backward's with (P8 + A) / (P + A) (the float32 accumulator
+    travels as before); matmuls at twice the rate double every line."""
+    path = _synthetic_scaling(tmp_path)
+    argv = ["--scaling-json", str(path), "--ep", "8", "-k", "2", "--scaling-tokens", "1024"]
+    script.main([*argv, "--tokens", "1024", "--out", str(tmp_path / "cm.png")])
+    text = capsys.readouterr().out
+    bf16 = _row(text, "### Where the ring stops hiding its transfers (tokens per device)", "8")
+    fp8 = _row(text, "### Where the ring stops hiding its transfers with expert_fp8", "8")
+    fwd16, bwd16 = (_num(x) for x in bf16[2].split(" / "))
+    p16 = 16 // 8 * 3 * 64 * 32 * 2  # `_synthetic_scaling`'s payload at EP 8 (H 64, F 32)
+    p8 = cm.fp8_payload(p16, 64, 32)
+    assert p8 == p16 // 2 + 4 * 2 * 3  # one 128 x 128 block per matrix, 2 x 3 matrices
+    fwd8, bwd8 = (_num(x) for x in fp8[4].split(" / "))
+    assert abs(fwd8 / fwd16 - p8 / p16) < 1e-3, (fwd8, fwd16, p8, p16)
+    assert bwd8 < bwd16 and _num(fp8[5]) == max(fwd8, bwd8)
+    assert abs(_num(fp8[6]) / _num(fp8[5]) - 2) < 1e-3
+
+
+def _row(text, heading, first):
+    """The cells of the Markdown row starting with `first` in the table after `heading`."""
+    table = text.split(heading, 1)[1].split("\n\n")[2]
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first} under {heading!r}:\n{table}")
+
+
+def _num(cell):
+    return float(cell.replace(",", ""))
+
+
 def test_script_uses_measured_rates(script, tmp_path, capsys):
     """The synthetic shape (E=16, k=2, H=64, F=32) at EP=8, T=1024: a hop has 2 experts x 128
     pairs = 256; measured rates 0.001 (fwd) and 0.002 (bwd) TFLOP/s give a hop

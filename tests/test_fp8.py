@@ -1,8 +1,8 @@
 """Blockwise e4m3 quantisation (`relaymoe_jax.quant.fp8`) against a float64 numpy reference
 written here from the definition (ml_dtypes' e4m3 rounding, a power-of-two scale found by
 search, not by the module's exponent arithmetic), and its edge cases: partial blocks, an all-zero
-block, one huge value, NaN and infinities, amax far below e4m3's range (no scale floor), and the
-error bound an e4m3 value has."""
+block, one huge value, NaN and infinities, amax far below e4m3's range (no scale floor), the
+error bound an e4m3 value has, and the FP8 recipe's operand and gradient roundings."""
 
 import math
 
@@ -123,3 +123,19 @@ def test_a_quantised_array_is_a_pytree_with_a_static_block():
 def test_bad_arguments_are_named(x, block, match):
     with pytest.raises(ValueError, match=match):
         fp8.quantize(x, block)
+
+
+def test_the_recipes_operand_and_gradient_roundings():
+    """`quantize_operand`: the value rounded per 1 x 128 tile, the gradient the identity;
+    `quantize_grad`: the value itself, the cotangent rounded per tile; both against the float64
+    reference (bitwise: the inputs are float32)."""
+    rng = np.random.default_rng(7)
+    a = (rng.standard_normal((5, 200)) * np.logspace(-3, 3, 5)[:, None]).astype(np.float32)
+    g = (rng.standard_normal((5, 200)) * np.logspace(2, -2, 5)[:, None]).astype(np.float32)
+    ref = lambda v: ref_dequantize(*ref_quantize(v, fp8.TILE), fp8.TILE)
+    value, vjp = jax.vjp(fp8.quantize_operand, jnp.asarray(a))
+    np.testing.assert_array_equal(np.asarray(value, np.float64), ref(a))
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(g))[0]), g)
+    value, vjp = jax.vjp(fp8.quantize_grad, jnp.asarray(a))
+    np.testing.assert_array_equal(np.asarray(value), a)
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(g))[0], np.float64), ref(g))

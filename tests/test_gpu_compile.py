@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from relaymoe_jax import XLA_OPTIONS, moe_ffn, moe_ffn_local
-from relaymoe_jax.analysis import gpu_mesh, hlo, triton_calls
+from relaymoe_jax.analysis import costmodel, gpu_mesh, hlo, triton_calls
 from relaymoe_jax.kernels.gmm import pallas as gp
 from relaymoe_jax.kernels.gmm import resolve_impl
 from scripts import load_script
@@ -345,7 +345,31 @@ def test_the_fp8_ring_sends_e4m3_weights():
     blocks = 3 * e_l * -(-H // 128) * -(-F // 128)  # gate, up [H, F] and down [F, H] alike
     assert fwd16 == 2 * 3 * e_l * H * F
     assert fwd8 == 3 * e_l * H * F + 4 * blocks <= 0.52 * fwd16
+    assert fwd8 == costmodel.fp8_payload(fwd16, H, F)  # the cost model's FP8 relay
     assert bwd16 - bwd8 == fwd16 - fwd8
+
+
+@needs_plugin
+def test_fp8_tokens_travel_as_e4m3():
+    """expert_fp8=True, where tokens travel: the token ring relays x (forward) and x and dy
+    (backward) as e4m3 values and float32 scales per 1 x 128 tile, the rest of the payload (router
+    weights, pair order, float32 accumulators) as before; the all-to-all dispatches its rows the
+    same way and combines in bf16 (DeepSeek-V3's choice). Each of those token matrices is then
+    0.5 + 4 / 256 = 0.52x its bf16 bytes. tests/test_fp8_op.py checks the numbers."""
+    tiles = T_DEV * -(-H // 128)
+    saved = T_DEV * H * 2 - (T_DEV * H + 4 * tiles)  # one [T, H] matrix: bf16 -> e4m3 + scales
+    assert T_DEV * H + 4 * tiles <= 0.52 * (T_DEV * H * 2)
+    ring = {**RING_TOKEN, "gmm_impl": "ragged_dot"}
+    fwd16, bwd16 = sorted(hlo.loop_permute_bytes(_compiled_layer(**ring).as_text()))
+    fwd8, bwd8 = sorted(hlo.loop_permute_bytes(_compiled_layer(**ring, expert_fp8=True).as_text()))
+    assert (fwd16 - fwd8, bwd16 - bwd8) == (saved, 2 * saved)
+    a2a16 = hlo.all_to_alls(_compiled_layer(dispatcher="alltoall", gmm_impl="pallas").as_text())
+    a2a8 = hlo.all_to_alls(
+        _compiled_layer(dispatcher="alltoall", gmm_impl="xla", expert_fp8=True).as_text()
+    )
+    rows = EP * T_DEV * min(K, E // EP)  # the dropless receive buffer (what is sent, padded)
+    rows_saved = rows * H * 2 - (rows * H + 4 * rows * -(-H // 128))
+    assert sum(a.bytes for a in a2a16) - sum(a.bytes for a in a2a8) == rows_saved
 
 
 @needs_plugin

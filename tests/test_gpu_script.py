@@ -109,8 +109,13 @@ def test_hop_table(gpu, run):
     assert [(r["chunk (pairs)"], r["gmm_impl"]) for r in rows] == [
         (f"{shp['chunk']} (default)", "pallas-interpret"),
         (f"{share} (balanced share)", "pallas-interpret"),
+        (f"{shp['chunk']} (default)", "pallas-interpret + expert_fp8"),
     ]
-    assert [int(r["chunks per hop"]) for r in rows] == [pairs // shp["chunk"], 1]
+    assert [int(r["chunks per hop"]) for r in rows] == [
+        pairs // shp["chunk"],
+        1,
+        pairs // shp["chunk"],
+    ]
     hf = shp["hidden"] * shp["ffn"]
     for r in rows:
         fwd, bwd, both = (float(r[c]) for c in ("fwd ms", "bwd ms", "fwd+bwd ms"))
@@ -193,10 +198,12 @@ def test_json_has_the_printed_figures(gpu, run):
         assert f"{rec['ms']:.4g}" == first[f"{p} ms"]
         assert f"{rec['tflops']:.4g}" == first[f"{p} TFLOP/s"]
     hops = _table(out, "chunk (pairs)")
-    assert [(h["chunk"], h["default_chunk"], h["impl"]) for h in doc["hop"]] == [
+    label = lambda h: h["impl"] + (" + expert_fp8" if h["fp8"] else "")
+    assert [(h["chunk"], h["default_chunk"], label(h)) for h in doc["hop"]] == [
         (int(r["chunk (pairs)"].split()[0].replace(",", "")), "default" in r["chunk (pairs)"], i)
         for r, i in ((r, r["gmm_impl"]) for r in hops)
     ]
+    assert [h["fp8"] for h in doc["hop"]] == [False, False, True]
     assert [h["default_impl"] for h in doc["hop"]] == [
         h["impl"] == "pallas-interpret" for h in doc["hop"]
     ]

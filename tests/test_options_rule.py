@@ -186,27 +186,24 @@ class _Compiled:
         return self.name
 
 
+ROWS = ["ring", "alltoall (dropless)", "alltoall (capacity 1.0)", "ring, FP8 experts"]
+
+
 @pytest.mark.parametrize(
     "over, labels",
     [
-        ({}, ["ring*", "alltoall (dropless)", "alltoall (capacity 1.0)"]),
-        (
-            {"dispatcher": "alltoall", "capacity_factor": 0.5},
-            ["ring", "alltoall (dropless)", "alltoall (capacity 1.0)", "alltoall (capacity 0.5)*"],
-        ),
-        (
-            {"dispatcher": "alltoall", "capacity_factor": 1},
-            ["ring", "alltoall (dropless)", "alltoall (capacity 1.0)*"],
-        ),
-        (
-            {"dispatcher": "reference"},
-            ["ring", "alltoall (dropless)", "alltoall (capacity 1.0)", "reference*"],
-        ),
+        ({}, ["ring*", *ROWS[1:]]),
+        ({"dispatcher": "alltoall", "capacity_factor": 0.5}, [*ROWS, "alltoall (capacity 0.5)*"]),
+        ({"dispatcher": "alltoall", "capacity_factor": 1}, [*ROWS[:2], ROWS[2] + "*", ROWS[3]]),
+        ({"dispatcher": "reference"}, [*ROWS, "reference*"]),
+        ({"expert_fp8": True}, [*ROWS[:3], ROWS[3] + "*"]),
+        ({"dispatcher": "alltoall", "expert_fp8": True}, [*ROWS, ROWS[1] + ", FP8 experts*"]),
     ],
 )
 def test_the_memory_table_has_the_trained_runs_row(monkeypatch, over, labels):
-    """An all-to-all run at capacity 0.5 (or the reference) had no row of its own; * marks the
-    trained step's row, the others are compiled (stubbed here) from the rows' configs."""
+    """An all-to-all run at capacity 0.5 (or the reference, or the all-to-all with FP8 experts)
+    had no row of its own; * marks the trained step's row, the others are compiled (stubbed
+    here) from the rows' configs, each row's expert_fp8 its own."""
     from train.planner import memory
     from train.settings import TrainConfig
     from train.step import train_step

@@ -611,6 +611,7 @@ def test_moe_layer_bad_arguments(moe_layer, capsys, argv, said):
         ("benchmarks/gpu.py", lambda m: m.parse_args(["--runs", "0"])),
         ("benchmarks/gpu.py", lambda m: m.parse_args(["--budget-min", "-1"])),
         ("benchmarks/train_parity.py", lambda m: m.main(["--steps", "0"])),
+        ("benchmarks/train_fp8.py", lambda m: m.main(["--steps", "0"])),
     ],
 )
 def test_benchmark_bad_sizes(script, call, capsys):

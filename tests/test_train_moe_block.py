@@ -6,7 +6,9 @@ existed (their identity lacks them) resume, and a change of one is refused namin
 
 The model is the tiny config with one layer (each layer is the same program). DeepSeek-V3's
 router and GPT-OSS's experts are one run (they set disjoint keys: the router, the experts); the
-two routers are two."""
+two routers are two; the second also runs the experts in FP8 (`expert_fp8`, a key of the MoE
+options that the routers leave alone): a resumed FP8 run is bitwise an uninterrupted one (the
+roundings are recomputed from the float32 master weights every step; nothing FP8 is stored)."""
 
 import json
 import shutil
@@ -34,7 +36,7 @@ VARIANTS = {
         "activation=gpt_oss",
         "expert_biases=true",
     ],
-    "gpt_oss_router": ["router=topk_softmax", "router_bias=true"],
+    "gpt_oss_router": ["router=topk_softmax", "router_bias=true", "expert_fp8=true"],
 }
 # the tiny config's flat form before the MoE block's keys were model-config keys (and before
 # offload_layer_inputs)

@@ -94,11 +94,15 @@ def row_bias(b_en, expert_r):
     return b_en.astype(jnp.float32).at[expert_r].get(mode="fill", fill_value=0)
 
 
-def gate_up(experts: Experts, x, matmul: Matmul, experts_of_rows, x_rows=None):
+def gate_up(experts: Experts, x, matmul: Matmul, experts_of_rows, x_rows=None, fp8_grads=False):
     """(gate, up, expert_r): the float32 projections of the rows `x` (read through `x_rows` by a
-    kernel that gathers rows), biases added; expert_r is each row's expert (None without biases)."""
+    kernel that gathers rows), biases added; expert_r is each row's expert (None without biases).
+    fp8_grads: the projections' gradients reach their GEMMs rounded to e4m3 (`fp8.quantize_grad`;
+    the biases' gradients are not rounded)."""
     gate = matmul(x, experts.w_gate, a_rows=x_rows)
     up = matmul(x, experts.w_up, a_rows=x_rows)
+    if fp8_grads:
+        gate, up = fp8.quantize_grad(gate), fp8.quantize_grad(up)
     if not experts.has_biases:
         return gate, up, None
     expert_r = experts_of_rows()
@@ -110,12 +114,29 @@ def gate_up(experts: Experts, x, matmul: Matmul, experts_of_rows, x_rows=None):
 
 
 def expert_mlp(
-    experts: Experts, activation, x, matmul: Matmul, experts_of_rows, dtype, x_rows=None
+    experts: Experts,
+    activation,
+    x,
+    matmul: Matmul,
+    experts_of_rows,
+    dtype,
+    x_rows=None,
+    fp8_acts=False,
 ):
-    """[R, H] float32: each row's expert_e(x) (see the module docstring)."""
-    gate, up, expert_r = gate_up(experts, x, matmul, experts_of_rows, x_rows)
-    y = matmul(activation(gate, up).astype(dtype), experts.w_down)
+    """[R, H] float32: each row's expert_e(x) (see the module docstring). fp8_acts: the FP8 recipe's
+    activation side (docs/precision.md): the activation enters the down projection as e4m3 with
+    1 x 128 tile scales (`act_operand`), the projections' gradients are rounded (`gate_up`);
+    `x` and the weights arrive rounded, the output's gradient is rounded by the caller."""
+    gate, up, expert_r = gate_up(experts, x, matmul, experts_of_rows, x_rows, fp8_grads=fp8_acts)
+    y = matmul(act_operand(activation(gate, up), dtype, fp8_acts), experts.w_down)
     return y if expert_r is None else y + row_bias(experts.b_down, expert_r)
+
+
+def act_operand(act_f32, dtype, fp8_acts: bool):
+    """The down projection's left operand: the float32 activation in `dtype`, then (fp8_acts)
+    rounded to e4m3 per row and 128 channels, its gradient straight through."""
+    act = act_f32.astype(dtype)
+    return fp8.quantize_operand(act) if fp8_acts else act
 
 
 def check_experts_divide(

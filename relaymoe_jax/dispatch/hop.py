@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from relaymoe_jax.dispatch import pairs
-from relaymoe_jax.dispatch.experts import Experts, expert_mlp, gate_up, row_bias
+from relaymoe_jax.dispatch.experts import Experts, act_operand, expert_mlp, gate_up, row_bias
 from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
+from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.late import late_zero
 from relaymoe_jax.util.typed import varying_like
 
@@ -150,7 +151,9 @@ class Hop:
         def body(ch, out_th):
             x_ch, x_rows = self.rows(tk.x_th, ch)
             matmul, groups = self._mlp_rows(ch)
-            y_ch = expert_mlp(w, self.cfg.activation, x_ch, matmul, groups, dt, x_rows)
+            y_ch = expert_mlp(
+                w, self.cfg.activation, x_ch, matmul, groups, dt, x_rows, self.cfg.fp8_acts
+            )
             return out_th.at[ch.tok].add(y_ch * ch.wts_c[:, None])  # invalid rows: 0
 
         with jax.named_scope("ring_fwd_hop"):
@@ -167,7 +170,7 @@ class Hop:
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
             gate, up, group = gate_up(w, x_ch, *self._mlp_rows(ch), x_rows)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
-            act = act_f32.astype(dt)
+            act = act_operand(act_f32, dt, self.cfg.fp8_acts)
             # d act (before router weight) = dy @ w_down^T; d weight = <act, that>.
             dact0 = self._mm(dy_ch, w.w_down, gs, transpose=True, a_rows=dy_rows)
             dwts_c = jnp.sum(act.astype(jnp.float32) * dact0, axis=-1)
@@ -185,6 +188,8 @@ class Hop:
             if group is not None:
                 db_gate = db_gate + pairs.group_bias_grad(dgate_f32, group, self.e_local)
                 db_up = db_up + pairs.group_bias_grad(dup_f32, group, self.e_local)
+            if self.cfg.fp8_acts:  # as `gate_up(fp8_grads=True)`: the biases' are not rounded
+                dgate_f32, dup_f32 = (fp8.fake_quantize(d, fp8.TILE) for d in (dgate_f32, dup_f32))
             dgate, dup = dgate_f32.astype(dt), dup_f32.astype(dt)
             dwg = self._tmm(dw.w_gate, x_ch, dgate, gs, a_rows=x_rows)
             dwu = self._tmm(dw.w_up, x_ch, dup, gs, a_rows=x_rows)

@@ -15,6 +15,7 @@ from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.alltoall import AllToAllConfig, alltoall_moe
 from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.ring import RingConfig, ring_moe
+from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.typed import varying_like
 
 log = logging.getLogger("relaymoe_jax")
@@ -77,12 +78,16 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
             )
         else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
             x_th, wts_tk = (varying_like(a, experts.w_gate) for a in (x_th, wts_tk))
+    if spec.expert_fp8:  # the tokens as the gate and up GEMMs see them (1 x 128 tiles)
+        x_th = fp8.quantize_operand(x_th)
     if spec.dispatcher == "ring":
         y_th = _ring(spec, x_th, ids_tk, wts_tk, experts)
         dropped = jnp.int32(0)
     else:
         y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, experts)
         dropped = dropped // (spec.etp_size if gather else 1)  # each ETP rank counted the same
+    if spec.expert_fp8:  # its gradient, rounded per token, reaches the down projection's GEMMs
+        y_th = fp8.quantize_grad(y_th)
     if etp is not None:
         y_th = (
             lax.psum_scatter(y_th, etp, scatter_dimension=0, tiled=True)
@@ -104,6 +109,7 @@ def _ring(spec: LocalSpec, *args):
         hierarchical=spec.hierarchical,
         activation=spec.activation,
         fp8_relay=spec.expert_fp8 and spec.routing == "expert",  # the weights travel
+        fp8_acts=spec.expert_fp8,
     )
     return ring_moe(cfg, *args)
 
@@ -123,5 +129,6 @@ def _alltoall(spec: LocalSpec, *args):
         gmm_impl=spec.gmm_impl,
         poison=spec.poison,
         activation=spec.activation,
+        fp8_acts=spec.expert_fp8,
     )
     return alltoall_moe(cfg, *args)

@@ -18,13 +18,18 @@ import jax.numpy as jnp
 
 from relaymoe_jax.dispatch.activation import SWIGLU
 from relaymoe_jax.dispatch.experts import Experts, expert_mlp
+from relaymoe_jax.quant import fp8 as quant
 
 
-def reference_moe(x_th, ids_tk, wts_tk, *experts, activation=SWIGLU):
+def reference_moe(x_th, ids_tk, wts_tk, *experts, activation=SWIGLU, fp8=False):
     """y [T, H] (x's dtype). `experts`: the fields of an `Experts` in order, w_gate [E, H, F],
     w_up [E, H, F], w_down [E, F, H], then optionally b_gate, b_up [E, F] and b_down [E, H]
-    (`reference_moe(x, ids, wts, *experts)` with a record)."""
+    (`reference_moe(x, ids, wts, *experts)` with a record). fp8: the FP8 recipe
+    (docs/precision.md), in float32: weights, x and the activation rounded to e4m3, the
+    gradients of the projections and of y rounded before their GEMMs."""
     experts = Experts(*experts).complete()
+    if fp8:
+        experts, x_th = experts.fake_quantized(), quant.quantize_operand(x_th)
     num_experts = experts.w_gate.shape[0]
     f32 = jnp.float32
     hi = jax.lax.Precision.HIGHEST
@@ -40,6 +45,6 @@ def reference_moe(x_th, ids_tk, wts_tk, *experts, activation=SWIGLU):
             w_t = w.astype(f32).at[rows_t].get(mode="fill", fill_value=0)
             return jnp.einsum("tk,tkn->tn", a, w_t, precision=hi)
 
-        out_th = expert_mlp(experts, activation, x, matmul, lambda r=rows_t: r, f32)
+        out_th = expert_mlp(experts, activation, x, matmul, lambda r=rows_t: r, f32, fp8_acts=fp8)
         y_th = y_th + wts_tk[:, j, None].astype(f32) * out_th
-    return y_th.astype(x_th.dtype)
+    return (quant.quantize_grad(y_th) if fp8 else y_th).astype(x_th.dtype)

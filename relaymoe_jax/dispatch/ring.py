@@ -72,6 +72,7 @@ from jax import lax
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
 from relaymoe_jax.dispatch.experts import Experts
 from relaymoe_jax.dispatch.hop import Hop, make_tokens, shift, zeros_f32
+from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.first_order import first_order
 
 __all__ = ["RingConfig", "ring_moe"]
@@ -95,6 +96,9 @@ class RingConfig:
     # the weights, already e4m3's values (`Experts.fake_quantized`), travel as e4m3 and block
     # scales (`Experts.quantized`): half the bytes, the same numbers (the rounding is idempotent)
     fp8_relay: bool = False
+    # the FP8 recipe's activation side (`experts.expert_mlp`, `Hop`); token routing relays x and
+    # dy (already e4m3's values per 1 x 128 tile) as e4m3 and tile scales (`_send`)
+    fp8_acts: bool = False
 
 
 class RingLevel(NamedTuple):
@@ -202,13 +206,25 @@ def _expert_backward(cfg, tk, w, dy_th):
     return dw, dx_th, dwts_p
 
 
+def _send(cfg, a_th):
+    """A token matrix as it travels: with the FP8 recipe (its values already e4m3's, per 1 x 128
+    tile) as e4m3 and its tile scales, half the bytes; `_arrived` undoes it exactly."""
+    return fp8.quantize(a_th, fp8.TILE) if cfg.fp8_acts else a_th
+
+
+def _arrived(a_th):
+    return fp8.dequantize(a_th) if isinstance(a_th, fp8.Fp8) else a_th
+
+
 def _token_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
-    visit = lambda src, tk, state: (
-        hop.forward(tk, hop.me, w, zeros_f32(tk.x_th.shape, tk.x_th)),
-        state,
-    )
-    return relay(_rings(cfg, hop), tk, visit, (), lambda: zeros_f32(tk.x_th.shape, tk.x_th))[1]
+
+    def visit(src, tk, state):
+        tk = tk._replace(x_th=_arrived(tk.x_th))
+        return hop.forward(tk, hop.me, w, zeros_f32(tk.x_th.shape, tk.x_th)), state
+
+    zero = lambda: zeros_f32(tk.x_th.shape, tk.x_th)
+    return relay(_rings(cfg, hop), tk._replace(x_th=_send(cfg, tk.x_th)), visit, (), zero)[1]
 
 
 def _token_backward(cfg, tk, w, dy_th):
@@ -217,11 +233,13 @@ def _token_backward(cfg, tk, w, dy_th):
 
     def visit(src, travel, dw):  # (dx_th, dwts_p) of the visitor
         tk, dy_th = travel
+        tk, dy_th = tk._replace(x_th=_arrived(tk.x_th)), _arrived(dy_th)
         dw, dx_th, dwts_p = hop.backward(tk, hop.me, w, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
 
     dw = jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)
-    dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), (tk, dy_th), visit, dw, lambda: zeros(tk))
+    travel = (tk._replace(x_th=_send(cfg, tk.x_th)), _send(cfg, dy_th))
+    dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), travel, visit, dw, lambda: zeros(tk))
     return dw, dx_th, dwts_p
 
 

@@ -129,11 +129,13 @@ def moe_ffn(
         "xla", "ragged_dot", "mosaic", "pallas" (deprecated with jax's Triton backend), or
         "mosaic-interpret" / "pallas-interpret" (a kernel in its CPU interpreter: slow, for
         tests).
-      expert_fp8: True runs the expert matrices as e4m3 with one power-of-two scale per
-        128 x 128 block (`relaymoe_jax.quant.fp8`): the outputs and every gradient are those of
-        the rounded matrices (exact in bf16), their gradient passed straight through to w_gate,
-        w_up and w_down; the ring's expert routing relays them as e4m3 (half the bytes of bf16).
-        Activations stay 16-bit so far. Default False.
+      expert_fp8: True runs the expert GEMMs with DeepSeek-V3's FP8 tiling and power-of-two
+        scales (`relaymoe_jax.quant.fp8`, docs/precision.md): the three matrices rounded to e4m3
+        per 128 x 128 block; x, the activation, y's gradient and the projections' gradients per
+        1 x 128 tile; every rounding's gradient passed straight through (to x, w_gate, w_up,
+        w_down). The ring relays its weights (expert routing) or its x and dy (token routing)
+        as e4m3 and scales, the all-to-all dispatches e4m3 rows (half the bytes of bf16). The
+        grouped matmuls multiply the rounded values in 16 bits (exact). Default False.
       out_sharding: where to put y (a NamedSharding, or a PartitionSpec on `mesh`). Default: x's
         own sharding when known, else the layout the op computed in.
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).

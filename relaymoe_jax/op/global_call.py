@@ -159,9 +159,7 @@ def _moe_ffn(
     layout = lay.resolve(x, mesh, ea, etp, call.token_axes, known=known)
     tok = layout.spec(None)
     if options.dispatcher == "reference":  # every device computes everything, keeps its tokens
-        if options.expert_fp8:
-            experts = experts.fake_quantized()
-        y = _reference(mesh, activation, x, ids, wts, experts)
+        y = _reference(mesh, activation, x, ids, wts, experts, options.expert_fp8)
         return place(y, out_sharding or layout.known or NamedSharding(mesh, tok)), stats
 
     spec, _ = resolve(
@@ -225,7 +223,7 @@ def ignored_pairs(ids, num_experts):
     return jnp.sum((ids < 0) | (ids >= num_experts)).astype(jnp.int32)
 
 
-def _reference(mesh, activation, x, ids, wts, experts):
+def _reference(mesh, activation, x, ids, wts, experts, fp8):
     """The dense reference on every device (replicated in and out, in a shard_map, so that a
     jit over inputs not yet on the mesh has the mesh's devices)."""
     args = jax.tree.map(lambda a: place(a, NamedSharding(mesh, P())), (x, ids, wts, experts))
@@ -233,7 +231,12 @@ def _reference(mesh, activation, x, ids, wts, experts):
 
     def body(x, ids, wts, experts):
         y = reference_moe(
-            x.reshape(t, h), ids.reshape(t, k), wts.reshape(t, k), *experts, activation=activation
+            x.reshape(t, h),
+            ids.reshape(t, k),
+            wts.reshape(t, k),
+            *experts,
+            activation=activation,
+            fp8=fp8,
         )
         return y.reshape(x.shape)
 

@@ -102,7 +102,7 @@ VALIDATORS = {
 @dataclasses.dataclass(frozen=True)
 class MoEOptions:
     """How `moe_ffn` runs (never what it computes: every choice gives the same numbers, except
-    a capacity factor, which drops pairs, and expert_fp8, which rounds the expert matrices).
+    a capacity factor, which drops pairs, and expert_fp8, which rounds the experts' GEMM inputs).
 
     dispatcher: "ring" (RelayMoE), "alltoall" (the Megatron-style baseline) or "reference" (dense).
     routing: the ring's mode, "expert" (weights travel), "token" (tokens travel) or "auto".
@@ -110,9 +110,11 @@ class MoEOptions:
     capacity_factor: the all-to-all's; None is dropless.
     chunk_size: the ring's pairs per chunk; None is `dispatch.chunking.default_chunk`.
     gmm_impl: the grouped matmul (`kernels.gmm`).
-    expert_fp8: the expert matrices in e4m3 with 128 x 128 block scales (`quant.fp8`), gradients
-    straight through to the full-precision weights; the ring relays them as e4m3 (half the bytes
-    of bf16). Changes the numbers (by e4m3's rounding), unlike the other options.
+    expert_fp8: the FP8 recipe for the expert GEMMs (docs/precision.md): the matrices in e4m3
+    with 128 x 128 block scales, x, the activation and the output and projection gradients per
+    1 x 128 tile (`quant.fp8`), gradients straight through to the full-precision weights; what
+    travels (the ring's weights or tokens, the all-to-all's dispatch) travels as e4m3 (half the
+    bytes of bf16). Changes the numbers (by e4m3's rounding), unlike the other options.
     """
 
     dispatcher: Dispatcher = "ring"

@@ -1,7 +1,7 @@
 """Blockwise e4m3 quantisation with power-of-two scales: DeepSeek-V3's tiling, exact dequantising.
 
     f = quantize(w_ehf, (BLOCK, BLOCK))   # weights: one scale per 128 x 128 block
-    f = quantize(x_th, (1, BLOCK))        # activations: one scale per 1 x 128 tile of a row
+    f = quantize(x_th, TILE)              # activations: one scale per 1 x 128 tile of a row
     dequantize(f, jnp.bfloat16)           # q * scale, exact (below)
 
 The blocks tile the last two dimensions (leading ones, e.g. experts, are batch); a dimension that
@@ -37,6 +37,7 @@ import numpy as np
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # 0.875 * 2^9
 BLOCK = 128
+TILE = (1, BLOCK)  # activations and output gradients: per row, per 128 channels
 F32 = np.dtype(np.float32)
 MIN_SCALE_EXP = -126  # float32's smallest normal: GPUs and XLA:CPU flush subnormals to zero
 
@@ -139,3 +140,19 @@ fake_quantize_ste.defvjp(lambda x, block: (fake_quantize(x, block), None), lambd
 def nbytes(f: Fp8) -> int:
     """Bytes of the payload and its scales."""
     return f.q.size * f.q.dtype.itemsize + f.scale.size * f.scale.dtype.itemsize
+
+
+def quantize_operand(a) -> jax.Array:
+    """An activation as an FP8 GEMM's left operand sees it: `fake_quantize(a, TILE)` (one scale
+    per row and 128 channels, the contraction's), its gradient straight through."""
+    return fake_quantize_ste(a, TILE)
+
+
+@jax.custom_vjp
+def quantize_grad(y) -> jax.Array:
+    """y itself; its cotangent rounded as an FP8 dgrad GEMM's left operand (`fake_quantize(dy,
+    TILE)`): the gradient that reaches the GEMM producing y is the e4m3 one."""
+    return y
+
+
+quantize_grad.defvjp(lambda y: (y, None), lambda _, g: (fake_quantize(g, TILE),))

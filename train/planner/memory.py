@@ -13,21 +13,23 @@ from relaymoe_jax.op.options import MoEOptions
 
 def options_label(options: MoEOptions) -> str:
     """How a table row names the dispatcher that `options` runs: "ring", "reference",
-    "alltoall (dropless)" or "alltoall (capacity 0.5)"."""
+    "alltoall (dropless)" or "alltoall (capacity 0.5)", then ", FP8 experts" with expert_fp8."""
+    fp8 = ", FP8 experts" if options.expert_fp8 else ""
     if options.dispatcher != "alltoall":
-        return options.dispatcher
+        return options.dispatcher + fp8
     cf = options.capacity_factor
-    return "alltoall (dropless)" if cf is None else f"alltoall (capacity {float(cf)!r})"
+    return ("alltoall (dropless)" if cf is None else f"alltoall (capacity {float(cf)!r})") + fp8
 
 
 # the table's rows: (label, ModelConfig overrides), in order; the trained run's own row is added
-# after them when it is none of them (another capacity factor, the reference)
+# after them when it is none of them (another capacity factor, the reference, FP8 all-to-all)
 MEMORY_TABLE_ROWS = tuple(
     (options_label(MoEOptions(**over)), over)
     for over in (
-        {"dispatcher": "ring"},
-        {"dispatcher": "alltoall", "capacity_factor": None},
-        {"dispatcher": "alltoall", "capacity_factor": 1.0},
+        {"dispatcher": "ring", "expert_fp8": False},
+        {"dispatcher": "alltoall", "capacity_factor": None, "expert_fp8": False},
+        {"dispatcher": "alltoall", "capacity_factor": 1.0, "expert_fp8": False},
+        {"dispatcher": "ring", "expert_fp8": True},
     )
 )
 

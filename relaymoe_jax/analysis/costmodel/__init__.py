@@ -84,6 +84,7 @@ or assumed compute rates, `load_rates`, `hop_flops`).
 from relaymoe_jax.analysis.costmodel.inputs import (
     alltoall_bytes,
     flat_ring_bytes,
+    fp8_payload,
     hier_ring_check,
     pairs_per_expert,
     standin_flops,
@@ -147,6 +148,7 @@ __all__ = [
     "bound",
     "flat_levels",
     "flat_ring_bytes",
+    "fp8_payload",
     "hier_levels",
     "hier_ring_check",
     "hop_flops",

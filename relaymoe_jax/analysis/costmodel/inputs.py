@@ -9,6 +9,15 @@ of a stand-in doing one hop's work (`standin_flops`).
 from relaymoe_jax.analysis.costmodel.rules import relay_sends
 
 
+def fp8_payload(bf16_bytes: int, hidden: int, ffn: int, block: int = 128) -> int:
+    """Bytes of an expert partition relayed as e4m3 (`expert_fp8`): one byte per weight and one
+    float32 scale per block x block tile of each [H, F] (or [F, H]) matrix, for the same
+    partition's `bf16_bytes` (tests/test_gpu_compile.py checks it against the compiled relay)."""
+    weights = bf16_bytes // 2
+    tiles = -(-hidden // block) * -(-ffn // block)
+    return weights + 4 * tiles * weights // (hidden * ffn)
+
+
 def _per_device(row, prog, kind="permute"):
     intra, inter = row[f"{prog}_{kind}_intra"], row[f"{prog}_{kind}_inter"]
     return list(intra), list(inter), [a + b for a, b in zip(intra, inter)]

@@ -192,13 +192,16 @@ def _row(rows: list, i: int, path, section: str) -> tuple[dict, str]:
 
 def _hop_rates(rows: list, path) -> list:
     """[(fwd TFLOP/s, note) or None, (bwd ..., note) or None] from the hop row of the default
-    chunk and the default grouped matmul (`default_impl`; a file without it has one impl)."""
+    chunk and the default grouped matmul (`default_impl`; a file without it has one impl), in
+    bf16 (a row with `fp8` true times the FP8 recipe: not the model's rate)."""
     out = [None, None]
     for i in range(len(rows)):
         r, w = _row(rows, i, path, "hop")
         if not _field(r, "default_chunk", bool, path, w):
             continue
         if _field(r, "default_impl", bool, path, w, optional=True) is False:
+            continue
+        if _field(r, "fp8", bool, path, w, optional=True):
             continue
         impl = _field(r, "impl", str, path, w, optional=True)
         note = (
