@@ -26,6 +26,7 @@ TINY_HOP = dict(experts=4, top_k=2, hidden=32, ffn=32, tokens=64, ep=8, chunk=32
 # are tested in tests/test_dispatch_mosaic.py.
 HOP_IMPLS = {True: ("mosaic", "pallas", "ragged_dot"), False: ("mosaic", "pallas")}
 HOP_INTERPRET_IMPL = "pallas-interpret"
+FP8_INTERPRET_IMPL = "xla"  # --interpret's FP8 row: XLA's grouped matmul, not a second interpreter
 
 
 def _moe_impl(opts):
@@ -287,13 +288,15 @@ def hop_cases(shp, opts, auto):
     """Holds [(chunk, is the default chunk, gmm_impl, expert_fp8)] in the order timed: the
     default chunk's impls, then the balanced share's (`HOP_IMPLS`), then the default chunk with
     `auto`'s impl and expert_fp8 (the FP8 recipe; its matmuls are the 16-bit kernel's on the
-    rounded values until an e4m3 kernel exists: this row is what the rounding costs)."""
+    rounded values until an e4m3 kernel exists: this row is what the rounding costs; under
+    --interpret with `FP8_INTERPRET_IMPL`)."""
     bf16 = [
         (chunk, is_default, impl, False)
         for chunk, is_default in hop_chunks(shp)
         for impl in ((HOP_INTERPRET_IMPL,) if opts.interpret else HOP_IMPLS[is_default])
     ]
-    return [*bf16, (hop_chunks(shp)[0][0], True, auto, True)]
+    fp8_impl = FP8_INTERPRET_IMPL if opts.interpret else auto  # interpreted: the plumbing only
+    return [*bf16, (hop_chunks(shp)[0][0], True, fp8_impl, True)]
 
 
 def impl_label(impl: str, fp8: bool) -> str:

@@ -38,7 +38,7 @@ SMALL = [
     "num_hidden_layers=1",
 ]
 EVAL = ["eval_every=2", "eval_batches=2"]
-TIMING = ("tokens_per_s", "step_time", "data_time")
+TIMING = ("tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu")
 
 
 def _metrics(out):

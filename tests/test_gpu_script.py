@@ -2,7 +2,8 @@
 
 The kernels run in their interpreters (Pallas interpret=True, Mosaic GPU under
 force_gpu_interpret_mode) in the kernel section, and the hop with "pallas-interpret" (the Mosaic GPU
-kernel's ring hops: tests/test_dispatch_mosaic.py); the layer runs with gmm_impl="xla". On a
+kernel's ring hops: tests/test_dispatch_mosaic.py), its FP8 row with "xla" (the row's plumbing:
+tests/test_fp8_op.py checks the FP8 hop's numbers); the layer runs with gmm_impl="xla". On a
 1-device mesh. One run (module fixture) feeds every check, its `--json` file included, which the
 cost model's loader must read back.
 
@@ -109,7 +110,7 @@ def test_hop_table(gpu, run):
     assert [(r["chunk (pairs)"], r["gmm_impl"]) for r in rows] == [
         (f"{shp['chunk']} (default)", "pallas-interpret"),
         (f"{share} (balanced share)", "pallas-interpret"),
-        (f"{shp['chunk']} (default)", "pallas-interpret + expert_fp8"),
+        (f"{shp['chunk']} (default)", "xla + expert_fp8"),
     ]
     assert [int(r["chunks per hop"]) for r in rows] == [
         pairs // shp["chunk"],

@@ -47,7 +47,7 @@ from train.step import mesh as tm
 
 S = 16
 LR = 3e-3
-TIMING = ("tokens_per_s", "step_time", "data_time")
+TIMING = ("tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu")
 
 
 def _cfg(**over):

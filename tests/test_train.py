@@ -11,6 +11,7 @@ memory table's trained step, x64's reference run) share one compiled step.
 import json
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -37,6 +38,16 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _events(out):
+    """{tag: [(step, value)]} of the run's TensorBoard event files, read by TensorBoard's own
+    reader (which hides what a later writer purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
 def test_train_resume_matches_uninterrupted(tmp_path):
     """Also covers what test_expert_bias_is_checkpointed did: the runs move the expert bias
     (`SMALL`), so the resumed run logs the uninterrupted one's losses only if the bias was
@@ -59,6 +70,18 @@ def test_train_resume_matches_uninterrupted(tmp_path):
     assert cli.main([*SMALL, "--steps", "9", "--out", str(b), "--save-every", "4"]) == 0
     straight = _metrics(b)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # bitwise on CPU
+    # the throughput and load fields (tests/test_step_metrics.py checks their values)
+    for r in resumed:
+        assert r["model_tflops_per_device"] > 0 and r["mfu"] is None  # CPU: no known peak
+        assert len(r["expert_overload"]) == 1 and r["expert_overload"][0] >= 1.0
+    # the TensorBoard events of both runs into one directory: every step once, as logged
+    events = _events(a)
+    assert [s for s, _ in events["loss"]] == list(range(1, 10))
+    np.testing.assert_allclose([v for _, v in events["loss"]], [r["loss"] for r in resumed], 1e-6)
+    overload = [v for _, v in events["expert_overload/layer_0"]]
+    np.testing.assert_allclose(overload, [r["expert_overload"][0] for r in resumed], 1e-6)
+    assert "model_tflops_per_device" in events and "mfu" not in events
+    assert (a / "expert_load.png").read_bytes()[:4] == b"\x89PNG"
 
     # a rerun at the same step count does nothing and keeps the log
     assert cli.main([*SMALL, "--steps", "9", "--out", str(a)]) == 0
@@ -72,10 +95,22 @@ def test_metrics_past_checkpoint_are_dropped_on_resume(tmp_path):
     lines = log.read_text().splitlines()
     fake = json.dumps({**json.loads(lines[-1]), "step": 3, "loss": -1.0})
     log.write_text("\n".join([*lines, fake, '{"step": 4, "lo']) + "\n")  # crash after save
-    assert cli.main([*SMALL, "--steps", "3", "--out", str(out), "--synthetic"]) == 0
+    from tensorboardX import SummaryWriter
+
+    time.sleep(1.1)  # event files are read in the order of their names, which start with the second
+    with SummaryWriter(str(out / "tensorboard"), filename_suffix=".crashed") as w:  # its event
+        w.add_scalar("loss", -1.0, 3)
+    prof = ["--profile-steps", "3:3"]  # also: a resumed run traces its step 3
+    assert cli.main([*SMALL, "--steps", "3", "--out", str(out), "--synthetic", *prof]) == 0
     recs = _metrics(out)
     assert [r["step"] for r in recs] == [1, 2, 3]
+    (xplane,) = (out / "profile").rglob("*.xplane.pb")  # XProf's format
+    names = (b"ring_fwd_hop", b"ring_bwd_hop", b"attention", b"lm_loss", b"optimizer")
+    assert all(n in xplane.read_bytes() for n in names)  # the program's named scopes
     assert recs[2]["loss"] > 0
+    events = _events(out)["loss"]  # the fake step 3 purged by the resumed run's writer
+    assert [s for s, _ in events] == [1, 2, 3]
+    assert events[2][1] == pytest.approx(recs[2]["loss"], rel=1e-6)
 
 
 def test_nonfinite_loss_stops_and_keeps_checkpoint(tmp_path):

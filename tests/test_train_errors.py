@@ -264,6 +264,11 @@ def test_empty_config_file_is_an_error(tmp_path, no_build):
         (["--seed", "-1"], "trainer option seed=-1: expected >= 0"),
         (["save_every=0"], "trainer option save_every=0: expected >= 1"),
         (["loss_chunk=0"], "trainer option loss_chunk=0: expected >= 1"),
+        # a profile range past the run
+        (
+            ["--profile-steps", "1:3"],
+            "--profile-steps 1:3 ends past --steps 1: nothing would trace steps 2 to 3",
+        ),
     ],
 )
 def test_contradictory_or_ignored_settings_are_refused(tmp_path, extra, said):
@@ -275,6 +280,15 @@ def test_contradictory_or_ignored_settings_are_refused(tmp_path, extra, said):
     with pytest.raises(ValueError) as e:
         cli.parse(argv)
     assert str(e.value).startswith(said), str(e.value)
+
+
+@pytest.mark.parametrize("given", ["0:2", "3:2", "2", "a:b"])
+def test_a_bad_profile_range_is_an_argument_error(given, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse([*TINY, "--out", "x", "--profile-steps", given])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "expected A:B, the first and last step to trace" in err, err
+    assert repr(given) in err
 
 
 @pytest.mark.parametrize("warmup, warned", [(10, True), (0, False)])

@@ -65,7 +65,7 @@ def hf_loss(ckpt_dir, ids) -> float:
 def _metrics(out):
     """metrics.jsonl without the timings."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    timing = {"tokens_per_s", "step_time", "data_time"}
+    timing = {"tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu"}
     return [{k: v for k, v in json.loads(ln).items() if k not in timing} for ln in lines]
 
 

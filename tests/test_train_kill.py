@@ -65,7 +65,7 @@ ARGS = [
     "--steps",
     str(STEPS),
 ]
-TIMING = {"tokens_per_s", "step_time", "data_time"}
+TIMING = {"tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu"}
 TIMEOUT_S = 300  # one trainer process (compiles in ~10-20 s)
 
 

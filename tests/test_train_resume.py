@@ -261,7 +261,7 @@ def test_checkpoints_keep_the_dict_state_of_earlier_trainers(run, tmp_path):
 
     for out in (run, earlier):
         assert cli.main([*BASE, "--quiet", "--steps", "3", "--out", str(out)]) == 0
-    drop = ("tokens_per_s", "step_time", "data_time")
+    drop = ("tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu")
     last = [{k: v for k, v in _metrics(out)[-1].items() if k not in drop} for out in (run, earlier)]
     assert last[0]["step"] == 3 and last[0] == last[1]
 
@@ -324,21 +324,32 @@ def test_schedule_steps_is_checked_and_unset_by_default(tmp_path):
         cli.main([*SMALL, "--steps", "1", "--out", str(tmp_path), "schedule_steps=0"])
 
 
+def _progress_record(**extra):
+    base = dict(step=2, loss=1.0, lm_loss=1.0, aux_loss=0.0, z_loss=0.0, grad_norm=0.5)
+    return {**base, "tokens_per_s": 100.0, "step_time": 0.1, **extra}
+
+
 def test_progress_line_shows_lr():
-    rec = {
-        "step": 2,
-        "loss": 1.0,
-        "lm_loss": 1.0,
-        "aux_loss": 0.0,
-        "z_loss": 0.0,
-        "grad_norm": 0.5,
-        "lr": 0.00125,
-        "tokens_per_s": 100.0,
-        "step_time": 0.1,
-    }
+    rec = _progress_record(lr=0.00125)
     assert " gnorm 0.500 lr 0.00125 100 tok/s " in progress.StepProgress(0, 4).line(rec)
     del rec["lr"]  # a record of an older run
     assert " gnorm 0.500 100 tok/s " in progress.StepProgress(0, 4).line(rec)
+
+
+def test_progress_line_shows_throughput_and_the_worst_layer():
+    """The model TFLOP/s per device and MFU (train.step.flops), the most overloaded layer and
+    the most idle experts (train.step.expert_load; tests/test_step_metrics.py checks both)."""
+    rec = _progress_record(
+        model_tflops_per_device=12.25,
+        mfu=0.3125,
+        expert_overload=[1.5, 2.25],
+        expert_min_load=[0.5, 0.0],
+        experts_idle=[0, 3],
+    )
+    line = progress.StepProgress(0, 4).line(rec)
+    assert " load max/mean 2.25 (layer 1), idle 3 12.2 TFLOP/s/dev MFU 31.2% 100 tok/s " in line
+    rec["mfu"] = None  # CPU
+    assert " 12.2 TFLOP/s/dev 100 tok/s " in progress.StepProgress(0, 4).line(rec)
 
 
 def test_ring_change_is_same_math_and_an_old_checkpoint_reads_auto():

@@ -36,7 +36,7 @@ from .errors import (
     require_train_extra,
 )
 from .planner import memory
-from .run import distributed, guards, interrupt
+from .run import distributed, guards, interrupt, profile
 from .settings import (
     TRAIN_FIELDS,
     RunSettings,
@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(train.step.evaluate)",
     )
     p.add_argument("--quiet", action="store_true", help="no per-step line")
+    p.add_argument(
+        "--profile-steps",
+        type=profile.step_range,
+        default=None,
+        metavar="A:B",
+        help="trace steps A to B (from 1) with jax.profiler into OUT/profile (XProf / "
+        "TensorBoard's trace viewer: `tensorboard --logdir OUT/profile`)",
+    )
     p.add_argument(
         "--memory-table",
         action="store_true",
@@ -285,6 +293,7 @@ def parse(argv) -> RunSettings:
         force=args.force,
         allow_changes=tuple(args.allow_changes),
         init_from_hf=args.init_from_hf,
+        profile_steps=profile.check_range(args.profile_steps, args.steps),
     )
 
 

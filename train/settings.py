@@ -198,6 +198,7 @@ class RunSettings:
     force: bool = False  # --force: skip the memory check
     allow_changes: tuple[str, ...] = ()  # --allow-changes items, as given (train.state.identity)
     init_from_hf: Path | None = None  # --init-from-hf: a Hugging Face checkpoint (train.hf.init)
+    profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.run.profile)
 
     def replace(self, **changes) -> "RunSettings":
         return dataclasses.replace(self, **changes)

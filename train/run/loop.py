@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from .. import data as data_mod
@@ -31,8 +32,9 @@ from ..settings import RunSettings
 from ..state import checkpoint as ckpt
 from ..state import identity
 from ..step import accumulate, evaluate, train_step
+from ..step import flops as flops_mod
 from ..step import mesh as train_mesh
-from . import distributed, guards, interrupt, plot, progress
+from . import board, distributed, guards, interrupt, plot, profile, progress
 from . import io as run_io
 
 log = distributed.print_on_main
@@ -54,6 +56,7 @@ class StepContext:
     run_identity: identity.RunIdentity
     stop: interrupt.Stop
     evaluator: evaluate.Evaluator | None = None  # --eval-data (train.step.evaluate)
+    flops: flops_mod.StepFlops | None = None  # model FLOPs for the TFLOP/s and MFU
 
 
 def execute(run: RunSettings, stop: interrupt.Stop) -> int:
@@ -130,6 +133,7 @@ def execute(run: RunSettings, stop: interrupt.Stop) -> int:
                 ident,
                 stop,
                 evaluator,
+                flops_mod.StepFlops.of(run.model, state.params, jax.devices()[0].device_kind),
             )
             meta = {"config": run.config, "seed": tc.seed, **ident.meta}
             state = train(ctx, state, start, meta)
@@ -231,10 +235,13 @@ def train(t: StepContext, state, start: int, meta: dict):
     raise `interrupt.Interrupted`. Returns the state."""
     run, tc = t.settings, t.settings.train
     bar = progress.StepProgress(start, run.steps, tc.batch_size * tc.grad_accum * tc.seq_len)
-    with run_io.metrics_file(t.metrics_path) as mf:
+    prof = profile.Profiler(run.out, run.profile_steps, log)
+    with run_io.metrics_file(t.metrics_path) as mf, board.Board(run.out, start) as tb, prof:
         for s in range(start + 1, run.steps + 1):
             t.stop.step = s  # a second signal from now on names it
+            prof.before(s)
             state, rec = _step(t, state, s)
+            prof.after(s)
             if not math.isfinite(rec["loss"]):
                 run_io.wait(t.mngr)
                 raise guards.NonFiniteLossError(
@@ -248,6 +255,7 @@ def train(t: StepContext, state, start: int, meta: dict):
                 rec.update(t.evaluator(state).record())  # the held-out loss (train.step.evaluate)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
+            tb.write(rec)
             if not run.quiet:
                 log(bar.line(rec))
             sig = t.stop.requested()  # every step (several processes: agreed among them)
@@ -277,20 +285,28 @@ def _step(t: StepContext, state, s: int):
         state = train_step.update_expert_bias(t.graphdef, state, m.expert_load)
     m = jax.device_get(m)
     dt = time.perf_counter() - t1
+    tokens = tc.batch_size * tc.grad_accum * tc.seq_len  # every micro-batch
     rec = {
         "step": s,
         **m.record(),
         **t.run_identity.extra(s),
-        "tokens_per_s": tc.batch_size * tc.grad_accum * tc.seq_len / dt,  # every micro-batch
+        "tokens_per_s": tokens / dt,
         "step_time": dt,
         "data_time": t1 - t0,  # waiting for the batch (the loader reads ahead meanwhile)
     }
+    if t.flops is not None:  # this process's rows stand for the others' documents
+        seg = None if local.segment_ids is None else np.reshape(local.segment_ids, (-1, tc.seq_len))
+        ids = np.reshape(local.tokens, (-1, tc.seq_len))
+        rows = ids.shape[0]
+        pairs = flops_mod.visible_pairs(ids, seg)
+        pairs = pairs * (tc.batch_size * tc.grad_accum) // max(rows, 1)
+        rec.update(t.flops.record(tokens, pairs, dt, jax.device_count()))
     return state, rec
 
 
 def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) -> None:
-    """With --memory-table the train step's memory per dispatcher, then the loss-curve PNG
-    (process 0), whose path is the last line."""
+    """With --memory-table the train step's memory per dispatcher, then (process 0) the expert
+    load heatmap (a model with MoE layers) and the loss-curve PNG, whose path is the last line."""
     tc, cfg = run.train, run.model
     if run.memory_table:
         rows = memory.memory_rows(cfg, tc, mesh, compiled, log=log, packed=packed)
@@ -301,6 +317,11 @@ def _finish(run: RunSettings, mesh, compiled, metrics_path: Path, packed: bool) 
             + memory.memory_table(rows)
         )
     if distributed.is_main() and metrics_path.exists() and metrics_path.stat().st_size:
+        heat = plot.plot_expert_load(
+            metrics_path, run.out / "expert_load.png", title=f"{run.config}: expert overload"
+        )
+        if heat is not None:
+            log(f"expert load: {heat}")
         label = plot.dispatcher_label(metrics_path, cfg.moe.options.dispatcher)
         png = plot.plot_losses(
             {label: metrics_path},

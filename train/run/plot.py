@@ -166,6 +166,47 @@ def plot_losses(runs: dict, out_png, *, key: str = "loss", title: str | None = N
     return out_png
 
 
+def load_matrix(src, key: str = "expert_overload") -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, [layers, steps] values) of the per-layer list `key` of a run's records (those
+    that have it, by step; a resume's repeated steps keep the last record), or None if none has
+    it (a dense model, a metrics file from before the load statistics)."""
+    by_step = {r["step"]: r[key] for r in read_records(src) if "step" in r and r.get(key)}
+    if not by_step:
+        return None
+    steps = np.array(sorted(by_step))
+    layers = max(len(v) for v in by_step.values())
+    m = np.full((layers, len(steps)), np.nan)
+    for j, s in enumerate(steps):
+        m[: len(by_step[s]), j] = by_step[s]
+    return steps, m
+
+
+def plot_expert_load(src, out_png, *, title: str | None = None) -> Path | None:
+    """A heatmap of the overload factor (max / mean expert load) per MoE layer (rows) and step
+    (columns) of one run into the PNG `out_png`; None (nothing written) without load lists."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    found = load_matrix(src)
+    if found is None:
+        return None
+    steps, m = found
+    fig = Figure(figsize=(7, 1.5 + 0.35 * m.shape[0]), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, m.shape[0] - 0.5, -0.5)
+    im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma", extent=extent)
+    fig.colorbar(im, ax=ax, label="max / mean expert load")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(m.shape[0]))
+    ax.set_title(title or "expert overload per layer")
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, format="png", dpi=120)
+    return out_png
+
+
 def parse_run(spec: str) -> tuple[str, Path]:
     """(label, path) of a command-line run `LABEL=PATH` or `PATH`."""
     label, eq, path = spec.partition("=")

@@ -1,9 +1,13 @@
 """Per-step feedback: one line per step with a progress bar, the losses, grad norm, learning
-rate, the held-out loss and perplexity at the steps that evaluate (`step.evaluate`), tokens per
-optimizer step (every micro-batch of `grad_accum`), tokens/s, step time and the time left. Plain
-lines (no carriage returns), so a log file reads the same as a terminal."""
+rate, the held-out loss and perplexity at the steps that evaluate (`step.evaluate`), the most
+overloaded MoE layer's load max/mean and the most idle experts (`step.expert_load`), the model
+TFLOP/s per device and MFU (`step.flops`), tokens per optimizer step (every micro-batch of
+`grad_accum`), tokens/s, step time and the time left. Plain lines (no carriage returns), so a
+log file reads the same as a terminal."""
 
 import time
+
+from ..step import expert_load
 
 
 def _duration(seconds: float) -> str:
@@ -11,6 +15,16 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def _throughput(rec: dict) -> str:
+    """`12.3 TFLOP/s/dev MFU 31.2% ` (MFU where the device's peak is known)."""
+    if "model_tflops_per_device" not in rec:
+        return ""
+    mfu = rec.get("mfu")
+    return f"{rec['model_tflops_per_device']:.3g} TFLOP/s/dev " + (
+        f"MFU {mfu:.1%} " if mfu is not None else ""
+    )
 
 
 class StepProgress:
@@ -44,6 +58,8 @@ class StepProgress:
                 if "eval_loss" in rec
                 else ""
             )
+            + expert_load.worst(rec)
+            + _throughput(rec)
             + (f"{self.tokens_per_step:,} tok/step " if self.tokens_per_step else "")
             + f"{rec['tokens_per_s']:,.0f} tok/s "
             f"{rec['step_time'] * 1e3:.1f} ms/step, elapsed "

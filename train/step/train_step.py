@@ -32,7 +32,7 @@ from relaymoe_jax.xla_options import XLA_OPTIONS
 
 from ..data.source import Batch
 from ..settings import RUN_ONLY_FIELDS, TrainConfig, check_offload
-from . import accumulate, objective
+from . import accumulate, expert_load, objective
 from .accumulate import accumulated_value_and_grad, step_batch
 from .objective import next_token_targets as next_token_targets  # (callers read it here)
 from .offload import fetch_params, on_host, streamed_update
@@ -137,7 +137,8 @@ def init_state(cfg, tc: TrainConfig, mesh, model=None):
 
 class StepMetrics(NamedTuple):
     """What a step returns besides the state (scalars, replicated): the losses, the gradient
-    norm, the pairs the all-to-all dropped, and the expert load the bias update reads."""
+    norm, the pairs the all-to-all dropped, and the expert load (the bias update reads it, the
+    metrics line gets its per-layer statistics, `expert_load.load_stats`)."""
 
     loss: jax.Array  # lm_loss + router_loss: what the update minimises
     lm_loss: jax.Array
@@ -146,13 +147,16 @@ class StepMetrics(NamedTuple):
     router_loss: jax.Array
     grad_norm: jax.Array
     dropped_pairs: jax.Array  # int32
-    expert_load: jax.Array  # [L_moe, E] int32 (`update_expert_bias`; not logged)
+    expert_load: jax.Array  # [L_moe, E] int32 (`update_expert_bias`; logged as its statistics)
 
     def record(self) -> dict:
-        """The fields of the metrics.jsonl line (host values; `expert_load` left out), in the
-        order the line always had them (by name)."""
+        """The fields of the metrics.jsonl line (host values), in the order the line always had
+        them (by name), then the per-layer load statistics of a model with MoE layers
+        (`expert_load.LOAD_KEYS`; the counts themselves are not logged)."""
         rec = {k: float(v) for k, v in sorted(self._asdict().items()) if k != "expert_load"}
         rec["dropped_pairs"] = int(self.dropped_pairs)
+        if np.ndim(self.expert_load) == 2 and np.shape(self.expert_load)[0]:
+            rec.update(expert_load.load_stats(self.expert_load))
         return rec
 
 
@@ -205,9 +209,10 @@ def make_step(
                 )
         else:
             (loss, (lm, aux)), grads = grad_fn(state.params, state.rest, batch)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            grad_norm = optax.tree.norm(grads)
+            with jax.named_scope("optimizer"):
+                updates, opt_state = tx.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+                grad_norm = optax.tree.norm(grads)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
         metrics = StepMetrics(
             loss=loss,
