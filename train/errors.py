@@ -13,7 +13,8 @@ import importlib.util
 import os
 import re
 
-TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib", "grain")  # pyproject's `train` extra
+# pyproject's `train` extra
+TRAIN_EXTRA = ("optax", "orbax.checkpoint", "matplotlib", "grain", "tensorboardX")
 
 
 class MissingExtraError(ImportError):

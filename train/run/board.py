@@ -1,15 +1,21 @@
 """TensorBoard event files of a run: the metrics line's scalars under `--out/tensorboard/`, read
-with `tensorboard --logdir OUT/tensorboard`. Written with tensorboardX (the `train` extra; no
-TensorFlow), by process 0 only, one event per step and tag.
+with `tensorboard --logdir OUT/tensorboard`. Written in tensorboardX's event format (the `train`
+extra; no TensorFlow), by process 0 only, one event per step.
 
 Tags: each number of the metrics.jsonl line under its own key (`loss`, `lm_loss`, `grad_norm`,
 `lr`, `tokens_per_s`, `model_tflops_per_device`, `mfu` where known, `eval_loss` at the steps that
 evaluate, ...), and each per-layer list as one tag per MoE layer, `expert_overload/layer_3`."""
 
+import contextlib
 import math
 import os
+import socket
+import time
 from pathlib import Path
 
+from tensorboardX.proto import event_pb2, summary_pb2
+
+from ..errors import WriteError, describe_write_error
 from . import distributed
 
 SKIP = frozenset({"step"})  # the x axis, not a scalar
@@ -33,35 +39,64 @@ def scalars(rec: dict) -> dict[str, float]:
 
 class Board:
     """Writes metrics records as TensorBoard scalars into `out/tensorboard` (process 0; a no-op
-    elsewhere). Use as a context manager: the events are flushed and the file closed at exit.
-    `start`: the step a resumed run continues from; the events an interrupted run wrote past it
-    are purged (TensorBoard hides them), as metrics.jsonl's lines are truncated."""
+    elsewhere), one event file per run, each step's events written and flushed with the step's
+    metrics line (synchronously: no writer thread, nothing left to flush at exit); an OSError is
+    a WriteError naming the file, as for metrics.jsonl. `start`: the step a resumed run continues
+    from; the events an interrupted run wrote past it are purged (TensorBoard hides them), as
+    metrics.jsonl's lines are truncated."""
 
     def __init__(self, out: Path, start: int = 0):
-        self.logdir = Path(out) / "tensorboard"
-        self.writer = None
-        if distributed.is_main():
-            from tensorboardX import SummaryWriter  # the train extra
+        self.path = None
+        self.rec = None
+        if not distributed.is_main():
+            return
+        # tensorboardX's wire format (its protos and record framing), TensorBoard's file naming;
+        # the pid and start keep two runs into one directory within a second apart
+        from tensorboardX.record_writer import RecordWriter  # the train extra
 
-            purge = start + 1 if start else None
-            # tensorboardX names a file by the second it opens it: two runs into one directory
-            # within a second (a short run, then its resume) would share the name, the second
-            # truncating the first's events, but for this suffix
-            suffix = f".{os.getpid()}.from{start}"
-            self.writer = SummaryWriter(
-                logdir=str(self.logdir), flush_secs=30, purge_step=purge, filename_suffix=suffix
-            )
+        logdir = Path(out) / "tensorboard"
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
+        self.path = logdir / f"{name}.{os.getpid()}.from{start}"
+        with self._errors():
+            logdir.mkdir(parents=True, exist_ok=True)
+            self.rec = RecordWriter(str(self.path))
+            self._event(event_pb2.Event(step=start + 1, file_version="brain.Event:2"))
+            if start:  # TensorBoard drops the earlier files' events from this step on
+                start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+                self._event(event_pb2.Event(step=start + 1, session_log=start_log))
+            self.rec.flush()
 
     def write(self, rec: dict) -> None:
-        if self.writer is None:
+        if self.rec is None:
             return
-        for tag, value in scalars(rec).items():
-            self.writer.add_scalar(tag, value, global_step=rec["step"])
+        values = [summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in scalars(rec).items()]
+        with self._errors():
+            self._event(
+                event_pb2.Event(step=rec["step"], summary=summary_pb2.Summary(value=values))
+            )
+            self.rec.flush()
+
+    def _event(self, event) -> None:
+        event.wall_time = time.time()
+        self.rec.write(event.SerializeToString())
+
+    @contextlib.contextmanager
+    def _errors(self):
+        try:
+            yield
+        except OSError as e:
+            raise WriteError(f"writing {self.path} failed: {describe_write_error(e)}") from e
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        if self.writer is not None:
-            self.writer.close()
+    def __exit__(self, exc_type, *exc):
+        if self.rec is not None:
+            rec, self.rec = self.rec, None
+            try:
+                with self._errors():
+                    rec.close()
+            except WriteError:
+                if exc_type is None:  # a failure of its own; else the run's error comes first
+                    raise
         return False
