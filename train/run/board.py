@@ -13,8 +13,6 @@ import socket
 import time
 from pathlib import Path
 
-from tensorboardX.proto import event_pb2, summary_pb2
-
 from ..errors import WriteError, describe_write_error
 from . import distributed
 
@@ -51,7 +49,10 @@ class Board:
         if not distributed.is_main():
             return
         # tensorboardX's wire format (its protos and record framing), TensorBoard's file naming;
-        # the pid and start keep two runs into one directory within a second apart
+        # the pid and start keep two runs into one directory within a second apart. Imported
+        # here, when a run starts its steps: a run stopped before them (a signal during the
+        # compile) exits without protobuf's runtime loaded, as before
+        from tensorboardX.proto import event_pb2
         from tensorboardX.record_writer import RecordWriter  # the train extra
 
         logdir = Path(out) / "tensorboard"
@@ -69,6 +70,8 @@ class Board:
     def write(self, rec: dict) -> None:
         if self.rec is None:
             return
+        from tensorboardX.proto import event_pb2, summary_pb2
+
         values = [summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in scalars(rec).items()]
         with self._errors():
             self._event(
