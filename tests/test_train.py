@@ -11,7 +11,7 @@ memory table's trained step, x64's reference run) share one compiled step.
 import json
 import math
 import re
-import time
+import struct
 
 import numpy as np
 import pytest
@@ -95,11 +95,17 @@ def test_metrics_past_checkpoint_are_dropped_on_resume(tmp_path):
     lines = log.read_text().splitlines()
     fake = json.dumps({**json.loads(lines[-1]), "step": 3, "loss": -1.0})
     log.write_text("\n".join([*lines, fake, '{"step": 4, "lo']) + "\n")  # crash after save
-    from tensorboardX import SummaryWriter
+    # and its TensorBoard event of step 3, appended to the run's event file as the run would have
+    from tensorboardX.proto import event_pb2, summary_pb2
+    from tensorboardX.record_writer import masked_crc32c
 
-    time.sleep(1.1)  # event files are read in the order of their names, which start with the second
-    with SummaryWriter(str(out / "tensorboard"), filename_suffix=".crashed") as w:  # its event
-        w.add_scalar("loss", -1.0, 3)
+    value = summary_pb2.Summary.Value(tag="loss", simple_value=-1.0)
+    data = event_pb2.Event(step=3, summary=summary_pb2.Summary(value=[value])).SerializeToString()
+    head = struct.pack("Q", len(data))
+    (events,) = (out / "tensorboard").glob("events.*")
+    with open(events, "ab") as f:
+        f.write(head + struct.pack("I", masked_crc32c(head)) + data)
+        f.write(struct.pack("I", masked_crc32c(data)))
     prof = ["--profile-steps", "3:3"]  # also: a resumed run traces its step 3
     assert cli.main([*SMALL, "--steps", "3", "--out", str(out), "--synthetic", *prof]) == 0
     recs = _metrics(out)
