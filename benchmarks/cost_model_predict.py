@@ -186,7 +186,7 @@ FP8_HEAD = (
 def fp8_lines_section(args, model_in, secs, links, shape, lines):
     """Prints the lines with `expert_fp8`'s relay (P as e4m3 + block scales; the f32 dW
     accumulator as before), at today's bf16-rate matmuls and at twice that rate (an e4m3 grouped
-    matmul at the tensor cores' 2x; not built yet); returns {ep: (flat, hier) at each}."""
+    matmul at the tensor cores' 2x; not built yet)."""
     print("\n### Where the ring stops hiding its transfers with expert_fp8 (tokens per device)\n")
     print(
         "The same lines with the weights relayed as e4m3 and one float32 scale per 128 x 128 "
@@ -197,7 +197,6 @@ def fp8_lines_section(args, model_in, secs, links, shape, lines):
     )
     print_head(FP8_HEAD)
     t_ref, (_, hidden, ffn) = max(args.tokens), shape
-    out = {}
     mib = lambda b: f"{b / 2**20:,.1f}"
     for ep in args.ep:
         b = model_in[ep][3]
@@ -211,7 +210,6 @@ def fp8_lines_section(args, model_in, secs, links, shape, lines):
             cm.threshold_tokens(cm.transfer_time(nb, fl, links), ft, 1.0)
             for nb, ft in zip((p8, p8 + a), per_tok)
         ]
-        out[ep] = {"relay": relay, "fast": fast}
         hier = lambda d: f"{d['hier']:,.0f}" if d["hosts"] > 1 else "-"
         cells = [
             ep,
@@ -226,7 +224,6 @@ def fp8_lines_section(args, model_in, secs, links, shape, lines):
             hier(fast),
         ]
         print(table_row(cells))
-    return out
 
 
 # ---------------------------------------------------------------- in words
