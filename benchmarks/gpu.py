@@ -50,7 +50,13 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    sampled rows (`--check-rows`; all rows when M is no larger) and, for dW, up to 64 sampled
    columns. `check` is "ok" when all three are within the bf16 tolerance TOL, else "ERR > tol".
 
-4. `## Attention` -- causal grouped-query attention fwd and fwd+bwd (the loss sum(o * do), do a
+4. `## Train step` -- the trainer's own step (`train.step.train_step`, compiled with
+   `relaymoe_jax.XLA_OPTIONS`) on one GPU's share of Qwen3-30B-A3B at EP=8 (16 experts, 2
+   layers, bf16, moe_remat, attention and grouped matmul "auto") at 8,192, 32,768 and 131,072
+   tokens: step ms, tokens/s, model TFLOP/s and MFU as the trainer's metrics line counts them,
+   the compiled peak, and the planner's predicted step time (`train/planner/predict.py`, at the
+   cost model's rates) with measured / predicted: benchmarks/gpu_train.py.
+5. `## Attention` -- causal grouped-query attention fwd and fwd+bwd (the loss sum(o * do), do a
    fixed bf16 normal) at Qwen3-30B-A3B's heads: N=32 query heads, K=4 kv heads, head_dim 128,
    bf16, batch 1, at 8,192, 32,768 and 131,072 tokens per device, each with packed documents of
    4,096 tokens (segment ids 0, .., 0, 1, ..) and plain causal (run in that order, so the costliest
@@ -77,8 +83,9 @@ e.g. on a non-Hopper GPU) and the run goes on. Once `--budget-min` minutes have 
 remaining cases are skipped (said so).
 
 `--tiny` shrinks every shape so it runs anywhere (M=256, K, N in {32, 64}, G in {4, 8}; the layer at
-E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128; attention
-at N=4, K=2, D=64, 128 tokens, documents of 64, chunked block_k=64). `--interpret`
+E=4, k=2, H=F=32, T=64; the hop at E_l=4, k=2, H=F=32, 128 pairs, chunks 32 and 128; the train
+step on configs/tiny.yaml, one layer, 64 tokens; attention at N=4, K=2, D=64, 128 tokens,
+documents of 64, chunked block_k=64). `--interpret`
 (needs `--tiny`) runs the Pallas kernels (gmm and attention) with interpret=True, the Mosaic-GPU
 kernels under `plgpu.force_gpu_interpret_mode` and the hop with "pallas-interpret"; the layer runs
 with gmm_impl="xla". This is how tests/test_gpu_script.py runs the script on CPU. Its
@@ -94,6 +101,8 @@ import shlex
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: gpu_train
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules, when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
@@ -102,6 +111,7 @@ from gpu_common import TOL, Budget, error_text
 from gpu_kernel_section import PASSES, PATTERNS, SHAPES, TINY_SHAPES, kernel_section
 from gpu_kernels import PALLAS_CONFIGS, TINY_PALLAS_CONFIGS, pallas_cfg
 from gpu_layer import HOP, LAYER, LAYER_VARIANTS, TINY_HOP, TINY_LAYER, hop_section, layer_section
+from gpu_train import TINY_TRAIN, TRAIN, train_section
 
 from relaymoe_jax.cli.argtypes import non_negative_int, positive_float, positive_int
 
@@ -122,15 +132,18 @@ __all__ = [
     "TINY_LAYER",
     "TINY_PALLAS_CONFIGS",
     "TINY_SHAPES",
+    "TINY_TRAIN",
     "TOL",
+    "TRAIN",
     "main",
     "pallas_cfg",
     "parse_args",
 ]
 
 SCRIPT = "benchmarks/gpu.py"
-# run in this order: see gpu_layer.layer_section's doc (attention last: the newest, the longest)
-SECTIONS = ("layer", "hop", "kernels", "attention")
+# run in this order: see gpu_layer.layer_section's doc (attention last: the longest; the train
+# step before it, so that it runs within the budget)
+SECTIONS = ("layer", "hop", "kernels", "train", "attention")
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity), NVIDIA spec sheets.
 PEAKS = (("nvl", None), ("h100 pcie", 756.0), ("h100", 989.4), ("h200", 989.4), ("a100", 312.0))
 
@@ -239,6 +252,7 @@ class Results:
     hop: list = dataclasses.field(default_factory=list)  # HopTiming
     layer: list = dataclasses.field(default_factory=list)  # {LAYER_COLS column: cell text}
     attention: list = dataclasses.field(default_factory=list)  # AttnTiming
+    train: list = dataclasses.field(default_factory=list)  # TrainTiming
 
 
 def write_json(path, header: dict, results: Results):
@@ -249,6 +263,7 @@ def write_json(path, header: dict, results: Results):
         "hop": [dataclasses.asdict(r) for r in results.hop],
         "layer": results.layer,
         "attention": [dataclasses.asdict(r) for r in results.attention],
+        "train": [dataclasses.asdict(r) for r in results.train],
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,6 +320,7 @@ def main(argv=None):
         "layer": lambda: layer_section(opts, budget, results),
         "hop": lambda: hop_section(opts, budget, results),
         "kernels": lambda: kernel_section(opts, peak, budget, results),
+        "train": lambda: train_section(opts, peak, budget, results),
         "attention": lambda: attention_section(opts, peak, budget, results),
     }
     for name in SECTIONS:

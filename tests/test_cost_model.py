@@ -476,3 +476,42 @@ def test_script_uses_measured_rates(script, tmp_path, capsys):
     gpu_json.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match=r"--measurements: .*hop\[0\]\.bwd_tflops: expected"):
         script.main(argv)
+
+
+def _attn(tokens, impl, fwd, bwd, documents=None):
+    """An attention row as benchmarks/gpu.py --json writes it (`AttnTiming`)."""
+    return dict(
+        tokens=tokens,
+        documents=documents,
+        impl=impl,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        fwd_flops=1.0,
+        fwd_ms=1.0,
+        bwd_ms=1.0,
+        fwd_tflops=fwd,
+        bwd_tflops=bwd,
+        err=None,
+        error=None,
+    )
+
+
+def test_attention_rates_are_our_kernels_longest_causal_row(tmp_path):
+    """The longest plain-causal row of our kernel with both figures; documents, the chunked path
+    and a row whose backward failed are not it; no such row, or no attention section: assumed."""
+    rows = [
+        _attn(8192, "pallas", 300.0, 200.0),
+        _attn(32768, "pallas", 420.0, 310.0),
+        _attn(131072, "pallas", 500.0, None),  # its backward failed
+        _attn(131072, "pallas", 900.0, 900.0, documents=4096),
+        _attn(131072, "chunked", 100.0, 90.0),
+    ]
+    fwd, bwd = cm.load_attention_rates(_measurements(tmp_path, attention=rows))
+    assert (fwd.tflops, bwd.tflops) == (420.0, 310.0) and fwd.origin == bwd.origin == "attention"
+    assert "causal, 32,768 tokens" in fwd.source and fwd.source.startswith("measured (")
+    for doc in (dict(attention=rows[2:]), {}):
+        fwd, bwd = cm.load_attention_rates(_measurements(tmp_path, **doc), assumed_tflops=123.0)
+        assert fwd == bwd == cm.assumed_rate(123.0)
+    with pytest.raises(cm.MeasurementError, match=r"attention\[0\]\.tokens"):
+        cm.load_attention_rates(_measurements(tmp_path, attention=[dict(rows[0], tokens="x")]))

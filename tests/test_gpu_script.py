@@ -21,7 +21,9 @@ import math
 import re
 import sys
 
+import jax
 import pytest
+from flax import nnx
 
 from relaymoe_jax.analysis import costmodel as cm
 from scripts import load_script
@@ -49,9 +51,11 @@ def run(gpu, tmp_path_factory):
     return out.getvalue().splitlines(), path
 
 
-def _table(lines, first_col):
-    """Holds the rows (dicts keyed by the header) of the table whose header starts so."""
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_col} |"))
+def _table(lines, first_col, section="#"):
+    """Holds the rows (dicts keyed by the header) of the first table whose header starts so after
+    the line that starts with `section`."""
+    after = next(i for i, ln in enumerate(lines) if ln.startswith(section))
+    start = next(i for i, ln in enumerate(lines) if i > after and ln.startswith(f"| {first_col} |"))
     cols = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
     for ln in lines[start + 2 :]:
@@ -152,7 +156,7 @@ def test_attention_table(gpu, run):
     shp = gpu.TINY_ATTN
     head = next(ln for ln in out if ln.startswith("## Attention"))
     assert f"N={shp['heads']} query heads, K={shp['kv_heads']} kv heads" in head
-    rows = _table(out, "tokens")
+    rows = _table(out, "tokens", "## Attention")
     docs = ("none", f"{shp['doc']:,}")
     assert sorted((r["tokens"], r["documents"], r["impl"]) for r in rows) == sorted(
         (f"{s:,}", d, i) for s in shp["tokens"] for d in docs for i in ("pallas", "chunked")
@@ -184,6 +188,44 @@ def test_attention_table(gpu, run):
         assert f"{rec['fwd_ms']:.4g}" == r["fwd ms"] and f"{rec['bwd_ms']:.4g}" == r["bwd ms"]
         assert rec["error"] is None and (rec["impl"] == "chunked") == (rec["err"] is None), rec
         assert rec["err"] is None or max(rec["err"]) <= gpu.TOL, rec
+
+
+def test_train_step_table(gpu, run):
+    """The trainer's step at each tiny length: its time, tokens/s and model TFLOP/s agree (the
+    metrics line's FLOPs, `train.step.flops`, of the section's model), no MFU on CPU, the
+    planner's prediction of the same step (`train.planner.predict`, all layers `full`) and the
+    ratio; the json holds the rows."""
+    from gpu_train import _config, _train_config
+
+    from relaymoe_jax.models import QwenMoe
+    from train.planner import predict
+    from train.step import flops
+
+    out, path = run
+    shp, opts = gpu.TINY_TRAIN, gpu.parse_args(["--tiny", "--interpret"])
+    rows = _table(out, "tokens", "## Train step")
+    assert [r["tokens"] for r in rows] == [f"{t:,}" for t in shp["tokens"]]
+    cfg = _config(shp, opts)
+    assert (cfg.num_hidden_layers, cfg.moe.num_experts, cfg.moe_remat) == (1, 8, True)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    params = nnx.state(nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0))), nnx.Param)
+    rates = predict.Rates.load()
+    recs = json.loads(path.read_text())["train"]
+    assert len(recs) == len(rows)
+    for r, rec, t in zip(rows, recs, shp["tokens"], strict=True):
+        ms = float(r["step ms"])
+        model = flops.StepFlops.of(cfg, params, "cpu").step(t, t * (t + 1) // 2)
+        assert ms > 0 and float(r["tokens/s"]) == pytest.approx(t / ms * 1e3, rel=1e-3)
+        assert float(r["model TFLOP/s"]) == pytest.approx(model / ms / 1e9, rel=1e-3)
+        assert r["MFU"] == "n/a" and float(r["compiled peak MiB"].replace(",", "")) > 0
+        tc = _train_config(t, cfg, opts)
+        want = predict.predict(cfg, tc, {"data": 1}, ("full",), params, "cpu", rates)
+        assert float(r["predicted ms"]) == pytest.approx(want.seconds * 1e3, rel=1e-3)
+        ratio = float(r["measured / predicted"])
+        assert ratio == pytest.approx(ms / (want.seconds * 1e3), rel=1e-2)
+        assert (
+            rec["tokens"] == t and rec["error"] is None and f"{rec['step_ms']:.4g}" == r["step ms"]
+        )
 
 
 def test_json_has_the_printed_figures(gpu, run):
@@ -235,6 +277,18 @@ def test_cost_model_reads_the_json_back(gpu, run):
             f"measured ({path}, {doc['device']}, {doc['date']}"
         )
         assert "--interpret" in r.source and f"chunk {shp['chunk']}" in r.source
+    # the attention rates: our kernel's plain causal row at the longest tiny length
+    row = next(
+        r
+        for r in _table(out, "tokens", "## Attention")
+        if (r["impl"], r["documents"]) == ("pallas", "none")
+    )
+    fwd, bwd = cm.load_attention_rates(path)
+    if row["bwd TFLOP/s"].startswith("n/a"):  # no backward figure: the row is not taken
+        assert fwd == bwd == cm.assumed_rate()
+    else:
+        assert f"{fwd.tflops:.4g}" == row["fwd TFLOP/s"] and fwd.origin == "attention"
+        assert f"{bwd.tflops:.4g}" == row["bwd TFLOP/s"] and "--interpret" in bwd.source
 
 
 def test_cpu_without_interpret_says_gpu_needed(gpu):

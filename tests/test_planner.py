@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax.analysis import gpu_mesh
 from relaymoe_jax.models.config_files import load_config
 from train.planner import args as planner_args
-from train.planner import memory
+from train.planner import memory, predict
 from train.planner import plan as planner
 from train.planner import report as planner_report
 from train.settings import TrainConfig
@@ -232,9 +232,13 @@ def target_two_hosts():
     return out.getvalue()
 
 
+def _ring_line(out):
+    """The plan table's ring row (the first; the prediction table's comes after it)."""
+    return next(line for line in out.splitlines() if line.startswith("| ring |"))
+
+
 def _ring_row(out):
-    row = next(line for line in out.splitlines() if line.startswith("| ring |"))
-    return [c.strip() for c in row.strip("|").split("|")]
+    return [c.strip() for c in _ring_line(out).strip("|").split("|")]
 
 
 @pytest.mark.gpu_compile
@@ -260,6 +264,18 @@ def test_target_plans_on_the_gpu_compiler(target_two_hosts):
     mib = lambda c: float(c.replace(",", ""))
     assert 0 < mib(cells[2]) < mib(cells[1]) < mib(cells[7]) + 1e3  # state < peak
     assert cells[3] == cells[4] == "0.0"  # nothing offloaded: no host bytes
+    # the predicted step time of that plan (`predict`; its formula: tests/test_predict.py)
+    cfg = load_config("configs/tiny.yaml", num_experts=16, num_hidden_layers=1, dispatcher="ring")
+    tc = TrainConfig(batch_size=16, seq_len=32)
+    params = train_step.abstract_state(cfg, tc, tm.make_mesh("expert=8"))[1].params
+    mesh, kind = {"node": 2, "expert": 8}, gpu_mesh.device_kind("h100")
+    want = predict.predict(cfg, tc, mesh, ("save_all",), params, kind, predict.Rates.load())
+    row = next(ln for ln in out.splitlines() if ln.startswith("| ring |") and ln != _ring_line(out))
+    got = [c.strip() for c in row.strip("|").split("|")]
+    num = lambda c: float(c.replace(",", ""))
+    assert got[1] == f"{want.tokens:,}" and num(got[4]) == pytest.approx(want.seconds, rel=1e-3)
+    assert num(got[5]) == pytest.approx(want.attention_seconds, rel=1e-3)
+    assert got[7] == f"{want.mfu:.1%}" and "attention backward: 346.3 TFLOP/s, assumed" in out
 
 
 @pytest.mark.parametrize(

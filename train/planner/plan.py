@@ -71,10 +71,10 @@ from relaymoe_jax.cli.devices import use_cpu_devices
 from relaymoe_jax.models.config_files import load_config, parse_overrides
 
 from ..settings import TRAIN_FIELDS, TrainConfig, sized_train_config
+from ..step import flops, train_step
 from ..step import mesh as train_mesh
-from ..step import train_step
 from . import args as planner_args
-from . import search
+from . import predict, search
 from .args import SEQ_STEP as SEQ_STEP
 from .args import parse_memory as parse_memory
 from .args import planned_dispatchers
@@ -286,8 +286,9 @@ def _mesh(args, tc: TrainConfig):
     return sizes, mesh, where
 
 
-def _plan_dispatcher(d: str, cfg, tc, mesh, args, batch_step, found: Findings):
-    """Plan dispatcher `d` (`cfg`) at --batch x --seq and, if asked, at the largest sizes."""
+def _plan_dispatcher(d: str, cfg, tc, mesh, args, batch_step, found: Findings, kind: str):
+    """Plan dispatcher `d` (`cfg`) at --batch x --seq (and predict its step time on a GPU of
+    `kind`: `predict`) and, if asked, at the largest sizes."""
     print(f"# {d}: compiling the fully recomputed and the planned step ...", flush=True)
     room = (args.capacity, args.host_capacity)
     try:
@@ -300,6 +301,11 @@ def _plan_dispatcher(d: str, cfg, tc, mesh, args, batch_step, found: Findings):
         found.notes.extend(
             replan_notes(found.reports[-1], f"batch {tc.batch_size} x seq {tc.seq_len}")
         )
+        if found.rates is not None:
+            params = train_step.abstract_state(cfg, tc, mesh)[1].params
+            options = found.reports[-1].plan.options
+            at = predict.predict(cfg, tc, dict(mesh.shape), options, params, kind, found.rates)
+            found.predictions.append((d, at))
     for limit, field, step, out in (
         (args.max_batch, "batch_size", batch_step, found.by_batch),
         (args.max_seq, "seq_len", args.seq_step, found.by_seq),
@@ -339,6 +345,9 @@ def main(argv=None) -> int:
     sizes, mesh, where = _mesh(args, tc)
     batch_step = math.prod(n for a, n in sizes.items() if a in remat.costs.BATCH_AXES)
     found = Findings()
+    kind = gpu_mesh.device_kind(args.target) if args.target else jax.devices()[0].device_kind
+    if flops.peak_tflops(kind) is not None:  # a GPU: its step time can be predicted
+        found.rates = predict.Rates.load()
     for i, d in enumerate(dispatchers):
         cfg = load_config(
             args.config,
@@ -365,7 +374,7 @@ def main(argv=None) -> int:
                 "the plan is all `full` whatever the budget",
             )
         label = options_label(cfg.moe.options.applicable())
-        _plan_dispatcher(label, cfg, tc, mesh, args, batch_step, found)
+        _plan_dispatcher(label, cfg, tc, mesh, args, batch_step, found, kind)
     if found.host_used():
         found.notes.append(host_pool_note(args.target is not None))
     mib = lambda b: f"{b / 2**20:,.1f} MiB"

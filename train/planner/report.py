@@ -41,6 +41,8 @@ class Findings:
     by_seq: list[LargestSize] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     rings: list[str] = dataclasses.field(default_factory=list)  # `expert_parallelism` lines
+    rates: object = None  # predict.Rates on a GPU (a target or a local one), else None
+    predictions: list = dataclasses.field(default_factory=list)  # (dispatcher, predict.Prediction)
 
     def note_once(self, marker: str, text: str) -> None:
         if not any(marker in n for n in self.notes):
@@ -164,6 +166,30 @@ def table(reports: list) -> str:
     return "\n".join(rows)
 
 
+def _figure(x: float) -> str:
+    """4 significant digits, thousands separated: 711.9, 1,473, 246,514, 8.511e-05."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def prediction_table(found: Findings) -> str:
+    """The predicted step time and MFU of each planned step that fits (`predict`), and the rates
+    behind them."""
+    rows = [
+        "predicted step time (a prediction from FLOPs and the cost model's rates, not a "
+        "measurement: train/planner/predict.py; compute only, one document per row):",
+        "| dispatcher | tokens per optimizer step | model TFLOP per device | executed TFLOP "
+        "per device (recompute, attention backward) | predicted s/step | of which attention "
+        "| tokens/s | MFU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for d, p in found.predictions:
+        mfu = "n/a" if p.mfu is None else f"{p.mfu:.1%}"
+        figures = (p.model_flops / 1e12, p.executed_flops / 1e12, p.seconds, p.attention_seconds)
+        cells = [d, f"{p.tokens:,}", *map(_figure, figures), _figure(p.tokens_per_s), mfu]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows + [f"- {line}" for line in found.rates.report()])
+
+
 def size_table(title: str, field: str, found: list[LargestSize]) -> str:
     """A largest-size table: the size, the fully recomputed step's device and host MiB there (or,
     when nothing fits, at the smallest size and which memory it overflows), the probes, the plan."""
@@ -205,6 +231,8 @@ def summary(head: str, tc, found: Findings) -> str:
         + table(found.reports)
         + "".join(f"\n- {n}" for n in found.notes)
     )
+    if found.predictions:
+        text += "\n\n" + prediction_table(found)
     if found.by_batch:
         title = f"largest micro-batch at seq {tc.seq_len}:"
         text += "\n\n" + size_table(title, "batch", found.by_batch)

@@ -50,17 +50,32 @@ def peak_tflops(device_kind: str) -> float | None:
     return None
 
 
-def active_params(params, top_k: int, num_experts: int, tied_embeddings: bool) -> int:
-    """The parameters one token multiplies (module doc), from the model's parameter tree."""
+def active_params(
+    params, top_k: int, num_experts: int, tied_embeddings: bool, within: str | None = None
+) -> int:
+    """The parameters one token multiplies (module doc), from the model's parameter tree; those
+    under a module named `within` only (e.g. "mlp": the MLP and MoE blocks) if given."""
     total = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         n = float(np.prod(np.shape(leaf)))
         if names and names[0] == "embed_tokens" and not tied_embeddings:
             continue
+        if within is not None and within not in names:
+            continue
         if "mlp" in names and names[-1] in EXPERT_LEAVES and num_experts:
             n *= top_k / num_experts
         total += n
+    return round(total)
+
+
+def expert_active_params(params, top_k: int, num_experts: int) -> int:
+    """The routed experts' parameters one token multiplies: their weights (and biases) x k / E."""
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if "mlp" in names and names[-1] in EXPERT_LEAVES and num_experts:
+            total += float(np.prod(np.shape(leaf))) * top_k / num_experts
     return round(total)
 
 

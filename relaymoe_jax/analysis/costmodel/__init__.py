@@ -78,7 +78,7 @@ which the programs are compiled; tests/test_multinode_gpu.py).
 
 Modules (every public name is importable from this package): `rules` (links, ring levels, the
 timing rules), `inputs` (bytes from the compiled programs, the FLOPs stand-in), `rates` (measured
-or assumed compute rates, `load_rates`, `hop_flops`).
+or assumed compute rates, `load_rates`, `load_attention_rates`, `hop_flops`).
 """
 
 from relaymoe_jax.analysis.costmodel.inputs import (
@@ -90,6 +90,7 @@ from relaymoe_jax.analysis.costmodel.inputs import (
     standin_flops,
 )
 from relaymoe_jax.analysis.costmodel.rates import (
+    ATTN_BWD_UNITS,
     DEFAULT_TFLOPS,
     EFFICIENCY,
     H100_BF16_TFLOPS,
@@ -104,6 +105,7 @@ from relaymoe_jax.analysis.costmodel.rates import (
     Rate,
     assumed_rate,
     hop_flops,
+    load_attention_rates,
     load_rates,
 )
 from relaymoe_jax.analysis.costmodel.rules import (
@@ -125,6 +127,7 @@ from relaymoe_jax.analysis.costmodel.rules import (
 )
 
 __all__ = [
+    "ATTN_BWD_UNITS",
     "DEFAULT_TFLOPS",
     "EFFICIENCY",
     "H100_BF16_TFLOPS",
@@ -152,6 +155,7 @@ __all__ = [
     "hier_levels",
     "hier_ring_check",
     "hop_flops",
+    "load_attention_rates",
     "load_rates",
     "pairs_per_expert",
     "pass_time",

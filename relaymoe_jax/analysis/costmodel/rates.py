@@ -20,7 +20,9 @@ HOP_BWD_UNITS = 12  # and for its backward: the 6 gradient matmuls (a recompute 
 RING_BWD_UNITS = 16  # what the ring's backward hop computes: 2 recomputed matmuls + those 6
 REPO = Path(__file__).resolve().parents[3]  # the checkout: relaymoe_jax/analysis/costmodel/
 MEASUREMENTS = REPO / "benchmarks" / "results" / "gpu.json"  # `benchmarks/gpu.py --json` writes it
-Origin = Literal["hop", "kernels", "assumed"]
+Origin = Literal["hop", "kernels", "attention", "assumed"]
+ATTN_BWD_UNITS = 2.5  # the GPU run's attention backward FLOPs per forward FLOP (FlashAttention's
+# convention: five matmuls to the forward's two, the scores recomputed)
 
 
 def hop_flops(pairs: int, hidden: int, ffn: int) -> tuple[float, float]:
@@ -33,9 +35,10 @@ def hop_flops(pairs: int, hidden: int, ffn: int) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Rate:
-    """One grouped-matmul throughput, TFLOP/s, and where it comes from: "hop" (the GPU run's
-    ring hop, whose backward also recomputes), "kernels" (its kernel section: the default Pallas
-    config, balanced groups; no recompute) or "assumed" (no measurement)."""
+    """One throughput, TFLOP/s, and where it comes from: "hop" (the GPU run's ring hop, whose
+    backward also recomputes), "kernels" (its kernel section: the default Pallas config, balanced
+    groups; no recompute), "attention" (its attention section: our kernel, plain causal, the
+    longest sequence timed) or "assumed" (no measurement)."""
 
     tflops: float
     origin: Origin
@@ -122,6 +125,40 @@ def load_rates(
             else Rate(got[0], "hop" if hop[i] else "kernels", f"measured ({where}; {got[1]})")
         )
     return ComputeRates(*picked)
+
+
+def load_attention_rates(path=None, *, assumed_tflops: float = DEFAULT_TFLOPS) -> tuple[Rate, Rate]:
+    """(forward, backward) rates of causal attention from a `benchmarks/gpu.py --json` file: its
+    attention section's row of our kernel (impl "pallas") without documents at the longest
+    sequence timed with both figures (the backward counted as ATTN_BWD_UNITS x the forward's
+    FLOPs), else `assumed_tflops` (as `load_rates`, an `--interpret` run's figures are taken and
+    said to be). `path` None: MEASUREMENTS if it exists. Raises MeasurementError for a malformed
+    file."""
+    assumed = (assumed_rate(assumed_tflops), assumed_rate(assumed_tflops))
+    if path is None and not MEASUREMENTS.is_file():
+        return assumed
+    path = Path(MEASUREMENTS if path is None else path)
+    doc = _read_json(path)
+    where = f"{_shown(path)}, {_field(doc, 'device', str, path)}, {_field(doc, 'date', str, path)}"
+    if _field(doc, "interpret", bool, path, optional=True):
+        where += "; a CPU interpreter run (--interpret): not GPU figures"
+    rows = _field(doc, "attention", list, path, optional=True) or []
+    best = None  # (tokens, fwd, bwd)
+    for i in range(len(rows)):
+        r, w = _row(rows, i, path, "attention")
+        if _field(r, "impl", str, path, w) != "pallas":
+            continue
+        if _field(r, "documents", int, path, w, optional=True) is not None:
+            continue
+        tokens = _field(r, "tokens", int, path, w)
+        fwd = _field(r, "fwd_tflops", float, path, w, optional=True)
+        bwd = _field(r, "bwd_tflops", float, path, w, optional=True)
+        if fwd and bwd and fwd > 0 and bwd > 0 and (best is None or tokens > best[0]):
+            best = (tokens, float(fwd), float(bwd))
+    if best is None:
+        return assumed
+    note = f"measured ({where}; attention section: our kernel, causal, {best[0]:,} tokens)"
+    return Rate(best[1], "attention", note), Rate(best[2], "attention", note)
 
 
 def _shown(path: Path) -> str:
