@@ -589,7 +589,10 @@ def test_max_seq_finds_the_longest_sequence_within_host_memory(monkeypatch, caps
     them), and --max-seq at --batch 1 finds the longest sequence whose host bytes fit
     --host-memory as well as its device bytes (1 KiB a token of each, 1 GiB of device memory,
     2 MiB of host: 2,048); with less host memory than --seq needs, the row, the search and the
-    error line say it is the host memory, and the exit status is 1."""
+    error line say it is the host memory, and the exit status is 1. Without --target a note says
+    that XLA:CPU's real figures hold no host bytes (what the offloads move counts as device
+    memory there: the probe's `offload_optimizer=true --host-memory 1KiB` read "fits yes" with
+    host 0.0 MiB and nothing said)."""
     seen, base = [], _fake_step_cost([], host_per_token=2**10)
 
     def step_cost(cfg, tc, mesh, memo=True):
@@ -612,6 +615,7 @@ def test_max_seq_finds_the_longest_sequence_within_host_memory(monkeypatch, caps
     assert "  size 4096: 4.0 MiB, host 4.0 MiB does not fit (host memory)" in out
     assert "| ring | 2,048 | 2.0 | 2.0 | 10 | 2x full |" in out
     assert "- host memory: XLA's GPU client takes pinned host memory from one pool" in out
+    assert f"- {planner.CPU_OFFLOAD_NOTE}" in out  # no --target: XLA:CPU's figures
     assert planner.main([*argv, "--host-memory", "64KiB"]) == 1
     out, err = capsys.readouterr()
     row = next(line for line in out.splitlines() if line.startswith("| ring | 0.1 |"))

@@ -8,6 +8,7 @@ dispatcher (no loops: XLA:CPU's cost analysis counts a loop body once, which wou
 ring's hops), compiled once for the module."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from relaymoe_jax.models.config_files import load_config
 from train.data.source import Batch
+from train.planner.memory import footprint
 from train.settings import TrainConfig
 from train.step import expert_load, flops, train_step
 from train.step import mesh as tm
@@ -45,6 +47,9 @@ def _step():
     xla = {  # XLA's counts of the program before and after its optimisation
         "hlo": jax.jit(step).lower(state, batch).cost_analysis()["flops"],
         "compiled": compiled.cost_analysis()["flops"],
+        "memory line": train_step.memory_summary(compiled),  # the trainer's, for the test below
+        "footprint": footprint(compiled.memory_analysis()),
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
     }
     params = state.params
     _, metrics = compiled(state, batch)
@@ -121,3 +126,17 @@ def test_mfu_needs_a_known_peak():
         "model_tflops_per_device": 25.0,
         "mfu": 0.025,
     }
+
+
+def test_the_memory_line_shows_the_planners_peak():
+    """The trainer's memory line (`train_step.memory_summary`): its peak is the planner's count
+    of the same compiled step (`train.planner.memory.footprint`), never below the temporaries
+    (XLA:CPU's own `peak_memory_in_bytes` estimate was: the probe's case), and each part is
+    shown."""
+    line = _step()[4]["memory line"]
+    got = dict(re.findall(r"(\w+)=([\d.]+) MiB", line))
+    xla = _step()[4]
+    assert float(got["peak"]) == pytest.approx(xla["footprint"] / 2**20, abs=0.005)
+    assert float(got["temp"]) == pytest.approx(xla["temp"] / 2**20, abs=0.005)
+    assert float(got["peak"]) >= float(got["temp"]) > 0
+    assert set(got) == {"argument", "output", "alias", "temp", "peak"}

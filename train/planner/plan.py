@@ -240,6 +240,14 @@ def plan_remat(
         budget = 0 if "host" in over else max(0, plan.bytes - (planned.peak - capacity))
 
 
+CPU_OFFLOAD_NOTE = (
+    "offload on XLA:CPU: its buffer assignment reports no host bytes, so what the offloads move "
+    "(the train state, the layer inputs) is counted in the device columns, the host columns "
+    "show none of it, and --host-memory limits nothing; --target h100|h200 compiles for the "
+    "GPU, which places them in host memory and counts them there"
+)
+
+
 def _check_lengths(args, cfg, found: Findings) -> int | None:
     """The --max-seq to search (capped at the model's max_position_embeddings, with a note);
     ValueError if --seq is longer than the model takes, or the cap leaves no --seq-step."""
@@ -373,6 +381,8 @@ def main(argv=None) -> int:
                 "offload_layer_inputs: every layer stays `full` (the config requires it), so "
                 "the plan is all `full` whatever the budget",
             )
+        if not args.target and (tc.offload_optimizer or cfg.offload_layer_inputs):
+            found.note_once("offload on XLA:CPU", CPU_OFFLOAD_NOTE)
         label = options_label(cfg.moe.options.applicable())
         _plan_dispatcher(label, cfg, tc, mesh, args, batch_step, found, kind)
     if found.host_used():

@@ -94,6 +94,9 @@ def expert_size(sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in expert_axes(sizes))
 
 
+DATA_AXES = ("data", "fsdp", "node")  # the axes that split a batch's rows, whatever the model
+
+
 def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) -> None:
     """The config and batch fit the mesh (ValueError naming the values otherwise)."""
     etp = sizes.get("expert_tensor", 1)
@@ -112,6 +115,14 @@ def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) 
     if cfg.attention_impl == interpreter.IMPL:  # before anything is built or compiled
         interpreter.check_devices(math.prod(sizes.values()), f"mesh={spec!r}")
         interpreter.check_threads()
+    rows = math.prod(sizes.get(a, 1) for a in DATA_AXES)
+    if batch_size % rows:
+        over = ", ".join(f"{a}={sizes[a]}" for a in DATA_AXES if a in sizes)
+        raise ValueError(
+            f"mesh={spec!r}: batch_size={batch_size} does not split over {over} (each takes a "
+            f"share of a batch's rows; a batch that does not split would run replicated): use a "
+            f"multiple of {rows}"
+        )
     ctx = sizes.get("context", 1)
     if seq_len % ctx:
         raise ValueError(f"mesh={spec!r}: seq_len={seq_len} does not split over context={ctx}")
