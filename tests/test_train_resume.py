@@ -91,6 +91,11 @@ def test_checkpoint_records_the_identity(base):
             ["scan_layers=true", "--allow-changes", "scan_layers"],
             r"scan_layers false -> true changes the parameter layout",
         ),
+        (  # the probe's case: it suggested --allow-changes, which could never restore it
+            ["num_experts=16", "--allow-changes", "num_experts"],
+            r"num_experts 8 -> 16 changes the parameters' shapes, so the checkpoint cannot be "
+            r"restored with it \(no --allow-changes can\); keep num_experts=8 or use a new --out$",
+        ),
     ],
 )
 def test_math_change_is_refused(run, tmp_path, extra, match):
