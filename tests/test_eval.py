@@ -158,6 +158,29 @@ def test_loss_png_draws_the_eval_points(runs):
     assert [ln.get_label() for ln in fig.axes[0].get_lines()] == ["ring"]
 
 
+def test_loss_png_does_not_join_two_eval_sets(tmp_path):
+    """A resume that changed the held-out data (or `eval_batches`) evaluates another set: its
+    points start a line of their own (the probe's loss.png joined them), one legend entry for
+    the run's held-out points; a resume that changed only `eval_every` keeps one line."""
+    change = lambda key: [{"key": key, "old": "a", "new": "b", "same_math": True}]
+    recs = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.5, "eval_loss": 2.8},
+        {"step": 3, "loss": 2.2, "resume_changes": change("eval_data")},
+        {"step": 4, "loss": 2.0, "eval_loss": 2.1},
+        {"step": 5, "loss": 1.9, "resume_changes": change("eval_every")},
+        {"step": 6, "loss": 1.8, "eval_loss": 2.0},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    lines = plot.make_figure({"ring": path}).axes[0].get_lines()
+    held = [ln for ln in lines if ln.get_marker() == "o"]
+    assert [list(ln.get_xdata()) for ln in held] == [[2], [4, 6]]
+    assert [list(ln.get_ydata()) for ln in held] == [[2.8], [2.1, 2.0]]
+    assert held[0].get_label() == "ring: held-out"
+    assert not any(ln.get_label() == "ring: held-out" for ln in held[1:])
+
+
 def _tokenizer_json(path, text):
     """A WordLevel tokenizer.json of the words of `text` (another text: another sha256)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -8,9 +8,10 @@ file that are not valid JSON, or lack "step" or the key, are skipped. Where a ru
 changed settings (a record with "resume_changes", `state.identity`), a dashed vertical line just
 before that step is labelled with the changes. A run that evaluated on held-out data
 (`--eval-data`, `train.step.evaluate`) also has its "eval_loss" points drawn beside its loss (key
-"loss" or "lm_loss"), markers in the run's colour (a resume that changed only the evaluation's
-settings is not marked: training is the same). Drawn with matplotlib's Agg canvas (no pyplot, no
-display, the global backend is left alone).
+"loss" or "lm_loss"), markers in the run's colour, a dotted line joining the points of one
+evaluation set (a resume that changed the held-out data or `eval_batches` starts another; a
+resume that changed only the evaluation's settings is not marked: training is the same). Drawn
+with matplotlib's Agg canvas (no pyplot, no display, the global backend is left alone).
 """
 
 import argparse
@@ -67,16 +68,27 @@ def curves(runs: dict, key: str = "loss") -> dict[str, tuple[np.ndarray, np.ndar
 EVAL_KEY = "eval_loss"  # the held-out loss (train.step.evaluate), drawn beside these keys:
 EVAL_BESIDE = ("loss", "lm_loss")
 EVAL_CHANGES = ("eval_every", "eval_batches", "eval_data")  # not marked: training is the same
+EVAL_SETS = ("eval_batches", "eval_data")  # a resume that changes one evaluates another set
 
 
-def eval_curve(src, key: str = EVAL_KEY) -> tuple[np.ndarray, np.ndarray] | None:
-    """(steps, values) float64 of the records of a run that have `key` (the steps that
-    evaluated), sorted by step; None when it has none."""
-    pts = sorted((r["step"], r[key]) for r in read_records(src) if "step" in r and key in r)
-    if not pts:
-        return None
-    steps, vals = zip(*pts)
-    return np.asarray(steps, dtype=np.float64), np.asarray(vals, dtype=np.float64)
+def eval_curves(src, key: str = EVAL_KEY) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(steps, values) float64] of the records of a run that have `key` (the steps that
+    evaluated), sorted by step, one curve per evaluation set: a resume that changed the held-out
+    data or how many of its batches are evaluated (`EVAL_SETS`) starts a new curve, so points
+    of different sets are not joined by a line. [] when it has none."""
+    recs = [r for r in read_records(src) if "step" in r]
+    cuts = sorted(
+        r["step"]
+        for r in recs
+        if any(c.get("key") in EVAL_SETS for c in r.get("resume_changes") or [])
+    )
+    pieces: dict[int, list] = {}
+    for step, value in sorted((r["step"], r[key]) for r in recs if key in r):
+        pieces.setdefault(sum(c <= step for c in cuts), []).append((step, value))
+    return [
+        tuple(np.asarray(v, dtype=np.float64) for v in zip(*pts))
+        for _, pts in sorted(pieces.items())
+    ]
 
 
 def changes(src) -> list[tuple[int, list[dict]]]:
@@ -127,9 +139,9 @@ def make_figure(runs: dict, *, key: str = "loss", title: str | None = None):
     ax = fig.subplots()
     for label, (steps, vals) in curves(runs, key).items():
         (line,) = ax.plot(steps, vals, label=label)
-        held = eval_curve(runs[label]) if key in EVAL_BESIDE else None
-        if held is not None:
-            ax.plot(*held, marker="o", ls=":", color=line.get_color(), label=f"{label}: held-out")
+        for i, held in enumerate(eval_curves(runs[label]) if key in EVAL_BESIDE else []):
+            name = f"{label}: held-out" if i == 0 else None  # one legend entry for its sets
+            ax.plot(*held, marker="o", ls=":", color=line.get_color(), label=name)
         for step, chs in changes(runs[label]):
             chs = [c for c in chs if c.get("key") not in EVAL_CHANGES]  # training's curve only
             if not chs:
