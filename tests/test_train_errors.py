@@ -12,6 +12,7 @@ during a run and the SIGINT / SIGTERM stops are subprocess tests in tests/test_t
 
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -172,6 +173,30 @@ def test_unknown_command_line_key_lists_both_and_suggests(tmp_path, no_build):
     ), msg
     assert "trainer keys: ['b1', 'b2', 'batch_size'" in msg and "model config keys: [" in msg
     assert "tiny.yaml" not in msg  # the file is not to blame
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["expot", "runs/x", "--out", "y"],
+            "unknown command 'expot': did you mean relaymoe-train export",
+        ),
+        (["--quiet", "export", "runs/x", "--out", "y"], "'export' is a command and comes first: "),
+        (
+            [*TINY, "--out", "o", "prepar"],
+            "unknown command 'prepar': did you mean relaymoe-train prep",
+        ),
+    ],
+)
+def test_a_misplaced_or_misspelt_command_is_one_line(argv, said, no_build):
+    """The probe's `relaymoe-train expot ...` and a misplaced `export` asked only for --steps and
+    --out (argparse); each now names the command it resembles and where it goes. An option's
+    value that happens to be such a word is a value (`--out export` trains into ./export)."""
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        cli.main(argv)
+    assert cli.subcommand_error([*TINY, "--out", "export"], cli.build_parser()) is None
+    assert "Other commands, given first: relaymoe-train prepare" in cli.build_parser().format_help()
 
 
 def test_trainer_key_in_the_yaml_file(tmp_path, no_build):

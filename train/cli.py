@@ -16,6 +16,7 @@ docs/robustness.md.
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -64,11 +65,39 @@ else:
 CPU_DEVICES = 8  # the emulated CPU devices of `entry` (XLA_FLAGS's device count wins)
 
 
+# the commands `entry` dispatches on the first argument, and what each takes
+SUBCOMMANDS = {
+    "prepare": "relaymoe-train prepare FILES --out DIR (tokenize a corpus: train/data/prepare.py)",
+    "export": "relaymoe-train export RUN_DIR --out DIR (a Hugging Face checkpoint: train/hf/"
+    "export.py)",
+}
+
+
+def subcommand_error(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
+    """A one-line error for a command word where a training run takes none: a subcommand that is
+    not first, or a misspelt one (argparse would only ask for --steps and --out), naming the
+    command it resembles; None when every word is an option, its value or a key=value."""
+    takes_value = {
+        s for a in parser._actions for s in a.option_strings if a.nargs != 0 and a.const is None
+    }
+    for i, word in enumerate(argv):
+        if word.startswith("-") or "=" in word or (i and argv[i - 1] in takes_value):
+            continue
+        if word in SUBCOMMANDS:
+            return f"{word!r} is a command and comes first: {SUBCOMMANDS[word]}"
+        near = difflib.get_close_matches(word, SUBCOMMANDS, n=1, cutoff=0.6)
+        if near:
+            return f"unknown command {word!r}: did you mean {SUBCOMMANDS[near[0]]}?"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m {__package__}",
         description="Train a model config with the RelayMoE trainer "
-        "(metrics, checkpoints, resume).",
+        "(metrics, checkpoints, resume). Other commands, given first: "
+        + "; ".join(SUBCOMMANDS.values())
+        + ".",
         epilog=trainer_settings_help(),
         formatter_class=HelpFormatter,
     )
@@ -306,7 +335,10 @@ def main(argv=None) -> int:
     try:
         require_train_extra(_MISSING)
         argv = sys.argv[1:] if argv is None else argv
-        distributed.initialize(build_parser().parse_intermixed_args(argv))  # before any jax call
+        parser = build_parser()
+        if (wrong := subcommand_error(argv, parser)) is not None:
+            raise ValueError(wrong)
+        distributed.initialize(parser.parse_intermixed_args(argv))  # before any jax call
         stop.install()  # after jax.distributed's own SIGTERM handler (train.run.interrupt)
         return training_run.execute(parse(argv), stop)
     finally:
