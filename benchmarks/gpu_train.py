@@ -60,7 +60,7 @@ class TrainTiming:
     error: str | None = None
 
 
-def _config(shp, opts):
+def section_config(shp, opts):
     """The section's ModelConfig (module doc)."""
     from relaymoe_jax.models.config_files import load_config
 
@@ -76,7 +76,7 @@ def _config(shp, opts):
     )
 
 
-def _train_config(tokens: int, cfg, opts):
+def step_config(tokens: int, cfg, opts):
     from train.settings import TrainConfig
 
     dtype = "float32" if opts.interpret else "bfloat16"
@@ -125,7 +125,7 @@ def train_section(opts, peak, budget, results):
     from train.step import flops as flops_mod
 
     shp = TINY_TRAIN if opts.tiny else TRAIN
-    cfg = _config(shp, opts)
+    cfg = section_config(shp, opts)
     rates = predict.Rates.load()
     kind = jax.devices()[0].device_kind
     print(
@@ -144,7 +144,7 @@ def train_section(opts, peak, budget, results):
             row.error = "skipped: time budget reached"
             results.train.append(row)
             continue
-        tc = _train_config(tokens, cfg, opts)
+        tc = step_config(tokens, cfg, opts)
         try:
             seconds, peak_bytes, params = time_step(cfg, tc, opts)
         except Exception as e:

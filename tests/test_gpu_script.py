@@ -195,7 +195,7 @@ def test_train_step_table(gpu, run):
     metrics line's FLOPs, `train.step.flops`, of the section's model), no MFU on CPU, the
     planner's prediction of the same step (`train.planner.predict`, all layers `full`) and the
     ratio; the json holds the rows."""
-    from gpu_train import _config, _train_config
+    from gpu_train import section_config, step_config
 
     from relaymoe_jax.models import QwenMoe
     from train.planner import predict
@@ -205,7 +205,7 @@ def test_train_step_table(gpu, run):
     shp, opts = gpu.TINY_TRAIN, gpu.parse_args(["--tiny", "--interpret"])
     rows = _table(out, "tokens", "## Train step")
     assert [r["tokens"] for r in rows] == [f"{t:,}" for t in shp["tokens"]]
-    cfg = _config(shp, opts)
+    cfg = section_config(shp, opts)
     assert (cfg.num_hidden_layers, cfg.moe.num_experts, cfg.moe_remat) == (1, 8, True)
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     params = nnx.state(nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0))), nnx.Param)
@@ -218,7 +218,7 @@ def test_train_step_table(gpu, run):
         assert ms > 0 and float(r["tokens/s"]) == pytest.approx(t / ms * 1e3, rel=1e-3)
         assert float(r["model TFLOP/s"]) == pytest.approx(model / ms / 1e9, rel=1e-3)
         assert r["MFU"] == "n/a" and float(r["compiled peak MiB"].replace(",", "")) > 0
-        tc = _train_config(t, cfg, opts)
+        tc = step_config(t, cfg, opts)
         want = predict.predict(cfg, tc, {"data": 1}, ("full",), params, "cpu", rates)
         assert float(r["predicted ms"]) == pytest.approx(want.seconds * 1e3, rel=1e-3)
         ratio = float(r["measured / predicted"])

@@ -615,7 +615,7 @@ def test_max_seq_finds_the_longest_sequence_within_host_memory(monkeypatch, caps
     assert "  size 4096: 4.0 MiB, host 4.0 MiB does not fit (host memory)" in out
     assert "| ring | 2,048 | 2.0 | 2.0 | 10 | 2x full |" in out
     assert "- host memory: XLA's GPU client takes pinned host memory from one pool" in out
-    assert f"- {planner.CPU_OFFLOAD_NOTE}" in out  # no --target: XLA:CPU's figures
+    assert f"- {planner_report.CPU_OFFLOAD_NOTE}" in out  # no --target: XLA:CPU's figures
     assert planner.main([*argv, "--host-memory", "64KiB"]) == 1
     out, err = capsys.readouterr()
     row = next(line for line in out.splitlines() if line.startswith("| ring | 0.1 |"))

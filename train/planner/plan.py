@@ -83,6 +83,7 @@ from .report import (
     Findings,
     LargestSize,
     Misfit,
+    config_notes,
     expert_parallelism,
     host_pool_note,
     replan_notes,
@@ -240,14 +241,6 @@ def plan_remat(
         budget = 0 if "host" in over else max(0, plan.bytes - (planned.peak - capacity))
 
 
-CPU_OFFLOAD_NOTE = (
-    "offload on XLA:CPU: its buffer assignment reports no host bytes, so what the offloads move "
-    "(the train state, the layer inputs) is counted in the device columns, the host columns "
-    "show none of it, and --host-memory limits nothing; --target h100|h200 compiles for the "
-    "GPU, which places them in host memory and counts them there"
-)
-
-
 def _check_lengths(args, cfg, found: Findings) -> int | None:
     """The --max-seq to search (capped at the model's max_position_embeddings, with a note);
     ValueError if --seq is longer than the model takes, or the cap leaves no --seq-step."""
@@ -311,9 +304,10 @@ def _plan_dispatcher(d: str, cfg, tc, mesh, args, batch_step, found: Findings, k
         )
         if found.rates is not None:
             params = train_step.abstract_state(cfg, tc, mesh)[1].params
-            options = found.reports[-1].plan.options
-            at = predict.predict(cfg, tc, dict(mesh.shape), options, params, kind, found.rates)
-            found.predictions.append((d, at))
+            options, shape = found.reports[-1].plan.options, dict(mesh.shape)
+            found.predictions.append(
+                (d, predict.predict(cfg, tc, shape, options, params, kind, found.rates))
+            )
     for limit, field, step, out in (
         (args.max_batch, "batch_size", batch_step, found.by_batch),
         (args.max_seq, "seq_len", args.seq_step, found.by_seq),
@@ -368,21 +362,8 @@ def main(argv=None) -> int:
         if i == 0:  # the same model for every dispatcher
             args.max_seq = _check_lengths(args, cfg, found)
         found.rings.append(expert_parallelism(cfg, mesh))
-        if cfg.attention_impl == "chunked":
-            found.note_once(
-                "while loop",
-                "chunked attention: XLA's cost_analysis counts a while loop's body "
-                "once, so its column sees one pair of blocks of the attention; the formula "
-                "column counts them all",
-            )
-        if cfg.offload_layer_inputs:
-            found.note_once(
-                "offload_layer_inputs",
-                "offload_layer_inputs: every layer stays `full` (the config requires it), so "
-                "the plan is all `full` whatever the budget",
-            )
-        if not args.target and (tc.offload_optimizer or cfg.offload_layer_inputs):
-            found.note_once("offload on XLA:CPU", CPU_OFFLOAD_NOTE)
+        for marker, note in config_notes(cfg, tc, target=args.target is not None):
+            found.note_once(marker, note)
         label = options_label(cfg.moe.options.applicable())
         _plan_dispatcher(label, cfg, tc, mesh, args, batch_step, found, kind)
     if found.host_used():

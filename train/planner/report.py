@@ -166,6 +166,40 @@ def table(reports: list) -> str:
     return "\n".join(rows)
 
 
+CPU_OFFLOAD_NOTE = (
+    "offload on XLA:CPU: its buffer assignment reports no host bytes, so what the offloads move "
+    "(the train state, the layer inputs) is counted in the device columns, the host columns "
+    "show none of it, and --host-memory limits nothing; --target h100|h200 compiles for the "
+    "GPU, which places them in host memory and counts them there"
+)
+
+
+def config_notes(cfg, tc, target: bool) -> list[tuple[str, str]]:
+    """(marker, note) of what the config means for the table: chunked attention's FLOPs column,
+    offload_layer_inputs' plan, and offload on XLA:CPU (no --target)."""
+    notes = []
+    if cfg.attention_impl == "chunked":
+        notes.append(
+            (
+                "while loop",
+                "chunked attention: XLA's cost_analysis counts a while loop's body "
+                "once, so its column sees one pair of blocks of the attention; the formula "
+                "column counts them all",
+            )
+        )
+    if cfg.offload_layer_inputs:
+        notes.append(
+            (
+                "offload_layer_inputs",
+                "offload_layer_inputs: every layer stays `full` (the config requires it), so "
+                "the plan is all `full` whatever the budget",
+            )
+        )
+    if not target and (tc.offload_optimizer or cfg.offload_layer_inputs):
+        notes.append(("offload on XLA:CPU", CPU_OFFLOAD_NOTE))
+    return notes
+
+
 def _figure(x: float) -> str:
     """4 significant digits, thousands separated: 711.9, 1,473, 246,514, 8.511e-05."""
     return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"

@@ -69,6 +69,7 @@ from relaymoe_jax.models.config import KEYS, ModelConfig
 from ..settings import RunSettings, TrainConfig
 from ..step.optimizer import make_schedule, schedule_horizon
 from . import checkpoint as ckpt
+from . import shapes
 
 ALLOW_FLAG = "--allow-changes"
 DATA_KEYS = ("data", "tokenizer", "init")
@@ -185,39 +186,6 @@ class Change:
         return {"key": self.key, "old": self.old, "new": self.new, "same_math": self.same_math}
 
 
-def _param_shapes(model: dict):
-    """The (tree, shapes and dtypes) of the parameters of the model config `model` (a dict),
-    traced abstractly on one device; None if the config is not a valid one."""
-    import jax
-    from flax import nnx
-
-    from relaymoe_jax.models import QwenMoe
-
-    try:
-        cfg = ModelConfig.from_dict(model)
-    except (ValueError, TypeError):
-        return None
-    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
-    params = nnx.state(nnx.eval_shape(lambda: QwenMoe(cfg, mesh=mesh, rngs=nnx.Rngs(0))), nnx.Param)
-    leaves, tree = jax.tree.flatten(params)
-    return tree, [(x.shape, x.dtype) for x in leaves]
-
-
-def _shape_changes(model: dict, changes: list) -> list:
-    """Of the model-config `changes`, those that alone change the parameters' shapes (or which
-    parameters there are), from this run's config `model` with that key set back: a checkpoint
-    cannot be restored across them, whatever is allowed."""
-    if not changes:
-        return []
-    now = _param_shapes(model)
-    out = []
-    for c in changes:
-        then = _param_shapes({**model, c.key: c.old})
-        if now is not None and then is not None and then != now:
-            out.append(c)
-    return out
-
-
 def compare(meta: dict, model: dict, train: dict, data: dict) -> list[Change]:
     """The changes from the checkpoint metadata `meta` to this run's identity, classified (see
     the module docstring). A model key the checkpoint did not record (one added since it was
@@ -321,7 +289,7 @@ class RunIdentity:
                 f"restored with it; keep {layout[0].key}={_fmt(layout[0].old)} or use a new --out"
             )
         math_keys = [c for c in changes if c.key in MODEL_FIELDS and not c.same_math]
-        shaped = _shape_changes(self.model, math_keys)
+        shaped = shapes.shape_changes(self.model, math_keys)
         if shaped:
             raise ResumeRefusedError(
                 f"cannot resume {where}: {', '.join(c.text() for c in shaped)} changes the "
