@@ -4,8 +4,10 @@ the torch reference, with the ring (both routings) and all-to-all; export round 
 
 import functools
 import glob
+import importlib.util
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,8 @@ from flax import nnx
 from safetensors import safe_open
 
 from relaymoe_jax.models import from_pretrained, save_pretrained
+from relaymoe_jax.models.config import KEYS
+from relaymoe_jax.models.hf_config import config_from_hf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(
@@ -178,3 +182,112 @@ def test_folded_auto_mesh():
     logits, aux = forward(model, jnp.asarray(ref["input_ids"]))
     assert float(np.max(np.abs(np.asarray(logits) - ref["logits"]))) <= TOL
     np.testing.assert_allclose(aux.aux_loss, ref["aux_loss"], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- missing config keys
+
+DEFAULTS = os.path.join(HERE, "fixtures", "hf", "transformers_defaults.json")
+# a key removed with others where transformers' default alone would not fit the fixture's sizes
+# (16 KV heads for 4 query heads): removed with num_attention_heads, both take the defaults
+TOGETHER = {"num_key_value_heads": ("num_attention_heads",)}
+ALIASES = {"num_experts": ("num_local_experts",), "rope_theta": ("rope_parameters",)}
+
+
+def transformers_defaults() -> dict:
+    """{model_type: {key: default}} of transformers' Qwen3MoeConfig() / Qwen2MoeConfig(), as
+    recorded by fixtures/hf/make_transformers_defaults.py; where transformers is installed, the
+    installed classes must hold the same values."""
+    with open(DEFAULTS) as f:
+        recorded = json.load(f)
+    try:
+        import transformers
+    except ImportError:
+        return recorded
+    spec = importlib.util.spec_from_file_location(
+        "make_transformers_defaults",
+        os.path.join(HERE, "fixtures", "hf", "make_transformers_defaults.py"),
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for arch, cls in (
+        ("qwen3_moe", transformers.Qwen3MoeConfig),
+        ("qwen2_moe", transformers.Qwen2MoeConfig),
+    ):
+        live = mod.defaults(cls)
+        assert {k: live.get(k) for k in KEYS if k in recorded[arch]} == {
+            k: v for k, v in recorded[arch].items() if k in KEYS
+        }, arch
+    return recorded
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_topk_norm", "qwen2_moe_shared"])
+def test_missing_keys_take_transformers_defaults(name):
+    """A config.json without a key (num_experts_per_tok, norm_topk_prob, rope_theta, ...) gives
+    the value transformers' config class gives it, one key removed at a time from a fixture's
+    config.json, and every key removed at once (before: ModelConfig's defaults, e.g. top-k 2
+    and norm_topk_prob=True where transformers builds Qwen3-MoE with 8 and False)."""
+    with open(os.path.join(HERE, "fixtures", "hf", name, "config.json")) as f:
+        full = json.load(f)
+    theirs = transformers_defaults()[full["model_type"]]
+    keys = [k for k in KEYS if k in theirs]
+    assert {"num_experts_per_tok", "norm_topk_prob", "rope_theta", "num_experts"} <= set(keys)
+    for key in keys:
+        drop = {key, *ALIASES.get(key, ()), *TOGETHER.get(key, ())}
+        cfg = config_from_hf({k: v for k, v in full.items() if k not in drop}).as_dict()
+        for k in drop & set(keys):
+            ours = list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k]
+            assert ours == theirs[k], (key, k, ours, theirs[k])
+    bare = config_from_hf({"architectures": full["architectures"]}).as_dict()
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in bare.items() if k in keys} == {
+        k: theirs[k] for k in keys
+    }
+
+
+def _damage(path, case):
+    single = path / "model.safetensors"
+    if case == "truncated":
+        single.write_bytes(single.read_bytes()[:-1024])
+    elif case == "padded":
+        single.write_bytes(single.read_bytes() + bytes(8))
+    elif case == "not_safetensors":
+        single.write_bytes((16).to_bytes(8, "little") + b"<html>not found!")
+    elif case == "int_router":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(single)
+        tensors["model.layers.0.mlp.gate.weight"] = np.ones((8, 64), np.int32)
+        save_file(tensors, single)
+    elif case == "index":
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        wmap = index["weight_map"]
+        wmap["model.norm.weight"] = next(f for f in wmap.values() if f != wmap["model.norm.weight"])
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+DAMAGED = [
+    ("truncated", r"model.safetensors: truncated: its header lists \d+ bytes of tensor data, "),
+    ("padded", r"model.safetensors: damaged: its header lists \d+ bytes of tensor data, the "),
+    ("not_safetensors", r"model.safetensors: not a safetensors file \(its header: "),
+    (
+        "int_router",
+        r"model.safetensors: tensor 'model.layers.0.mlp.gate.weight' is stored as I32 \(int32\), "
+        r"expected a floating-point weight \(F32, BF16, F16, F64\)$",
+    ),
+    ("index", r"model-0000\d-of-00006.safetensors: does not hold \['model.norm.weight'\], which "),
+]
+
+
+@pytest.mark.parametrize("case, match", DAMAGED, ids=[c for c, _ in DAMAGED])
+def test_damaged_weight_files_are_one_line(tmp_path, case, match):
+    """`from_pretrained` checks every weights file's header before reading a tensor: a file cut
+    short or padded (before: safetensors' `SafetensorError: ... incomplete metadata, file not
+    fully covered`, naming no file), a header that is not safetensors', a tensor stored as an
+    integer (before: cast to float and loaded) and an index that puts a tensor in a file that
+    does not hold it are one ValueError line naming the file (and the tensor)."""
+    name = "qwen3_moe_dense_layers_sharded" if case == "index" else "qwen3_moe_topk_norm"
+    path = tmp_path / name
+    shutil.copytree(os.path.join(HERE, "fixtures", "hf", name), path)
+    _damage(path, case)
+    with pytest.raises(ValueError, match=f"^{path}/" + match) as e:
+        from_pretrained(str(path), mesh=mesh())
+    assert "\n" not in str(e.value)

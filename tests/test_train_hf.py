@@ -230,9 +230,22 @@ def test_the_checkpoint_tokenizer_tokenizes_the_data(tmp_path, corpus):
             r"Qwen3MoeForCausalLM or Qwen2MoeForCausalLM",
         ),
         ("both", r"give the model as --config FILE or --init-from-hf DIR .*not both"),
+        (
+            "truncated",
+            r"^--init-from-hf .*/ck/model.safetensors: truncated: its header lists 628224 bytes "
+            r"of tensor data, the file holds 627200 after the header \(a partial download",
+        ),
+        (
+            "int_router",
+            r"^--init-from-hf .*/ck/model.safetensors: tensor 'model.layers.1.mlp.gate.weight' is "
+            r"stored as I32 \(int32\), expected a floating-point weight \(F32, BF16, F16, F64\)$",
+        ),
     ],
 )
 def test_bad_checkpoint_directories_are_one_line(tmp_path, setup, match):
+    """Also: a truncated model.safetensors (a 9-frame SafetensorError traceback naming no file,
+    when the weights were loaded) and a tensor stored as an integer (cast to float and trained)
+    are refused by `cli.parse`, from the files' headers, before anything is built."""
     ck = tmp_path / "ck"
     if setup != "missing":
         shutil.copytree(QWEN3, ck)
@@ -249,6 +262,16 @@ def test_bad_checkpoint_directories_are_one_line(tmp_path, setup, match):
         (ck / "config.json").write_text(json.dumps(c))
     elif setup == "both":
         extra = ["--config", "configs/tiny.yaml"]
+    elif setup == "truncated":
+        blob = (ck / "model.safetensors").read_bytes()
+        (ck / "model.safetensors").write_bytes(blob[:-1024])
+    elif setup == "int_router":
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(ck / "model.safetensors")
+        name = "model.layers.1.mlp.gate.weight"
+        tensors[name] = np.round(tensors[name] * 100).astype(np.int32)
+        save_file(tensors, ck / "model.safetensors")
     argv = ["--init-from-hf", str(ck), "--steps", "1", "--out", str(tmp_path / "r"), *extra]
     with pytest.raises(ValueError, match=match) as e:
         cli.parse(argv)
@@ -259,10 +282,14 @@ def test_bad_checkpoint_directories_are_one_line(tmp_path, setup, match):
 def test_a_run_from_its_export_continues_at_the_same_loss(tmp_path, corpus, trained):
     """Export `trained` (its last step, 3; float32), start a run from the export with the same
     settings (step 1's update is zero: warmup): its held-out loss is the trained run's after
-    step 3, not after step 2."""
+    step 3, not after step 2. The export carries the files of the checkpoint the run started from
+    (here its generation_config.json; the tokenizer files:
+    test_export.py::test_the_tokenizer_travels_with_the_export)."""
     from train.hf import export
 
     assert export.main([str(trained), "--out", str(tmp_path / "hf")]) == 0
+    gen = "generation_config.json"  # the checkpoint's, copied (its `init`; no tokenizer there)
+    assert (tmp_path / "hf" / gen).read_bytes() == (QWEN3 / gen).read_bytes()
     again = tmp_path / "again"
     assert _run(again, *_shared(corpus), fixture=tmp_path / "hf", steps=1, warmup=1) == 0
     _, step2, step3 = (r["eval_loss"] for r in _metrics(trained))

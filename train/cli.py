@@ -15,9 +15,11 @@ docs/robustness.md.
 """
 
 import argparse
+import atexit
 import dataclasses
 import difflib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -361,7 +363,10 @@ def entry() -> None:
     if sys.argv[1:2] == ["export"]:  # `relaymoe-train export RUN_DIR --out DIR`: train/hf/export.py
         from .hf import export
 
-        sys.exit(export.main(sys.argv[2:]))
+        with guards.quiet_background_errors(keep=True):  # orbax's reads cut short by a signal
+            code = export.main(sys.argv[2:])
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)  # done: a Ctrl-C as jax exits
+        sys.exit(code)
     try:
         require_train_extra(_MISSING)
         use_cpu_devices(CPU_DEVICES)

@@ -2,7 +2,10 @@
 
 `from_pretrained(path, mesh=mesh)` reads a local directory holding `config.json` and
 `model.safetensors` (or a sharded `model.safetensors.index.json` with its files); nothing is
-downloaded. `save_pretrained(model, path)` writes the same layout back.
+downloaded. `save_pretrained(model, path)` writes the same layout back. Every weights file's
+header is checked before anything is read (`weight_map`): a truncated file, or a tensor stored in
+an integer dtype, is a ValueError naming the file (and the tensor), not the safetensors reader's
+traceback or a silent cast to float.
 
 Loading never builds the model on one device. The model's structure comes from `nnx.eval_shape`
 (no weights), and each parameter is made by `jax.make_array_from_callback` on its
@@ -35,7 +38,12 @@ from safetensors import safe_open
 
 from relaymoe_jax.models.config import ModelConfig
 from relaymoe_jax.models.hf_config import config_from_hf
-from relaymoe_jax.models.hf_files import ShardWriter, hf_tensors_of, write_config
+from relaymoe_jax.models.hf_files import (
+    ShardWriter,
+    hf_tensors_of,
+    weights_header,
+    write_config,
+)
 from relaymoe_jax.models.hf_mapping import Entry, mapping
 from relaymoe_jax.models.qwen import QwenMoe
 from relaymoe_jax.models.sharding import AxisRules
@@ -43,21 +51,38 @@ from relaymoe_jax.models.sharding import AxisRules
 # ---------------------------------------------------------------------------------------------
 # reading
 
+SINGLE = "model.safetensors"
+
+
+def weight_map(path: str) -> dict[str, str]:
+    """{tensor name: its file} of the checkpoint directory `path` (its
+    `model.safetensors.index.json`, else `model.safetensors`), every file's header checked first
+    (`hf_files.weights_header`: ValueError, one line naming the file, for a truncated file or a
+    tensor stored as an integer) and every tensor the index lists found in its file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            wmap = json.load(f)["weight_map"]
+        for fname in sorted(set(wmap.values())):
+            held = weights_header(os.path.join(path, fname))
+            lost = sorted(n for n, f in wmap.items() if f == fname and n not in held)
+            if lost:
+                raise ValueError(
+                    f"{os.path.join(path, fname)}: does not hold {lost[:4]}"
+                    f"{'...' if len(lost) > 4 else ''}, which model.safetensors.index.json "
+                    "puts there"
+                )
+        return wmap
+    if os.path.exists(os.path.join(path, SINGLE)):
+        return dict.fromkeys(weights_header(os.path.join(path, SINGLE)), SINGLE)
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
 
 class _Checkpoint:
-    """Lazy tensor access over one or several .safetensors files."""
+    """Lazy tensor access over one or several .safetensors files (checked: `weight_map`)."""
 
     def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
-                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        self.path, self.weight_map, self._open = path, weight_map, {}
+        self.path, self.weight_map, self._open = path, weight_map(path), {}
 
     def __contains__(self, name):
         return name in self.weight_map

@@ -1,8 +1,13 @@
 """`relaymoe-train export RUN_DIR --out HF_DIR [--step N] [--dtype bfloat16]` (also
 `python -m train export ...`, `python -m train.export ...`): a run's checkpoint as a Hugging Face
 checkpoint directory (config.json, safetensors files of at most `--max-shard-size`, default 5GB,
-with `model.safetensors.index.json` when there are several) that transformers'
-Qwen3MoeForCausalLM / Qwen2MoeForCausalLM loads, and `relaymoe_jax.models.from_pretrained` too.
+each file's header included, with `model.safetensors.index.json` only when there are several, as
+transformers writes them) that transformers' Qwen3MoeForCausalLM / Qwen2MoeForCausalLM loads, and
+`relaymoe_jax.models.from_pretrained` too. A run started with `--init-from-hf DIR` (recorded in
+its checkpoints' `init`) gets DIR's tokenizer and generation files (`tokenizer_files.COPIED`:
+tokenizer.json, tokenizer_config.json, ...) copied beside the weights, so
+`AutoTokenizer.from_pretrained` reads the export; a warning line says why not when DIR is gone or
+its tokenizer.json is not the one the run's data was prepared with.
 
 Streaming: the checkpoint is opened read-only (orbax's `PyTreeCheckpointer` on the step's `state`
 directory, no `CheckpointManager`: nothing is cleaned up or written there) and only `params` is
@@ -13,11 +18,13 @@ checksums the trainer saved with it (`train.state.checkpoint`), turned into its 
 handed to the `hf_files.ShardWriter`, which writes a file whenever the next tensor would take it
 past the limit. So the host holds one leaf plus one file's tensors, never the whole model.
 
-Everything is written into a temporary directory beside `--out` and renamed to it at the end: a
-failed export leaves nothing behind. Bad input is one line (`error: ...`, exit status 1) before
-anything is written: RUN_DIR missing or without a checkpoint, `--step` not saved (the saved steps
-are listed), `--out` a file or a non-empty directory, a bad `--dtype` or `--max-shard-size`, a
-model the Hugging Face architectures cannot hold (`hf_config.check_hf(export=True)`).
+Everything is written into a temporary directory beside `--out` (made with the user's umask, as
+`mkdir` would, not 0700) and renamed to it at the end: a failed or interrupted export leaves
+nothing behind; SIGINT (Ctrl-C) or SIGTERM stops it with one line, exit status 130 / 143. Bad
+input is one line (`error: ...`, exit status 1) before anything is written: RUN_DIR missing or
+without a checkpoint, `--step` not saved (the saved steps are listed), `--out` a file or a
+non-empty directory, a bad `--dtype` or `--max-shard-size`, a model the Hugging Face architectures
+cannot hold (`hf_config.check_hf(export=True)`). The checkpoint is read by `train.hf.saved`.
 """
 
 import argparse
@@ -25,13 +32,16 @@ import dataclasses
 import gc
 import json
 import os
-import re
+import secrets
 import shutil
+import signal
+import stat
 import sys
-import tempfile
+import threading
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, GetAttrKey, keystr
@@ -42,15 +52,20 @@ from relaymoe_jax.models.hf_files import ShardWriter, hf_tensors_of, size_bytes,
 from relaymoe_jax.models.hf_mapping import Entry, mapping
 
 from ..errors import MissingExtraError, describe_write_error, require_train_extra
+from .saved import ExportError, SavedParams, saved_steps
+from .tokenizer_files import source_files
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_CHUNK = 1 << 24  # elements per step of the host checksum
 COLLECT_BYTES = 16 << 20  # a leaf this large is freed by a garbage collection once written
 
 
-class ExportError(ValueError):
-    """Bad input to the export, or a checkpoint it cannot read (one line)."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM during the export (`Signals`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +79,8 @@ class Exported:
     files: tuple[str, ...]
     tensors: int
     total_bytes: int
-
-
-def saved_steps(run_dir: Path) -> list[int]:
-    """The committed checkpoint steps of a run directory, ascending (orbax renames a step's
-    temporary directory to its number only when the save is complete)."""
-    ckpts = Path(run_dir) / "checkpoints"
-    if not ckpts.is_dir():
-        return []
-    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit() and p.is_dir())
+    copied: tuple[str, ...] = ()  # the tokenizer and generation files copied
+    source: Path | None = None  # from this --init-from-hf directory
 
 
 def _param_key(entry: Entry, scan_layers: bool) -> tuple[str, int | None]:
@@ -100,61 +108,6 @@ def _plan(cfg: ModelConfig, leaf_paths: list[str], where: str) -> list[tuple[str
             f"(missing {missing[:4]}, unexpected {extra[:4]})"
         )
     return list(groups.items())
-
-
-def _host_sums(a: np.ndarray) -> list[int] | None:
-    """`train.state.checkpoint._leaf_sums` on the host: [sum(w), sum(w * (2 i + 1))] mod 2**32 over
-    the leaf's words w (flat index i), in chunks; None for an 8-byte type (not a parameter)."""
-    a = a.astype(np.uint8) if a.dtype == np.bool_ else a
-    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}.get(a.dtype.itemsize)
-    if bits is None:
-        return None
-    words, total, weighted = a.reshape(-1).view(bits), 0, 0
-    for start in range(0, words.size, _CHUNK):
-        w = words[start : start + _CHUNK].astype(np.uint64)
-        i = np.arange(start, start + w.size, dtype=np.uint64)
-        total += int(w.sum(dtype=np.uint64))
-        weighted += int((w * (2 * i + 1)).sum(dtype=np.uint64))
-    return [total % 2**32, weighted % 2**32]
-
-
-class _Params:
-    """Single saved leaves of one checkpoint step, read-only, verified against its checksums."""
-
-    def __init__(self, step_dir: Path, meta: dict, where: str):
-        import orbax.checkpoint as ocp
-
-        self.ocp, self.where, self.state_dir = ocp, where, step_dir / "state"
-        self.ckptr = ocp.PyTreeCheckpointer()
-        self.index = {p: i for i, p in enumerate(meta["leaf_paths"])}
-        self.types, self.sums = meta.get("leaf_types"), meta.get("checksums")
-
-    def read(self, path: str) -> np.ndarray:
-        """The saved leaf `path` as one numpy array (only it is read)."""
-        from ..state.checkpoint import short_error
-
-        i = self.index[path]
-        key, like = f"{i:06d}", 0
-        if self.types:  # e.g. "float32[2, 64]"
-            dtype, shape = re.fullmatch(r"(\w+)\[(.*)\]", self.types[i]).groups()
-            like = jax.ShapeDtypeStruct(tuple(int(d) for d in shape.split(",") if d), dtype)
-        args = self.ocp.args.PyTreeRestore(
-            item={key: like},
-            restore_args={key: self.ocp.RestoreArgs(restore_type=np.ndarray)},
-            partial_restore=True,
-        )
-        try:
-            a = self.ckptr.restore(self.state_dir, args=args)[key]
-        except Exception as e:  # tensorstore raises plain Exception
-            raise ExportError(f"{self.where}: cannot read {path}: {short_error(e)}") from e
-        if not isinstance(a, np.ndarray):  # a key orbax does not have comes back as given
-            raise ExportError(f"{self.where}: {path} (leaf {key}) is not in the checkpoint")
-        if self.sums is not None and _host_sums(a) not in (None, self.sums[i]):
-            raise ExportError(
-                f"{self.where}: {path} fails its checksum (the checkpoint is damaged); "
-                "export another --step"
-            )
-        return a
 
 
 def _hf_tensors(a: np.ndarray, entries: list, dtype):
@@ -202,6 +155,35 @@ def _step_of(run_dir: Path, step: int | None) -> int:
     return steps[-1] if step is None else step
 
 
+def _new_dir_beside(out: Path) -> Path:
+    """A new hidden directory beside `out`, made with the user's umask (tempfile.mkdtemp makes
+    it 0700, which the rename would give `out`); an existing empty `out`'s mode is kept."""
+    for _ in range(100):
+        tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            continue
+        if out.is_dir():
+            tmp.chmod(stat.S_IMODE(out.stat().st_mode))
+        return tmp
+    raise FileExistsError(f"{out.parent}: no free name for a temporary directory")
+
+
+@contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM ignored inside (in the main thread): the cleanup is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def _model_config(meta: dict, where: str) -> ModelConfig:
     if "model_config" not in meta or "leaf_paths" not in meta:
         raise ExportError(
@@ -222,10 +204,15 @@ def export(
     dtype: str = "float32",
     max_shard_size=DEFAULT_MAX_SHARD_SIZE,
     on_flush=None,
+    log=print,
+    check=None,
 ) -> Exported:
     """Write the Hugging Face checkpoint of `run_dir`'s checkpoint `step` (default the latest)
-    into the new or empty directory `out`, weights in `dtype`; ExportError (one line) for bad
-    input, before anything is written. `on_flush`: `hf_files.ShardWriter`'s hook (tests)."""
+    into the new or empty directory `out`, weights in `dtype`, with the `tokenizer_files.COPIED`
+    files of the run's --init-from-hf directory; ExportError (one line) for bad input, before
+    anything is written. `on_flush`: `hf_files.ShardWriter`'s hook (tests); `log`: the warning
+    lines; `check()`, if given, is called before each saved leaf is read and after each tensor is
+    written (`Signals.check`: it raises to stop)."""
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -244,18 +231,24 @@ def export(
     except ValueError as e:
         raise ExportError(f"{where}: cannot export to Hugging Face: {e}") from e
     plan = _plan(cfg, meta["leaf_paths"], where)
-    params = _Params(step_dir, meta, where)
+    params = SavedParams(step_dir, meta, where)
+    source, copied = source_files(meta, log)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    tmp = _new_dir_beside(out)
     try:
         write_config(str(tmp), cfg, dtype)
+        for name in copied:
+            shutil.copyfile(source / name, tmp / name)
         writer = ShardWriter(str(tmp), limit, on_flush=on_flush)
         np_dtype = jnp.dtype(dtype)
+        check = check or (lambda: None)
         for leaf, entries in plan:
+            check()
             a = params.read(leaf)
             big = a.nbytes >= COLLECT_BYTES
             for name, t in _hf_tensors(a, entries, np_dtype):
                 writer.add(name, t)
+                check()
             del a
             if big:  # orbax's finished asyncio future still holds the leaf, in a cycle
                 gc.collect()
@@ -264,10 +257,11 @@ def export(
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     sizes = [n for f in writer.files for n in f.values()]
-    return Exported(out, step, dtype, tuple(files), len(sizes), sum(sizes))
+    return Exported(out, step, dtype, tuple(files), len(sizes), sum(sizes), tuple(copied), source)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,25 +288,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
-        help="the largest safetensors file, e.g. 200KB, 5GB, 2GiB (a larger tensor gets a file "
-        f"of its own; default: {DEFAULT_MAX_SHARD_SIZE})",
+        help="the largest safetensors file, its header included, e.g. 200KB, 5GB, 2GiB (a "
+        f"larger tensor gets a file of its own; default: {DEFAULT_MAX_SHARD_SIZE})",
     )
     return p
 
 
 def main(argv=None) -> int:
     """The command line: exit status 0, 1 for bad input (one `error:` line), 2 for bad
-    arguments."""
+    arguments, 130 / 143 for SIGINT / SIGTERM (one line; nothing is left behind)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        require_train_extra()
-        done = export(
-            args.run_dir,
-            args.out,
-            step=args.step,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
+        with Signals() as signals:
+            require_train_extra()
+            done = export(
+                args.run_dir,
+                args.out,
+                step=args.step,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+                check=signals.check,
+            )
+    except (KeyboardInterrupt, Stopped) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        # orbax's read cut short leaves a coroutine that would warn when collected
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+        print(
+            f"export interrupted by {signal.Signals(signum).name}: nothing written to {args.out}",
+            file=sys.stderr,
+            flush=True,
         )
+        return 128 + signum
     except (ValueError, MissingExtraError) as e:  # ExportError
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -322,8 +329,40 @@ def main(argv=None) -> int:
     print(
         f"exported step {done.step} of {args.run_dir} to {done.out}: {done.tensors} tensors, "
         f"{done.total_bytes / 1e6:.1f} MB of {done.dtype} in {len(done.files)} file(s)"
+        + (f"; {', '.join(done.copied)} from {done.source}" if done.copied else "")
     )
     return 0
+
+
+class Signals:
+    """Inside (in the main thread): the first SIGINT or SIGTERM is recorded, and `check()` raises
+    `Stopped` at the export's next point between tensors (a signal's exception raised anywhere
+    would land inside jax's, orbax's or the garbage collector's callbacks, which print it, or
+    swallow it and go on); a second one raises `Stopped` at once (a long read or write). The
+    previous handlers are put back after."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            return
+        raise Stopped(self.received)
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise Stopped(self.received)
 
 
 if __name__ == "__main__":

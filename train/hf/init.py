@@ -70,8 +70,9 @@ class HFSource:
 
 def open_source(path) -> HFSource:
     """The checkpoint directory `path`, checked: ValueError (one line, naming the path) for a
-    missing directory, config.json or weights, an unreadable config.json, or an architecture that
-    is not Qwen3-MoE or Qwen2-MoE."""
+    missing directory, config.json or weights, an unreadable config.json, an architecture that
+    is not Qwen3-MoE or Qwen2-MoE, or a weights file that is truncated, not safetensors, or holds
+    a tensor of an integer dtype (`relaymoe_jax.models.hf.weight_map`: the headers only)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(
@@ -109,6 +110,10 @@ def open_source(path) -> HFSource:
         weights = (SINGLE,)
     else:
         raise ValueError(f"--init-from-hf {path}: no weights ({SINGLE} or {INDEX} with its shards)")
+    try:
+        hf.weight_map(str(path))  # every file's header: truncated, integer tensors
+    except ValueError as e:
+        raise ValueError(f"--init-from-hf {e}") from None
     tok = path / TOKENIZER
     return HFSource(path, config, weights, tok if tok.is_file() else None)
 
