@@ -189,14 +189,6 @@ def test_bad_inputs(change, message):
         flash_attention(*_arrays(**change), interpret=True)
 
 
-def test_the_compiled_kernel_on_a_cpu_says_what_to_use():
-    """The compiled kernel where the call compiles for the CPU: one line naming the interpreter
-    and the other implementations (jax's own error said only "Only interpret mode is supported
-    on CPU backend"); a deviceless GPU mesh passes (tests/test_attention_gpu_compile.py)."""
-    with pytest.raises(ValueError, match=r"compiles for 'cpu': use attention_impl='pallas-interp"):
-        flash_attention(*_arrays())
-
-
 def test_segment_ids_on_one_side():
     q, k, v, qi, ki = _arrays()
     with pytest.raises(ValueError, match="segment ids: give both"):

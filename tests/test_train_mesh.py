@@ -177,6 +177,11 @@ def test_bad_mesh(spec, msg):
         (["mesh=expert=16"], "16 devices but 8"),
         (["mesh=expert=4,expert_tensor=2", "moe_intermediate_size=63"], "does not split over"),
         (["mesh=data=2,context=4", "seq_len=30"], "seq_len=30 does not split over context=4"),
+        (  # the compiled kernel on CPU (jax's "Only interpret mode is supported" before)
+            ["attention_impl=pallas", "head_dim=64", "compute_dtype=bfloat16"],
+            r"attention_impl='pallas' compiles a Mosaic GPU kernel, but this run compiles for "
+            r"'cpu': use attention_impl='pallas-interpret'",
+        ),
         (  # the probe's case: silently replicated over fsdp before
             ["mesh=fsdp=2,expert=4", "batch_size=3", "grad_accum=2"],
             r"batch_size=3 does not split over fsdp=2 .* use a multiple of 2$",

@@ -302,7 +302,7 @@ def parse(argv) -> RunSettings:
             other_keys={"trainer": TRAIN_FIELDS},
             **over,
         )
-    train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+    train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh, jax.devices()[0].platform)
     check_offload(cfg, tc, jax.devices()[0])
     _check_ignored_options(over, cfg, args.memory_table)
     if tc.seq_len > cfg.max_position_embeddings:

@@ -358,7 +358,8 @@ def main(argv=None) -> int:
             other_keys={"trainer": TRAIN_FIELDS},
             **over,
         )
-        train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh)
+        compiles_for = "gpu" if args.target else jax.devices()[0].platform
+        train_mesh.check(sizes, cfg, tc.batch_size, tc.seq_len, tc.mesh, compiles_for)
         if i == 0:  # the same model for every dispatcher
             args.max_seq = _check_lengths(args, cfg, found)
         found.rings.append(expert_parallelism(cfg, mesh))

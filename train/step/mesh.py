@@ -97,8 +97,17 @@ def expert_size(sizes: dict[str, int]) -> int:
 DATA_AXES = ("data", "fsdp", "node")  # the axes that split a batch's rows, whatever the model
 
 
-def check(sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str) -> None:
-    """The config and batch fit the mesh (ValueError naming the values otherwise)."""
+def check(
+    sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str, platform: str = "gpu"
+) -> None:
+    """The config and batch fit the mesh (ValueError naming the values otherwise); `platform`:
+    what the step compiles for ("gpu" for a deviceless GPU mesh, else the devices')."""
+    if cfg.attention_impl == "pallas" and platform != "gpu":  # jax's error named nothing
+        raise ValueError(
+            f"attention_impl='pallas' compiles a Mosaic GPU kernel, but this run compiles for "
+            f"{platform!r}: use attention_impl='pallas-interpret' (the same kernel in its "
+            "interpreter, slow: for tests), 'chunked' or 'auto'"
+        )
     etp = sizes.get("expert_tensor", 1)
     if cfg.moe.moe_intermediate_size % etp:
         raise ValueError(

@@ -29,7 +29,6 @@ from relaymoe_jax.kernels.attention.common import (
     check_head_dim,
     prepare_masks,
 )
-from relaymoe_jax.util.platform import platform
 from relaymoe_jax.util.typed import varying_like
 
 
@@ -93,21 +92,6 @@ def _prepare(q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, scale, conf
     return masks, scale, config
 
 
-def check_platform(q_bsnd, interpret: bool) -> None:
-    """The compiled kernel (not `interpret`) where the call does not compile for a GPU: one line
-    saying what to use (jax's own error says only "Only interpret mode is supported on CPU
-    backend"). The platform is that of q's mesh, else the context mesh's, else jax's default
-    device: a deviceless GPU mesh (`relaymoe_jax.gpu_mesh`) compiles for a GPU."""
-    target = platform(getattr(getattr(jax.typeof(q_bsnd), "sharding", None), "mesh", None))
-    if not interpret and target != "gpu":
-        raise ValueError(
-            f"the pallas attention kernel (attention_impl='pallas') compiles a Mosaic GPU "
-            f"kernel, but this call compiles for {target!r}: use attention_impl="
-            "'pallas-interpret' (the same kernel in its interpreter, slow: for tests), "
-            "'chunked' or 'auto' (interpret=True when calling the kernel itself)"
-        )
-
-
 def flash_attention(
     q_bsnd,
     k_btkd,
@@ -122,7 +106,6 @@ def flash_attention(
     interpret=False,
 ):
     """o [B, S, N, D] (q's dtype): softmax(scale q k^T, masked) v, differentiable in q, k, v."""
-    check_platform(q_bsnd, interpret)
     masks, scale, config = _prepare(
         q_bsnd, k_btkd, v_btkd, qi_bs, ki_bt, qseg_bs, kseg_bt, scale, config
     )
