@@ -1,5 +1,6 @@
 """A compiled train step's memory: its device and host peaks (`footprint`, `host_footprint`, what
-the planner measures) and the trainer's end-of-run report (`--memory-table`): the step's
+the planner measures; defined beside the trainer's memory line, `train.step.train_step`) and the
+trainer's end-of-run report (`--memory-table`): the step's
 per-device memory with each dispatcher, from XLA's buffer assignment of the compiled step
 (`memory_analysis()`), compile-only for the dispatchers that did not train.
 
@@ -9,6 +10,9 @@ allocated), so nothing runs.
 """
 
 from relaymoe_jax.op.options import MoEOptions
+
+from ..step.train_step import footprint as footprint
+from ..step.train_step import host_footprint as host_footprint
 
 
 def options_label(options: MoEOptions) -> str:
@@ -54,29 +58,6 @@ def memory_rows(cfg, tc, mesh, trained=None, log=print, packed: bool = False):
         compiled = train_step.compile_abstract(c, tc, mesh, packed=packed)
         rows.append((label, compiled.memory_analysis(), "compile-only"))
     return rows
-
-
-def footprint(m) -> int:
-    """Bytes live at once per device: arguments + temporaries + outputs not aliased to a donated
-    argument."""
-    return (
-        m.argument_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def host_footprint(m) -> int:
-    """Host bytes live at once per device, `footprint`'s count over XLA's host memory space
-    (pinned host memory: offloaded train state and residuals): host arguments + host temporaries
-    + host outputs not aliased to a donated host argument. 0 when nothing is offloaded."""
-    return (
-        m.host_argument_size_in_bytes
-        + m.host_temp_size_in_bytes
-        + m.host_output_size_in_bytes
-        - m.host_alias_size_in_bytes
-    )
 
 
 def memory_table(rows) -> str:

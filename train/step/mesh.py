@@ -98,7 +98,7 @@ DATA_AXES = ("data", "fsdp", "node")  # the axes that split a batch's rows, what
 
 
 def check(
-    sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str, platform: str = "gpu"
+    sizes: dict[str, int], cfg, batch_size: int, seq_len: int, spec: str, platform: str
 ) -> None:
     """The config and batch fit the mesh (ValueError naming the values otherwise); `platform`:
     what the step compiles for ("gpu" for a deviceless GPU mesh, else the devices')."""

@@ -306,6 +306,29 @@ def compile_abstract(cfg, tc: TrainConfig, mesh, memo: bool = True, packed: bool
     return compile_step(step, state, sharding, shape, key=key, packed=packed)
 
 
+def footprint(m) -> int:
+    """Bytes live at once per device: arguments + temporaries + outputs not aliased to a donated
+    argument."""
+    return (
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def host_footprint(m) -> int:
+    """Host bytes live at once per device, `footprint`'s count over XLA's host memory space
+    (pinned host memory: offloaded train state and residuals): host arguments + host temporaries
+    + host outputs not aliased to a donated host argument. 0 when nothing is offloaded."""
+    return (
+        m.host_argument_size_in_bytes
+        + m.host_temp_size_in_bytes
+        + m.host_output_size_in_bytes
+        - m.host_alias_size_in_bytes
+    )
+
+
 def memory_summary(compiled) -> str:
     """Per-device memory of the compiled step, from `memory_analysis()`: its parts and the peak as
     the planner counts it (arguments + temporaries + outputs not aliased to a donated argument;
@@ -322,14 +345,12 @@ def memory_summary(compiled) -> str:
         "temp_size_in_bytes",
     ]
     host = [f"host_{f}" for f in fields if getattr(m, f"host_{f}", 0)]
-    parts = [getattr(m, f, 0) for f in fields]
-    peak = parts[0] + parts[1] - parts[2] + parts[3]
     return (
         "per-device memory of the train step: "
         + ", ".join(
             f"{f.removesuffix('_size_in_bytes')}={mib(getattr(m, f, 0))}" for f in fields + host
         )
-        + f", peak={mib(peak)} (arguments + temp + outputs not aliased)"
+        + f", peak={mib(footprint(m))} (arguments + temp + outputs not aliased)"
     )
 
 
