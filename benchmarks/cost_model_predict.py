@@ -176,24 +176,27 @@ FP8_HEAD = (
     "flat line: bf16",
     "FP8 relay fwd / bwd",
     "FP8 relay",
-    "+ e4m3 GEMMs at 2x",
+    "+ e4m3 kernel",
     "hier line: bf16",
     "FP8 relay",
-    "+ e4m3 GEMMs at 2x",
+    "+ e4m3 kernel",
 )
 
 
 def fp8_lines_section(args, model_in, secs, links, shape, lines):
     """Prints the lines with `expert_fp8`'s relay (P as e4m3 + block scales; the f32 dW
-    accumulator as before), at today's bf16-rate matmuls and at twice that rate (an e4m3 grouped
-    matmul at the tensor cores' 2x; not built yet)."""
+    accumulator as before), at bf16-rate matmuls and with the e4m3 kernel's share of them at
+    twice that rate (`costmodel.fp8_compute_factors`: assumed until a GPU times it)."""
     print("\n### Where the ring stops hiding its transfers with expert_fp8 (tokens per device)\n")
+    f_fwd, f_bwd = cm.fp8_compute_factors()
     print(
         "The same lines with the weights relayed as e4m3 and one float32 scale per 128 x 128 "
         "block (`costmodel.fp8_payload`; the backward's float32 dW accumulator A travels as "
-        "before, so a backward hop moves P/2 + A instead of P + A): at today's compute (the "
-        "grouped matmuls multiply the dequantised bf16 matrices), and were the matmuls e4m3 at "
-        "the tensor cores' 2x bf16 rate (assumed: that kernel is not built)\n"
+        "before, so a backward hop moves P/2 + A instead of P + A): at bf16 compute (the "
+        "grouped matmuls' 16-bit kernel, as where there is no e4m3 kernel), and with the e4m3 "
+        "kernel of Hopper (`gmm_fp8`: the forward, the recomputed projections and the dgrads "
+        f"at the tensor cores' 2x bf16 rate, the wgrads 16-bit: a hop's compute x{f_fwd:.4g} "
+        f"forward, x{f_bwd:.4g} backward; the rate assumed until a GPU times the kernel)\n"
     )
     print_head(FP8_HEAD)
     t_ref, (_, hidden, ffn) = max(args.tokens), shape
@@ -203,7 +206,7 @@ def fp8_lines_section(args, model_in, secs, links, shape, lines):
         b8 = dict(b, payload=cm.fp8_payload(int(b["payload"]), hidden, ffn))
         per_tok = tuple(c / t_ref for c in secs[ep, t_ref][:2])
         relay, _ = _lines(ep, b8, per_tok, links)
-        fast, _ = _lines(ep, b8, tuple(c / 2 for c in per_tok), links)
+        fast, _ = _lines(ep, b8, (per_tok[0] * f_fwd, per_tok[1] * f_bwd), links)
         fl = cm.flat_levels(ep, b8["share_intra"], b8["share_inter"])[0]
         p8, a = b8["payload"], b8["acc"]
         fwd_bwd = [

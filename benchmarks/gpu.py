@@ -30,13 +30,16 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    and 12*pairs*H*F / bwd (`costmodel.hop_flops`: the three matmuls and their six gradients; the
    ring's backward also recomputes gate and up, not counted). The default chunk's row with "auto"'s
    grouped matmul is the cost model's compute term. A last row times that hop with
-   `expert_fp8=True` (docs/precision.md): the same 16-bit kernel on e4m3-rounded operands until an
-   e4m3 kernel exists, so it shows what the rounding costs (the FP8 relay's bytes are not in a
-   one-device hop; the cost model's FP8 lines predict them).
+   `expert_fp8=True` (docs/precision.md): on Hopper the ring's forward and dgrad GEMMs run on
+   our e4m3 kernel (`gmm_fp8`; wgrad stays the 16-bit tgmm), so this row against the "mosaic"
+   row is the FP8 hop's speed-up (the FP8 relay's bytes are not in a one-device hop; the cost
+   model's FP8 lines predict them).
 3. `## Grouped matmul kernels` -- bf16 inputs, f32 accumulation, bf16 outputs: the three passes of
    one grouped matmul timed apart: fwd out = x @ W_g, dx = dout @ W_g^T (gmm with
    transpose_rhs=True), dW = x_g^T @ dout_g (tgmm). Kernels: ours on Mosaic GPU (impl="mosaic",
-   its default config: TMA, wgmma, warp specialisation), our Pallas Triton gmm/tgmm (impl="pallas":
+   its default config: TMA, wgmma, warp specialisation), its e4m3 form ("mosaic-fp8": fwd and dx
+   of `gmm_fp8` on operands quantised before the timing, its err against the unrounded operands
+   within FP8_TOL, its % peak of twice the bf16 peak), our Pallas Triton gmm/tgmm (impl="pallas":
    the default config and the block configs of PALLAS_CONFIGS, from tokamax's H100 autotuning
    data), XLA's `lax.ragged_dot` (impl="ragged_dot"), and JAX's Mosaic-GPU
    `ragged_dot_mgpu.ragged_dot` (dx: the same kernel with transpose_rhs=True; dW:
@@ -107,7 +110,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling modules,
     sys.path.append(str(Path(__file__).resolve().parent))
 
 from gpu_attention import ATTN, TINY_ATTN, attention_section
-from gpu_common import TOL, Budget, error_text
+from gpu_common import FP8_TOL, TOL, Budget, error_text
 from gpu_kernel_section import PASSES, PATTERNS, SHAPES, TINY_SHAPES, kernel_section
 from gpu_kernels import PALLAS_CONFIGS, TINY_PALLAS_CONFIGS, pallas_cfg
 from gpu_layer import HOP, LAYER, LAYER_VARIANTS, TINY_HOP, TINY_LAYER, hop_section, layer_section
@@ -120,6 +123,7 @@ from relaymoe_jax.cli.argtypes import non_negative_int, positive_float, positive
 # and gpu_common.py.
 __all__ = [
     "ATTN",
+    "FP8_TOL",
     "HOP",
     "LAYER",
     "LAYER_VARIANTS",

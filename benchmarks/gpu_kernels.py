@@ -5,7 +5,7 @@ dW), and how a pass is timed (inside the Mosaic-GPU interpreter with --interpret
 import contextlib
 import dataclasses
 
-from gpu_common import error_text, timed
+from gpu_common import FP8_TOL, TOL, error_text, timed
 
 # Pallas configs: "default" (api.gmm / api.tgmm impl="pallas") or
 # "block_m,block_n,block_k[,warps[,stages]]" in our kernel's terms; each is timed in every pass.
@@ -59,6 +59,8 @@ class Kernel:
     fns: dict  # pass -> jitted fn; {} when the kernel is unavailable
     fail: str  # what a failed cell starts with: "error", "n/a" or "n/a: why"
     mgpu_interpret: bool = False
+    tol: float = TOL  # of err against float64 of the (unrounded) bf16 operands
+    peak_factor: float = 1.0  # the device's peak for this kernel's operands / its bf16 peak
 
 
 def _passes(gmm, tgmm, **kw):
@@ -118,6 +120,29 @@ def mosaic_kernel(interpret: bool) -> Kernel:
     kw = dict(impl="mosaic", interpret=interpret, preferred_element_type=jnp.bfloat16)
     fns = _jit_all(_passes(api_gmm, api_tgmm, **kw))
     return Kernel("mosaic", "mosaic", "ours, Mosaic GPU (impl='mosaic')", fns, "error")
+
+
+def fp8_kernel(case, interpret: bool) -> Kernel:
+    """Our e4m3 Mosaic GPU gmm (`kernels/gmm/mosaic_fp8.py`, what expert_fp8 runs on Hopper):
+    fwd and dx on operands quantised once here, outside the timing (x and dout per 1 x 128
+    tile, W per 128 x 128 block, W for fwd already K-major as the ring keeps it: the kernel
+    alone). dW stays the 16-bit tgmm (the mosaic row's). % peak: of the e4m3 peak (2x bf16)."""
+    import jax.numpy as jnp
+
+    from relaymoe_jax.kernels.gmm import mosaic, mosaic_fp8
+    from relaymoe_jax.quant import fp8
+
+    cfg = mosaic.make_config(interpret)
+    x_q, d_q = fp8.quantize(case.x, fp8.TILE), fp8.quantize(case.dout, fp8.TILE)
+    w_nk, w_kn = fp8.quantize(jnp.swapaxes(case.w, 1, 2)), fp8.quantize(case.w)
+    call = lambda a, w, gs: mosaic_fp8.gmm_fp8_call(a, w, gs, True, jnp.bfloat16, cfg)
+    fns = {
+        "fwd": lambda x, w, gs, dout: call(x_q, w_nk, gs),
+        "dx": lambda x, w, gs, dout: call(d_q, w_kn, gs),  # dout @ W^T: W is [G, K, N] = K-major
+    }
+    label = "ours, e4m3 (gmm_fp8, operands pre-quantised)"
+    why = "n/a: 16-bit tgmm (the mosaic row)"
+    return Kernel("mosaic-fp8", "e4m3", label, _jit_all(fns), why, tol=FP8_TOL, peak_factor=2.0)
 
 
 def ragged_dot_kernel() -> Kernel:
@@ -198,10 +223,11 @@ def _mgpu_passes(rd, trd, kw_fwd, kw_dx, kw_dw):
 
 
 def kernels(case, opts) -> list[Kernel]:
-    """Every kernel timed on `case`: ours on Mosaic GPU, the Pallas Triton configs, lax.ragged_dot,
-    jax's Mosaic-GPU ones."""
+    """Every kernel timed on `case`: ours on Mosaic GPU (bf16, then e4m3), the Pallas Triton
+    configs, lax.ragged_dot, jax's Mosaic-GPU ones."""
     return [
         mosaic_kernel(opts.interpret),
+        fp8_kernel(case, opts.interpret),
         *(pallas_kernel(s, opts.interpret) for s in opts.pallas_configs),
         ragged_dot_kernel(),
         *mgpu_kernels(case, opts),

@@ -1,5 +1,8 @@
 """Shared helpers of the grouped-matmul tests (no test functions here)."""
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,3 +21,26 @@ def assert_close(got, want, rtol=F32_RTOL):
     assert got.shape == want.shape, (got.shape, want.shape)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=rtol * max(np.abs(want).max(), 1.0))
+
+
+def fails_close(got, want, rtol=F32_RTOL) -> bool:
+    """Whether `assert_close(got, want, rtol)` fails (a sabotage check's verdict)."""
+    try:
+        assert_close(got, want, rtol)
+    except AssertionError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def sabotaged(monkeypatch):
+    """A monkeypatch context whose kernels are traced afresh inside it and again after it: a
+    Mosaic GPU kernel's launch is a jitted function of its static description
+    (`mosaic_common.launch`), whose cached trace would otherwise keep the sound kernel in the
+    context, or the sabotaged one after it."""
+    jax.clear_caches()
+    try:
+        with monkeypatch.context() as mp:
+            yield mp
+    finally:
+        jax.clear_caches()

@@ -411,7 +411,9 @@ def test_script_end_to_end_on_synthetic_rows(script, tmp_path, capsys):
 def test_fp8_relay_lines(script, tmp_path, capsys):
     """The expert_fp8 lines: the forward line scales with the e4m3 payload (P8 / P, with
     `fp8_payload`'s scales), the backward's with (P8 + A) / (P + A) (the float32 accumulator
-    travels as before); matmuls at twice the rate double every line."""
+    travels as before); with the e4m3 kernel the forward's compute halves and the backward's
+    takes 11/16 of its time (the 2 recomputed matmuls and 3 dgrads, 10 of its 16 units, at twice
+    the rate; the 3 wgrads, 6 units, 16-bit), each line growing by the inverse."""
     path = _synthetic_scaling(tmp_path)
     argv = ["--scaling-json", str(path), "--ep", "8", "-k", "2", "--scaling-tokens", "1024"]
     script.main([*argv, "--tokens", "1024", "--out", str(tmp_path / "cm.png")])
@@ -425,7 +427,9 @@ def test_fp8_relay_lines(script, tmp_path, capsys):
     fwd8, bwd8 = (_num(x) for x in fp8[4].split(" / "))
     assert abs(fwd8 / fwd16 - p8 / p16) < 1e-3, (fwd8, fwd16, p8, p16)
     assert bwd8 < bwd16 and _num(fp8[5]) == max(fwd8, bwd8)
-    assert abs(_num(fp8[6]) / _num(fp8[5]) - 2) < 1e-3
+    assert cm.fp8_compute_factors() == (0.5, (10 / 2 + 6) / 16)
+    e4m3 = max(fwd8 / 0.5, bwd8 / (11 / 16))
+    assert abs(_num(fp8[6]) / e4m3 - 1) < 1e-3, (fp8[6], e4m3)
 
 
 def _row(text, heading, first):

@@ -11,15 +11,13 @@ run with the race detector on. The deviceless H100 compile (PTX, registers) is i
 test_gmm_mosaic_compile.py, moe_ffn through these kernels in test_dispatch_mosaic.py.
 """
 
-import contextlib
-
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gmm_cases import F32_RTOL, assert_close, rand
+from gmm_cases import F32_RTOL, assert_close, fails_close, rand, sabotaged
 from relaymoe_jax.kernels.gmm import gmm, mosaic, mosaic_gmm, mosaic_tgmm, tgmm
 from relaymoe_jax.kernels.gmm import reference as ref
 from relaymoe_jax.kernels.gmm.mosaic_common import MosaicConfig
@@ -175,47 +173,25 @@ def _small_forward_and_tgmm(which=("gmm", "tgmm")):
     return out, dw
 
 
-def _fails(got, want) -> bool:
-    try:
-        assert_close(got, want, F32_RTOL)
-    except AssertionError:
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def _sabotaged(monkeypatch):
-    """A monkeypatch context whose kernels are traced afresh inside it and again after it: the
-    kernel launch is a jitted function of its static description (`mosaic_common.launch`), whose
-    cached trace would otherwise keep the sound kernel in the context, or the sabotaged one
-    after it."""
-    jax.clear_caches()
-    try:
-        with monkeypatch.context() as mp:
-            yield mp
-    finally:
-        jax.clear_caches()
-
-
 def test_sabotage_is_caught(monkeypatch):
     """The comparisons above fail when the kernels skip a K block (gmm), drop a work item (a
     group's rows in one tile: left NaN) or skip a group's last row block (tgmm); the same inputs
     pass untouched."""
     (out, want), (dw, want_dw) = _small_forward_and_tgmm()
-    assert not _fails(out, want) and not _fails(dw, want_dw)
-    with _sabotaged(monkeypatch) as mp:
+    assert not fails_close(out, want) and not fails_close(dw, want_dw)
+    with sabotaged(monkeypatch) as mp:
         mp.setattr(mosaic_gmm._Spec, "k_steps", property(lambda sp: sp.k // sp.bk - 1))
-        assert _fails(_small_forward_and_tgmm(("gmm",))[0][0], want)
-    with _sabotaged(monkeypatch) as mp:
+        assert fails_close(_small_forward_and_tgmm(("gmm",))[0][0], want)
+    with sabotaged(monkeypatch) as mp:
         items = mosaic_gmm.row_items
         mp.setattr(
             mosaic_gmm, "row_items", lambda *a: items(*a)._replace(count=items(*a).count - 1)
         )
-        assert _fails(_small_forward_and_tgmm(("gmm",))[0][0], want)
-    with _sabotaged(monkeypatch) as mp:
+        assert fails_close(_small_forward_and_tgmm(("gmm",))[0][0], want)
+    with sabotaged(monkeypatch) as mp:
         tile = mosaic_tgmm._tile
         mp.setattr(mosaic_tgmm, "_tile", lambda *a: tile(*a)._replace(trips=tile(*a).trips - 1))
-        assert _fails(_small_forward_and_tgmm(("tgmm",))[1][0], want_dw)
+        assert fails_close(_small_forward_and_tgmm(("tgmm",))[1][0], want_dw)
 
 
 # ------------------------------------------------------------------ the entry points' checks

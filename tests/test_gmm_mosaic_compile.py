@@ -1,13 +1,14 @@
 """The Mosaic GPU grouped matmul compiled by XLA:GPU for abstract H100s (deviceless,
-`relaymoe_jax.gpu_mesh`; nothing runs): its three kernels at Qwen3-30B-A3B's expert shapes and
-moe_ffn's ring fwd+bwd on 8 H100s with gmm_impl="mosaic" (Qwen3-30B-A3B's train step with them:
-test_attention_gpu_compile.py). Read
-from what the CUDA plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read when the process
-starts: one subprocess compiles both programs): every kernel's PTX issues wgmma on bf16 operands
-accumulating in f32 and no other wgmma, ptxas spills nothing, and each kernel's registers and
-shared memory are printed (`-s` shows them). The HLO: every Mosaic GPU call receives 16-bit
-operands only (a float32 cotangent is cast down before it). The kernels' values are tested in
-the interpreter (test_gmm_mosaic.py)."""
+`relaymoe_jax.gpu_mesh`; nothing runs): its three kernels and the e4m3 gmm (`gmm_fp8`) at
+Qwen3-30B-A3B's expert shapes and moe_ffn's ring fwd+bwd on 8 H100s with gmm_impl="mosaic"
+(Qwen3-30B-A3B's train step with them: test_attention_gpu_compile.py). Read from what the CUDA
+plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read when the process starts: one
+subprocess compiles both programs): every kernel's PTX issues wgmma on bf16 operands (the e4m3
+kernel: on e4m3) accumulating in f32 and no other wgmma, ptxas spills nothing, and each kernel's
+registers and shared memory are printed (`-s` shows them). The HLO: every Mosaic GPU call
+multiplies 16-bit operands only (a float32 cotangent is cast down before it), the e4m3 kernel
+e4m3 ones. The kernels' values are tested in the interpreter (test_gmm_mosaic.py,
+test_gmm_fp8.py)."""
 
 import os
 import pathlib
@@ -36,7 +37,7 @@ import pathlib, sys, warnings
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from relaymoe_jax import XLA_OPTIONS, gpu_mesh
-from relaymoe_jax.kernels.gmm import gmm, tgmm
+from relaymoe_jax.kernels.gmm import gmm, gmm_fp8, tgmm
 from relaymoe_jax.op import moe_ffn
 
 G, H, F, M, T = 16, 2048, 768, 8192, 4096
@@ -50,7 +51,10 @@ def kernels(x, w_gate, w_down, rows, gs, dout, acc):
     gate = gate.astype(bf)
     down = gmm(gate, w_down, gs, impl="mosaic")
     dw = tgmm(gate, down, gs, impl="mosaic", preferred_element_type=jnp.float32, acc=acc)
-    return down, dw, *vjp(dout.astype(jnp.float32))
+    # the e4m3 kernel (expert_fp8): the gate projection and its VJP (dx: e4m3; dW: tgmm)
+    mm8 = lambda x, w: gmm_fp8(x, w, gs, lhs_rows=rows, preferred_element_type=f32)
+    gate8, vjp8 = jax.vjp(mm8, x, w_gate)
+    return down, dw, *vjp(dout.astype(jnp.float32)), gate8, *vjp8(dout.astype(f32))
 
 
 def layer(mesh):
@@ -111,8 +115,10 @@ def dump(tmp_path_factory):
 
 def test_every_kernel_call_takes_16_bit_operands(dump):
     """The kernels' program: the gate's forward, dx and dW, the down projection, tgmm into a
-    float32 sum (its f32 accumulator is an operand it adds, not multiplies); the layer's fwd+bwd:
-    the ring's forward and recomputing backward. No call multiplies a float32 operand.
+    float32 sum (its f32 accumulator is an operand it adds, not multiplies), and the e4m3 gate
+    projection with its VJP (its f32 operands are block scales, applied to float32 partial
+    products; test_the_e4m3_kernel_multiplies_e4m3); the layer's fwd+bwd: the ring's forward and
+    recomputing backward. No call multiplies a float32 operand.
     Qwen3-30B-A3B's train step with these kernels (gmm_impl="auto" on H100s: scanned layers,
     `moe_remat`, bf16 compute) is test_attention_gpu_compile.py's
     test_train_step_calls_the_kernel_in_every_layer[qwen3-30b-a3b-context8], which reads its
@@ -120,10 +126,11 @@ def test_every_kernel_call_takes_16_bit_operands(dump):
     for name, text in dump[1].items():
         calls = triton_calls.mosaic_calls(text)
         assert calls, name
-        assert {c.kernel.split(".")[0] for c in calls} <= {"relaymoe_gmm", "relaymoe_tgmm"}
+        kernels = {"relaymoe_gmm", "relaymoe_tgmm", "relaymoe_gmm_fp8"}
+        assert {c.kernel.split(".")[0] for c in calls} <= kernels
         assert not triton_calls.wide_float_calls(text), (name, calls)
         assert not triton_calls.triton_calls(text), name  # nothing left on the Triton backend
-    assert len(triton_calls.mosaic_calls(dump[1]["kernels"])) == 5
+    assert len(triton_calls.mosaic_calls(dump[1]["kernels"])) == 5 + 3
     # the ring's forward (3) and backward (2 recomputed, 3 dx, 3 dW) in its loop bodies
     assert len(triton_calls.mosaic_calls(dump[1]["layer"])) >= 11
 
@@ -135,13 +142,29 @@ def _ptxas(path: pathlib.Path) -> dict:
     return {"registers": regs, "spill_bytes": sum(spills)}
 
 
+def test_the_e4m3_kernel_multiplies_e4m3(dump):
+    """The e4m3 gate projection (forward) and its dx: each call takes x and w as e4m3 ([M, K]
+    and [G, N, K]: the forward's w transposed to K-major by XLA, dx's as it is) and their
+    float32 scales; dW is the 16-bit tgmm (bf16 operands)."""
+    calls = triton_calls.mosaic_calls(dump[1]["kernels"])
+    fp8_calls = [c for c in calls if c.kernel.startswith("relaymoe_gmm_fp8")]
+    assert len(fp8_calls) == 2, calls
+    for c in fp8_calls:
+        types = [t for t, _ in c.operands]
+        assert types.count("f8e4m3fn") == 2 and types.count("f32") == 2, c.operands
+        assert not {"bf16", "f16"} & set(types), c.operands
+
+
 def test_ptx_issues_wgmma_on_bf16_and_ptxas_spills_nothing(dump):
-    """Each distinct kernel compiled (gmm, dx, tgmm at each shape): wgmma `.f32.bf16.bf16` only,
-    no spill, at most 255 registers a thread; registers and shared memory printed."""
+    """Each distinct kernel compiled (gmm, dx, tgmm at each shape): wgmma `.f32.bf16.bf16` only
+    (the e4m3 kernel: `.f32.e4m3.e4m3` only), no spill, at most 255 registers a thread;
+    registers and shared memory printed."""
     kernels = triton_calls.mosaic_wgmma_kernels(dump[0])
     assert kernels and all(name.startswith("relaymoe_") for name in kernels), kernels
+    assert any(name.startswith("relaymoe_gmm_fp8") for name in kernels), kernels
     for name, shapes in kernels.items():
-        assert shapes and all(s.endswith(".f32.bf16.bf16") for s in shapes), (name, shapes)
+        kind = ".f32.e4m3.e4m3" if name.startswith("relaymoe_gmm_fp8") else ".f32.bf16.bf16"
+        assert shapes and all(s.endswith(kind) for s in shapes), (name, shapes)
         stem = name.removesuffix(".ptx")
         info = _ptxas(dump[0] / f"{stem}.ptxas")
         print(f"{stem}: {shapes}, {info['registers']} registers, no spill")

@@ -93,6 +93,12 @@ def test_kernel_table(gpu, run):
                 assert _finite(r[f"{p} ms"]) and _finite(r[f"{p} TFLOP/s"]), (p, r)
                 assert float(r[f"err {p}"]) <= gpu.TOL, (p, r)
             assert r["check"] == "ok", r
+    fp8_rows = [r for r in kern if r["kernel"] == "mosaic-fp8"]  # the e4m3 kernel: fwd and dx
+    assert len(fp8_rows) == len(cases)
+    for r in fp8_rows:
+        for p in ("fwd", "dx"):
+            assert _finite(r[f"{p} ms"]) and float(r[f"err {p}"]) <= gpu.FP8_TOL, (p, r)
+        assert r["dW ms"].startswith("n/a: 16-bit tgmm") and r["check"] == "ok", r
     mgpu = [r for r in kern if r["kernel"] == "mgpu"]
     assert {(r["shape"], r["groups"]) for r in mgpu} == cases
     for r in mgpu:  # a number (then within tolerance) or the reason it could not run

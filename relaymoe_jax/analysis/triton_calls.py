@@ -74,8 +74,12 @@ class TritonCall:
         tgmm's in-place accumulator, `tgmm(acc=)`); the Mosaic GPU tgmm's accumulator (its last
         operand, [G, K, N], added in the epilogue: those kernels alias nothing); another Mosaic
         GPU kernel's operand of rank below 4 (the attention's row statistics: the module doc).
-        The Mosaic GPU gmm multiplies every float operand it takes."""
+        The Mosaic GPU gmm multiplies every float operand it takes; its e4m3 form
+        (`relaymoe_gmm_fp8`) multiplies its e4m3 operands and applies its float32 ones, the block
+        scales, to the float32 partial products in registers."""
         if i in self.aliased:
+            return True
+        if self.target == MOSAIC_TARGET and "relaymoe_gmm_fp8" in self.kernel:
             return True
         if self.target != MOSAIC_TARGET or "relaymoe_gmm" in self.kernel:
             return False

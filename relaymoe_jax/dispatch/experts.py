@@ -66,21 +66,24 @@ class Experts(NamedTuple):
         """The three matrices as e4m3 with 128 x 128 block scales sees them (`quant.fp8`,
         dequantised: exact in bf16), their gradient passed straight through to these weights;
         biases as they are."""
-        return self._replace(**{n: fp8.fake_quantize_ste(w) for n, w in self._weight_items()})
+        return self._replace(**{n: fp8.fake_quantize_ste(w) for n, w in self.named_weights()})
 
     def quantized(self) -> "Experts":
         """The three matrices as `fp8.Fp8` records (e4m3 values and block scales: what the ring
-        relays, half the bytes of bf16); biases as they are."""
-        return self._replace(**{n: fp8.quantize(w) for n, w in self._weight_items()})
+        relays, half the bytes of bf16); biases as they are, and a matrix that is one already."""
+        return self._replace(
+            **{n: w if isinstance(w, fp8.Fp8) else fp8.quantize(w) for n, w in self.named_weights()}
+        )
 
     def dequantized(self) -> "Experts":
         """`quantized()` undone (exact: the matrices the FP8 GEMMs multiply); a record of plain
         arrays is returned as it is."""
         return self._replace(
-            **{n: fp8.dequantize(w) for n, w in self._weight_items() if isinstance(w, fp8.Fp8)}
+            **{n: fp8.dequantize(w) for n, w in self.named_weights() if isinstance(w, fp8.Fp8)}
         )
 
-    def _weight_items(self):
+    def named_weights(self):
+        """(name, matrix) of the three matrices."""
         return zip(self._fields[:3], self.weights)
 
 

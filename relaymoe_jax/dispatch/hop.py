@@ -28,7 +28,7 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.experts import Experts, act_operand, expert_mlp, gate_up, row_bias
-from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl, tgmm
+from relaymoe_jax.kernels.gmm import gmm, gmm_fp8, impl_kwargs, resolve_impl, tgmm
 from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.late import late_zero
 from relaymoe_jax.util.typed import varying_like
@@ -64,6 +64,16 @@ def make_tokens(cfg, x_th, ids_tk, wts_tk):
     return Tokens(*(varying_like(a, *tk) for a in tk))  # one type for a loop carry
 
 
+class Oriented(NamedTuple):
+    """One expert matrix for the e4m3 kernel, which reads both operands with the contraction as
+    the minor dimension (`kernels/gmm/mosaic_fp8.py`): `kn` as stored, [E, K, N] (what dgrad
+    contracts over N), and `nk` its transpose [E, N, K] (the forward's); one 128 x 128 block's
+    scale serves both."""
+
+    kn: fp8.Fp8
+    nk: fp8.Fp8
+
+
 def shift(tree, axis, n):
     """Send to the next device of the ring (i -> i + 1)."""
     return lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
@@ -79,7 +89,19 @@ class Hop:
         self.me = lax.axis_index(cfg.axis)
         self.e_local = cfg.num_experts // self.n
         self.mm_kw = impl_kwargs(cfg.gmm_impl)
-        self.fused = resolve_impl(**self.mm_kw) == "pallas"  # the kernel gathers token rows
+        impl = resolve_impl(**self.mm_kw)
+        self.fused = impl == "pallas"  # the kernel gathers token rows
+        self.fp8_kernel = cfg.fp8_acts and impl == "mosaic"  # e4m3 wgmma: `gmm_fp8`
+
+    def weights(self, w: Experts) -> Experts:
+        """The expert matrices as the hop's grouped matmuls take them: for the e4m3 kernel each
+        an `Oriented` pair of `fp8.Fp8` records (quantised here unless they travelled so, and
+        transposed: once per visit, not per chunk), else plain arrays (relayed e4m3
+        dequantised: exact)."""
+        if not self.fp8_kernel:
+            return w.dequantized()
+        q = w.quantized()
+        return q._replace(**{n: Oriented(m, m.transposed()) for n, m in q.named_weights()})
 
     def _chunks(self, tk, p, body, carry):
         """Run body(chunk, carry) over the chunks of partition p's segment of `tk`'s pairs."""
@@ -114,6 +136,16 @@ class Hop:
         return pairs.take_rows(a_th, ch.tok, ch.valid, self.cfg.poison), None
 
     def _mm(self, a, w, gs, transpose=False, a_rows=None):
+        if self.fp8_kernel:  # a (x, act, dy, d gate, d up) is on e4m3's grid already: exact
+            return gmm_fp8(
+                a,
+                w.kn if transpose else w.nk,  # K-major either way: the kernel transposes nothing
+                gs,
+                preferred_element_type=jnp.float32,
+                transpose_rhs=True,
+                lhs_rows=a_rows,
+                interpret=self.mm_kw.get("interpret", False),
+            )
         return gmm(
             a,
             w,

@@ -187,7 +187,7 @@ def relay(rings, payload, visit, state, zero_acc=None, base=None):
 
 def _expert_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
-    visit = lambda src, w, out_th: (None, hop.forward(tk, src, w.dequantized(), out_th))
+    visit = lambda src, w, out_th: (None, hop.forward(tk, src, hop.weights(w), out_th))
     return relay(_rings(cfg, hop), w, visit, zeros_f32(tk.x_th.shape, tk.x_th))[0]
 
 
@@ -198,7 +198,7 @@ def _expert_backward(cfg, tk, w, dy_th):
     zeros = lambda w: jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w.dequantized())
 
     def visit(src, w, state):  # partial dW of the visiting w
-        dw, dx_th, dwts_p = hop.backward(tk, src, w.dequantized(), dy_th, *state, zeros(w))
+        dw, dx_th, dwts_p = hop.backward(tk, src, hop.weights(w), dy_th, *state, zeros(w))
         return dw, (dx_th, dwts_p)
 
     state = (zeros_f32(tk.x_th.shape, tk.x_th), zeros_f32(tk.wts_p.shape, tk.wts_p))
@@ -218,10 +218,11 @@ def _arrived(a_th):
 
 def _token_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
+    w_mm = hop.weights(w)  # the local experts, quantised once for every visitor
 
     def visit(src, tk, state):
         tk = tk._replace(x_th=_arrived(tk.x_th))
-        return hop.forward(tk, hop.me, w, zeros_f32(tk.x_th.shape, tk.x_th)), state
+        return hop.forward(tk, hop.me, w_mm, zeros_f32(tk.x_th.shape, tk.x_th)), state
 
     zero = lambda: zeros_f32(tk.x_th.shape, tk.x_th)
     return relay(_rings(cfg, hop), tk._replace(x_th=_send(cfg, tk.x_th)), visit, (), zero)[1]
@@ -230,11 +231,12 @@ def _token_forward(cfg, tk, w):
 def _token_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     zeros = lambda tk: (zeros_f32(tk.x_th.shape, tk.x_th), zeros_f32(tk.wts_p.shape, tk.wts_p))
+    w_mm = hop.weights(w)
 
     def visit(src, travel, dw):  # (dx_th, dwts_p) of the visitor
         tk, dy_th = travel
         tk, dy_th = tk._replace(x_th=_arrived(tk.x_th)), _arrived(dy_th)
-        dw, dx_th, dwts_p = hop.backward(tk, hop.me, w, dy_th, *zeros(tk), dw)
+        dw, dx_th, dwts_p = hop.backward(tk, hop.me, w_mm, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
 
     dw = jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)

@@ -135,7 +135,9 @@ def moe_ffn(
         1 x 128 tile; every rounding's gradient passed straight through (to x, w_gate, w_up,
         w_down). The ring relays its weights (expert routing) or its x and dy (token routing)
         as e4m3 and scales, the all-to-all dispatches e4m3 rows (half the bytes of bf16). The
-        grouped matmuls multiply the rounded values in 16 bits (exact). Default False.
+        ring's grouped matmuls with gmm_impl "mosaic" ("auto" on Hopper) run the forward and
+        the dgrads on the e4m3 tensor cores (`kernels.gmm.gmm_fp8`); every other grouped
+        matmul multiplies the rounded values in 16 bits (exact). Default False.
       out_sharding: where to put y (a NamedSharding, or a PartitionSpec on `mesh`). Default: x's
         own sharding when known, else the layout the op computed in.
       return_stats: also return {"dropped_pairs", "ignored_pairs"} (int32 scalars).

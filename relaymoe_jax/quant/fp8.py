@@ -59,6 +59,11 @@ class Fp8:
     def shape(self) -> tuple:
         return self.q.shape
 
+    def transposed(self) -> "Fp8":
+        """The last two dimensions swapped, blocks and scales with them (exact: no rounding)."""
+        swap = lambda a: jnp.swapaxes(a, -1, -2)
+        return Fp8(swap(self.q), swap(self.scale), self.block[::-1], self.dtype)
+
 
 def _check_block(block) -> tuple[int, int]:
     if (

@@ -18,6 +18,19 @@ DEFAULT_TFLOPS = round(EFFICIENCY * H100_BF16_TFLOPS, 1)  # 346.3
 HOP_FWD_UNITS = 6  # FLOPs per pair per H*F the GPU run counts for a hop's forward: 3 matmuls
 HOP_BWD_UNITS = 12  # and for its backward: the 6 gradient matmuls (a recompute not counted)
 RING_BWD_UNITS = 16  # what the ring's backward hop computes: 2 recomputed matmuls + those 6
+# expert_fp8 on Hopper: the e4m3 kernel runs the forward's matmuls and, of the backward hop's 16
+# units, the 2 recomputed and the 3 dgrads (10 units); the 3 wgrads (6) stay 16-bit
+# (docs/precision.md). At an e4m3 rate `speedup` times bf16's (2 on H100 and H200: the tensor
+# cores' ratio, assumed until a GPU measures the kernel) a hop's compute scales by these.
+FP8_BWD_E4M3_UNITS = 10
+
+
+def fp8_compute_factors(speedup: float = 2.0) -> tuple[float, float]:
+    """(forward, backward) compute time of a ring hop with the e4m3 kernel over the bf16 hop's."""
+    e4m3 = FP8_BWD_E4M3_UNITS / RING_BWD_UNITS
+    return 1.0 / speedup, e4m3 / speedup + (1.0 - e4m3)
+
+
 REPO = Path(__file__).resolve().parents[3]  # the checkout: relaymoe_jax/analysis/costmodel/
 MEASUREMENTS = REPO / "benchmarks" / "results" / "gpu.json"  # `benchmarks/gpu.py --json` writes it
 Origin = Literal["hop", "kernels", "attention", "assumed"]

@@ -9,5 +9,15 @@ from relaymoe_jax.kernels.gmm.api import (
     resolve_impl,
     tgmm,
 )
+from relaymoe_jax.kernels.gmm.fp8 import gmm_fp8
 
-__all__ = ["IMPLS", "MOE_IMPLS", "describe_impl", "gmm", "impl_kwargs", "resolve_impl", "tgmm"]
+__all__ = [
+    "IMPLS",
+    "MOE_IMPLS",
+    "describe_impl",
+    "gmm",
+    "gmm_fp8",
+    "impl_kwargs",
+    "resolve_impl",
+    "tgmm",
+]

@@ -21,7 +21,7 @@ from relaymoe_jax.kernels.gmm.mosaic_common import MosaicConfig, check_config
 from relaymoe_jax.kernels.gmm.vjp import gmm_entry, tgmm_entry
 
 
-def _config(interpret, zero_padding=True, config=None) -> MosaicConfig:
+def make_config(interpret, zero_padding=True, config=None) -> MosaicConfig:
     """The checked config: `config` (or the defaults) with `interpret` and `zero_padding`."""
     if not isinstance(zero_padding, (bool, np.bool_)):
         raise ValueError(f"zero_padding must be a bool, got {zero_padding!r}")
@@ -57,7 +57,7 @@ def gmm(
         lhs_rows,
         transpose_rhs,
         preferred_element_type,
-        lambda: _config(interpret, zero_padding, config),
+        lambda: make_config(interpret, zero_padding, config),
     )
 
 
@@ -84,5 +84,5 @@ def tgmm(
         rhs_rows,
         preferred_element_type,
         acc,
-        lambda: _config(interpret, True, config),
+        lambda: make_config(interpret, True, config),
     )

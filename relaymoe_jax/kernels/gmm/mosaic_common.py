@@ -182,6 +182,37 @@ def store_rows(o_s, o_rows, off, count, most: int):
         size //= 2
 
 
+class RowTile(NamedTuple):
+    """One output tile of a gmm kernel: work item `item` (group g, rows loaded from r0) and
+    column tile `nt` (one block per consumer)."""
+
+    item: jax.Array
+    nt: jax.Array
+    g: jax.Array
+    trips: jax.Array  # K steps: 0 for the padding group's items (they store zeros)
+    r0: jax.Array
+
+
+def row_tile(sp, group_ref, row0_ref, t) -> RowTile:
+    """Tile t of a gmm kernel whose static description `sp` has m, bm, groups, n_tiles and
+    k_steps (`mosaic_gmm`, `mosaic_fp8`)."""
+    item, nt = lax.div(t, jnp.int32(sp.n_tiles)), lax.rem(t, jnp.int32(sp.n_tiles))
+    g = group_ref[item]
+    trips = jnp.where(g < sp.groups, sp.k_steps, 0)
+    # the last tile ends at row M; TMA into (8, x)-tiled SMEM starts at a multiple of 8 rows
+    r0 = pl.multiple_of(jnp.minimum(row0_ref[item], sp.m - sp.bm), ROW_ALIGN)
+    return RowTile(item, nt, g, trips, r0)
+
+
+def store_tile(acc, o_s, o_ref, tile: RowTile, lo, hi, cols, bm: int):
+    """A consumer's epilogue: its float32 tile `acc` into its SMEM tile `o_s` (once the previous
+    tile's stores have read it), then rows [lo, hi) of it by TMA to `o_ref`'s columns `cols`."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read o_s
+    o_s[...] = acc.astype(o_s.dtype)
+    plgpu.commit_smem()
+    store_rows(o_s, lambda a, n: o_ref.at[pl.ds(lo + a, n), cols], lo - tile.r0, hi - lo, bm)
+
+
 class Pipeline(NamedTuple):
     """The SMEM slots' barriers: `full[slot]` (the producer's TMA copies landed), `free[slot]`
     (both consumers' wgmma read it). Pipeline step s (counted on across a program's tiles) uses

@@ -21,7 +21,6 @@ two items sharing a tile never write the same element and every row of [0, M) is
 
 from typing import NamedTuple
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -45,8 +44,9 @@ from relaymoe_jax.kernels.gmm.mosaic_common import (
     padded,
     persistent,
     produce,
+    row_tile,
     stages,
-    store_rows,
+    store_tile,
     tiles,
 )
 
@@ -96,32 +96,13 @@ def _smem_bytes(sp: _Spec) -> tuple[int, int]:
     return per_stage, CONSUMERS * sp.bm * sp.bn * np.dtype(sp.out_dtype).itemsize
 
 
-class _Tile(NamedTuple):
-    """One output tile: work item `item` (group g, rows loaded from r0) and column pair `nt`."""
-
-    item: jax.Array
-    nt: jax.Array
-    g: jax.Array
-    trips: jax.Array  # K steps: 0 for the padding group's items (they store zeros)
-    r0: jax.Array
-
-
-def _tile(sp: _Spec, group_ref, row0_ref, t) -> _Tile:
-    item, nt = lax.div(t, jnp.int32(sp.n_tiles)), lax.rem(t, jnp.int32(sp.n_tiles))
-    g = group_ref[item]
-    trips = jnp.where(g < sp.groups, sp.k_steps, 0)
-    # the last tile ends at row M; TMA into (8, x)-tiled SMEM starts at a multiple of 8 rows
-    r0 = pl.multiple_of(jnp.minimum(row0_ref[item], sp.m - sp.bm), ROW_ALIGN)
-    return _Tile(item, nt, g, trips, r0)
-
-
 def _kernel(sp: _Spec, group_ref, row0_ref, lo_ref, hi_ref, count_ref, x_ref, w_ref, o_ref, **s):
     wg = lax.axis_index("wg")
     pipe = Pipeline(s["full"], s["free"], sp.stages)
     total = count_ref[0] * sp.n_tiles
 
     def producer(t, step):
-        tl = _tile(sp, group_ref, row0_ref, t)
+        tl = row_tile(sp, group_ref, row0_ref, t)
         w_g = w_ref.at[jnp.minimum(tl.g, sp.groups - 1)]
 
         def issue(kk, slot, full):
@@ -135,20 +116,16 @@ def _kernel(sp: _Spec, group_ref, row0_ref, lo_ref, hi_ref, count_ref, x_ref, w_
         return produce(pipe, tl.trips, step, issue)
 
     def consumer(t, step):
-        tl = _tile(sp, group_ref, row0_ref, t)
+        tl = row_tile(sp, group_ref, row0_ref, t)
 
         def multiply(kk, slot, acc_ref):
             w = s["w_s"].at[slot, wg]
             plgpu.wgmma(acc_ref, s["x_s"].at[slot], w.T if sp.transpose_rhs else w)
 
         acc, step = consume(pipe, (sp.bm, sp.bn), tl.trips, step, multiply)
-        o_s = s["o_s"].at[wg]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read o_s
-        o_s[...] = acc.astype(sp.out_dtype)
-        plgpu.commit_smem()
-        lo, hi = lo_ref[tl.item], hi_ref[tl.item]
         cols = pl.ds((tl.nt * CONSUMERS + wg) * sp.bn, sp.bn)
-        store_rows(o_s, lambda a, n: o_ref.at[pl.ds(lo + a, n), cols], lo - tl.r0, hi - lo, sp.bm)
+        lo, hi = lo_ref[tl.item], hi_ref[tl.item]
+        store_tile(acc, s["o_s"].at[wg], o_ref, tl, lo, hi, cols, sp.bm)
         return step
 
     @pl.when(wg == PRODUCER)
