@@ -118,6 +118,12 @@ def parse_args(argv=None):
         help="the grouped matmul of the ring and the all-to-alls (default auto: with --target "
         "our Mosaic GPU kernel, 'pallas' the Triton one; XLA's blocked one on CPU devices)",
     )
+    p.add_argument(
+        "--expert-fp8",
+        action="store_true",
+        help="moe_ffn(expert_fp8=True): the FP8 recipe (docs/precision.md); with --target the "
+        "ring's grouped matmuls are the e4m3 kernel",
+    )
     p.add_argument("--runs", type=positive_int, default=5, help="timed runs (default 5)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     a = p.parse_args(argv)
@@ -234,6 +240,16 @@ def fits_host(shape, measured, ep):
     return need <= 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def layer_options(args) -> dict:
+    """moe_ffn's options for every variant: the activation, gmm_impl, and expert_fp8 if asked."""
+    extra = {"activation": args.activation, "gmm_impl": args.gmm_impl}
+    return {**extra, "expert_fp8": True} if args.expert_fp8 else extra
+
+
+def _fp8_note(args) -> str:
+    return ", expert_fp8 (the ring's matmuls: gmm_fp8's e4m3 kernel)" if args.expert_fp8 else ""
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -265,8 +281,8 @@ def main(argv=None):
             f"# jax {jax.__version__}, XLA:GPU compiler for {args.ep} abstract "
             f"{gpu_mesh.device_kind(args.target)} ({gib:,.1f} "
             f"GiB each), no GPU: buffer assignment only, no timing; gmm_impl="
-            f"{describe_impl(args.gmm_impl, mesh)}; per-device temp_size_in_bytes from "
-            "compiled.memory_analysis(); MiB = 2^20 bytes"
+            f"{describe_impl(args.gmm_impl, mesh)}{_fp8_note(args)}; per-device "
+            "temp_size_in_bytes from compiled.memory_analysis(); MiB = 2^20 bytes"
         )
         wire = "as the GPU program sends them: bf16 stays bf16"
     else:
@@ -322,7 +338,7 @@ def main(argv=None):
             f"- E{s.experts} k{s.top_k} H{s.hidden} F{s.ffn} T{s.tokens_per_device} "
             f"{s.dtype}: auto picks {vol.explain()}"
         )
-        extra = {"activation": args.activation, "gmm_impl": args.gmm_impl}
+        extra = layer_options(args)
         got = {v: memory.measure_layer(s, mesh, v, extra=extra) for v in args.variants}
         secs = {
             v: time_fwdbwd(s, mesh, v, args.runs, extra)

@@ -12,7 +12,8 @@ return exact zeros for them and never read them as group members).
 
 With the Triton kernel (gmm_impl "pallas") the chunk's token rows (x forward; x and dy backward)
 are never gathered into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a
-fused row gather). The other implementations gather the chunk's rows first (NaN-filled past the
+fused row gather), except with the FP8 recipe (`cfg.fp8_acts`), whose x rows are rounded to e4m3
+here, per chunk, so that the ring keeps no rounded [T, H] copy of x. The other implementations gather the chunk's rows first (NaN-filled past the
 segment when poisoned), our Mosaic GPU kernel included (Hopper's TMA cannot gather rows).
 
 The expert side is an `Experts` record (`dispatch.experts`): the forward is `expert_mlp` with the
@@ -90,7 +91,8 @@ class Hop:
         self.e_local = cfg.num_experts // self.n
         self.mm_kw = impl_kwargs(cfg.gmm_impl)
         impl = resolve_impl(**self.mm_kw)
-        self.fused = impl == "pallas"  # the kernel gathers token rows
+        # the kernel gathers token rows; not with the FP8 recipe, whose x rows are rounded here
+        self.fused = impl == "pallas" and not cfg.fp8_acts
         self.fp8_kernel = cfg.fp8_acts and impl == "mosaic"  # e4m3 wgmma: `gmm_fp8`
 
     def weights(self, w: Experts) -> Experts:
@@ -134,6 +136,13 @@ class Hop:
         if self.fused:
             return a_th, ch.tok
         return pairs.take_rows(a_th, ch.tok, ch.valid, self.cfg.poison), None
+
+    def x_rows(self, tk, ch):
+        """`rows` of the tokens' x; with the FP8 recipe rounded to e4m3 per 1 x 128 tile here,
+        per chunk (the ring takes x unrounded: its residual is then the caller's x, not a rounded
+        [T, H] copy kept from the forward to the backward)."""
+        x_ch, x_rows = self.rows(tk.x_th, ch)
+        return (fp8.fake_quantize(x_ch, fp8.TILE), None) if self.cfg.fp8_acts else (x_ch, x_rows)
 
     def _mm(self, a, w, gs, transpose=False, a_rows=None):
         if self.fp8_kernel:  # a (x, act, dy, d gate, d up) is on e4m3's grid already: exact
@@ -181,7 +190,7 @@ class Hop:
         dt = tk.x_th.dtype
 
         def body(ch, out_th):
-            x_ch, x_rows = self.rows(tk.x_th, ch)
+            x_ch, x_rows = self.x_rows(tk, ch)
             matmul, groups = self._mlp_rows(ch)
             y_ch = expert_mlp(
                 w, self.cfg.activation, x_ch, matmul, groups, dt, x_rows, self.cfg.fp8_acts
@@ -198,7 +207,7 @@ class Hop:
         def body(ch, carry):
             dx_th, dwts_p, dw = carry
             gs = ch.gs
-            x_ch, x_rows = self.rows(tk.x_th, ch)
+            x_ch, x_rows = self.x_rows(tk, ch)
             dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
             gate, up, group = gate_up(w, x_ch, *self._mlp_rows(ch), x_rows)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)

@@ -78,8 +78,8 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
             )
         else:  # mark them varying over ETP: the transpose sums the partial dx / d weights
             x_th, wts_tk = (varying_like(a, experts.w_gate) for a in (x_th, wts_tk))
-    if spec.expert_fp8:  # the tokens as the gate and up GEMMs see them (1 x 128 tiles)
-        x_th = fp8.quantize_operand(x_th)
+    if spec.expert_fp8 and spec.dispatcher != "ring":  # as the gate and up GEMMs see them
+        x_th = fp8.quantize_operand(x_th)  # (1 x 128 tiles; the ring rounds its chunks' rows)
     if spec.dispatcher == "ring":
         y_th = _ring(spec, x_th, ids_tk, wts_tk, experts)
         dropped = jnp.int32(0)

@@ -195,7 +195,11 @@ def _expert_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     # zeros made once the weights they pair with exist (`late_zero`): anchored to the home
     # weights, the last hop's partial would be allocated before the loop and live through it
-    zeros = lambda w: jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w.dequantized())
+    zeros = lambda w: jax.tree.map(
+        lambda a: zeros_f32(a.shape, a.q if isinstance(a, fp8.Fp8) else a, tk.x_th),
+        w,
+        is_leaf=lambda a: isinstance(a, fp8.Fp8),
+    )  # an e4m3 matrix anchors its zeros by its values: no dequantised copy is made for them
 
     def visit(src, w, state):  # partial dW of the visiting w
         dw, dx_th, dwts_p = hop.backward(tk, src, hop.weights(w), dy_th, *state, zeros(w))
