@@ -13,8 +13,9 @@ return exact zeros for them and never read them as group members).
 With the Triton kernel (gmm_impl "pallas") the chunk's token rows (x forward; x and dy backward)
 are never gathered into a [C, H] buffer: the kernel reads them from the [T, H] matrix by index (a
 fused row gather), except with the FP8 recipe (`cfg.fp8_acts`), whose x rows are rounded to e4m3
-here, per chunk, so that the ring keeps no rounded [T, H] copy of x. The other implementations gather the chunk's rows first (NaN-filled past the
-segment when poisoned), our Mosaic GPU kernel included (Hopper's TMA cannot gather rows).
+here, per chunk, so that the ring keeps no rounded [T, H] copy of x. The other implementations
+gather the chunk's rows first (NaN-filled past the segment when poisoned), our Mosaic GPU kernel
+included (Hopper's TMA cannot gather rows).
 
 The expert side is an `Experts` record (`dispatch.experts`): the forward is `expert_mlp` with the
 chunk's grouped matmuls; the backward recomputes `gate_up` and writes out the rest of the chain
