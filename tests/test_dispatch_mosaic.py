@@ -38,18 +38,18 @@ def test_parity_with_the_mosaic_kernel_in_its_interpreter(dispatcher, kw):
     assert int(got.aux["dropped_pairs"]) == 0
 
 
-@pytest.mark.parametrize("routing", ["expert", "token"])
-def test_the_fp8_ring_runs_the_e4m3_kernel(routing, monkeypatch):
-    """The ring with expert_fp8=True and the Mosaic GPU kernel, both routings (on one device the
-    same hop, with the weights quantised once before it: relayed as `Fp8` records in expert
-    routing, quantised for the visitors in token routing): every grouped matmul of the forward
+def test_the_fp8_ring_runs_the_e4m3_kernel(monkeypatch):
+    """The ring (expert routing) with expert_fp8=True and the Mosaic GPU kernel: its weights are
+    relayed as `Fp8` records and multiplied as they arrived, every grouped matmul of the forward
     and the dgrads is the e4m3 kernel (`gmm_fp8`, counted as it is traced), and y and the five
     gradients match the ring's FP8 recipe through the blocked XLA matmul (16-bit products of the
     same rounded values, the same bf16 intermediates) to a bf16 output's rounding, far below
     what one dropped or misweighted pair moves. (The dense reference dispatcher keeps its
     intermediates in float32, so its recipe rounds a few activations differently: up to 5% of a
     router weight's gradient here, for either matmul; test_fp8_op.py compares the recipes.) The
-    all-to-all keeps the 16-bit kernel under expert_fp8 (docs/precision.md)."""
+    all-to-all keeps the 16-bit kernel under expert_fp8 (docs/precision.md). Token routing's hop
+    is the same code (`dispatch/hop`), its weights quantised once for every visitor instead of
+    relayed: on one device it would run these same calls (module doc)."""
     calls, in_backward = [], []  # (in the hop's backward, transpose_rhs) per traced call
     real, backward = mosaic_fp8.gmm_fp8_call, hop.Hop.backward
 
@@ -70,7 +70,7 @@ def test_the_fp8_ring_runs_the_e4m3_kernel(routing, monkeypatch):
     ids[::5, 0] = 3
     m = mesh("ep1")
     inp = place(make_inputs(ids, 4, h=64, f=64, dtype="bfloat16"), m, ("expert",))
-    kw = dict(routing=routing, expert_fp8=True)
+    kw = dict(routing="expert", expert_fp8=True)
     xla = moe_fn("ring", m, gmm_impl="xla", **kw)
     check_parity("ring", inp, m, rtol=1e-2, ref=xla, gmm_impl="mosaic-interpret", **kw)
     # per trace of a hop, the forward's 3 products, the backward's 2 recomputed and 3 dgrads;

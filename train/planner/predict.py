@@ -15,6 +15,13 @@ parameters (`train.step.flops`), A_mlp those of the MLP/MoE blocks, A_exp the ro
                      kept at save_attn_out or save_all)                     at the attention rates
     attention bwd    2.5 x 4 D N L P (FlashAttention's count: the scores recomputed)
 
+With `expert_fp8` in the ring on Hopper (its grouped matmul "auto" or "mosaic": the e4m3 kernel,
+`kernels/gmm/fp8.py`), the routed experts' forward 2 A_exp T (twice with `moe_remat`), the ring's
+recomputed gate and up 4/3 A_exp T and their dgrads 2 A_exp T run at E4M3_SPEEDUP times their
+rate (the tensor cores' e4m3 / bf16 ratio, assumed until a GPU times the kernel); the wgrads
+2 A_exp T stay at the bf16 rate. FLOPs and MFU are counted as without FP8 (MFU against the bf16
+peak).
+
 Rates (`relaymoe_jax.analysis.costmodel`): the matmuls at `load_rates` (the GPU run's ring hop,
 else its kernels, else 0.35 x the H100's dense bf16 peak), causal attention at
 `load_attention_rates` (the GPU run's attention kernel, else the same assumed rate). A hop rate
@@ -30,8 +37,26 @@ import math
 
 from relaymoe_jax.analysis import costmodel
 from relaymoe_jax.remat import layer_costs
+from relaymoe_jax.util.platform import HOPPER_KINDS
 
 from ..step import flops as flops_mod
+
+E4M3_SPEEDUP = 2.0  # Hopper's dense e4m3 tensor-core peak over its bf16 one
+
+
+def e4m3_flops(cfg, device_kind: str, a_exp: float, t: float) -> tuple[float, float]:
+    """(forward, backward) expert FLOPs of T tokens that the e4m3 kernel runs (module doc): zero
+    unless `expert_fp8`, the ring and its e4m3 grouped matmul on a Hopper `device_kind`."""
+    opts = cfg.moe.options
+    on = (
+        opts.expert_fp8
+        and opts.dispatcher == "ring"
+        and opts.gmm_impl in ("auto", "mosaic")
+        and HOPPER_KINDS.search(device_kind) is not None
+    )
+    if not on:
+        return 0.0, 0.0
+    return 2.0 * a_exp * t * (2 if cfg.moe_remat else 1), (4.0 / 3.0 + 2.0) * a_exp * t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +141,9 @@ def predict(cfg, tc, mesh_shape: dict, options, params, device_kind: str, rates:
         bwd_rate *= costmodel.RING_BWD_UNITS / costmodel.HOP_BWD_UNITS
     attention_s = (attn_fwd / rates.attn_fwd.tflops + attn_bwd / rates.attn_bwd.tflops) / 1e12
     seconds = (fwd / rates.matmul.fwd.tflops + bwd / bwd_rate) / 1e12 + attention_s
+    fp8_fwd, fp8_bwd = (f / devices for f in e4m3_flops(cfg, device_kind, a_exp, t))
+    saved = 1.0 - 1.0 / E4M3_SPEEDUP  # of those FLOPs' time at the 16-bit rates
+    seconds -= saved * (fp8_fwd / rates.matmul.fwd.tflops + fp8_bwd / bwd_rate) / 1e12
     model = (6.0 * a * t + 3.0 * attn) / devices
     executed = fwd + bwd + attn_fwd + attn_bwd
     peak = flops_mod.peak_tflops(device_kind)

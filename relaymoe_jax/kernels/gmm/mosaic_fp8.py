@@ -124,8 +124,20 @@ def _consume(pipe: Pipeline, sp: _Spec, s: dict, wg, trips, step, w_scale):
     return lax.fori_loop(0, trips, body, (zero, step))
 
 
-def _kernel(sp: _Spec, group_ref, row0_ref, lo_ref, hi_ref, count_ref, x_ref, sx_ref, w_ref,
-            sw_ref, o_ref, **s):  # fmt: skip
+def _kernel(
+    sp: _Spec,
+    group_ref,
+    row0_ref,
+    lo_ref,
+    hi_ref,
+    count_ref,
+    x_ref,
+    sx_ref,
+    w_ref,
+    sw_ref,
+    o_ref,
+    **s,
+):
     wg = lax.axis_index("wg")
     pipe = Pipeline(s["full"], s["free"], sp.stages)
     total = count_ref[0] * sp.n_tiles
@@ -166,8 +178,9 @@ def _kernel(sp: _Spec, group_ref, row0_ref, lo_ref, hi_ref, count_ref, x_ref, sx
         plgpu.wait_smem_to_gmem(0)
 
 
-def gmm_fp8_call(x: fp8.Fp8, w: fp8.Fp8, group_sizes_g, transpose_rhs: bool, out_dtype,
-                 cfg: MosaicConfig):  # fmt: skip
+def gmm_fp8_call(
+    x: fp8.Fp8, w: fp8.Fp8, group_sizes_g, transpose_rhs: bool, out_dtype, cfg: MosaicConfig
+):
     """out[M, N] = dequantize(x) rows of group g @ dequantize(w)[g] (`.T` if `transpose_rhs`),
     in `out_dtype`: x [M, K] quantised in `fp8.TILE`s, w [G, K, N] ([G, N, K] if
     `transpose_rhs`) in 128 x 128 blocks. `api.gmm`'s contract on rows (zeros past
@@ -198,7 +211,17 @@ def gmm_fp8_call(x: fp8.Fp8, w: fp8.Fp8, group_sizes_g, transpose_rhs: bool, out
     sp = sp._replace(stages=stages(cfg, *_smem_bytes(sp)))
     items = row_items(clamp_group_sizes(group_sizes_g, m), m_pad, cfg.block_m, cfg.zero_padding)
     out = launch(
-        "relaymoe_gmm_fp8", _kernel, sp, _scratch, (m_pad, n_pad), sp.out_dtype, cfg.interpret,
-        *items, x_q, sx_t, w_q, w_s,
-    )  # fmt: skip
+        "relaymoe_gmm_fp8",
+        _kernel,
+        sp,
+        _scratch,
+        (m_pad, n_pad),
+        sp.out_dtype,
+        cfg.interpret,
+        *items,
+        x_q,
+        sx_t,
+        w_q,
+        w_s,
+    )
     return out[:m, :n] if (m_pad, n_pad) != (m, n) else out
