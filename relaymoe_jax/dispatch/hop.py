@@ -133,10 +133,18 @@ class Hop:
 
     def rows(self, a_th, ch):
         """The chunk's C token rows of a_th as (matrix, row index): (a_th, tok) for the kernel to
-        read, or the gathered rows (past the segment don't-care, NaN when poisoned) and None."""
+        read, or the gathered rows (past the segment don't-care, NaN when poisoned) and None. An
+        `fp8.Fp8` a_th (token routing's visiting x and dy under the FP8 recipe) gives its rows'
+        e4m3 values and tile scales gathered, then dequantised (exact): the [T, H] matrix is
+        never dequantised whole."""
+        take = lambda a: pairs.take_rows(a, ch.tok, ch.valid, self.cfg.poison)
+        if isinstance(a_th, fp8.Fp8):
+            return fp8.dequantize(
+                fp8.Fp8(take(a_th.q), take(a_th.scale), a_th.block, a_th.dtype)
+            ), None
         if self.fused:
             return a_th, ch.tok
-        return pairs.take_rows(a_th, ch.tok, ch.valid, self.cfg.poison), None
+        return take(a_th), None
 
     def x_rows(self, tk, ch):
         """`rows` of the tokens' x; with the FP8 recipe rounded to e4m3 per 1 x 128 tile here,
@@ -209,7 +217,10 @@ class Hop:
             dx_th, dwts_p, dw = carry
             gs = ch.gs
             x_ch, x_rows = self.x_rows(tk, ch)
-            dy_ch, dy_rows = self.rows(dy_th.astype(dt), ch)
+            dy_ch, dy_rows = self.rows(
+                dy_th if isinstance(dy_th, fp8.Fp8) else dy_th.astype(dt), ch
+            )
+            dy_ch = dy_ch.astype(dt)
             gate, up, group = gate_up(w, x_ch, *self._mlp_rows(ch), x_rows)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
             act = act_operand(act_f32, dt, self.cfg.fp8_acts)
@@ -249,14 +260,17 @@ class Hop:
         """b_down's gradient (router-weighted dy rows summed per expert) and its term of the
         router weights' (dy . b_down[e]); the chunk's dy rows are gathered here, in float32
         (invalid rows masked: poisoned, they are NaN)."""
-        dy_ch = jnp.where(ch.valid[:, None], dy_th[ch.tok].astype(jnp.float32), 0.0)
+        dy_rows = self.rows(dy_th, ch)[0] if isinstance(dy_th, fp8.Fp8) else dy_th[ch.tok]
+        dy_ch = jnp.where(ch.valid[:, None], dy_rows.astype(jnp.float32), 0.0)
         db_down = db_down + pairs.group_bias_grad(dy_ch * ch.wts_c[:, None], group, self.e_local)
         return db_down, jnp.sum(dy_ch * row_bias(b_down, group), axis=-1)
 
 
 def zeros_f32(shape, *refs):
     """f32 zeros that vary over the same manual axes as `refs` (an accumulator), made once
-    `refs[0]` exists (`relaymoe_jax.util.late.late_zero`)."""
+    `refs[0]` exists (`relaymoe_jax.util.late.late_zero`); an `fp8.Fp8` ref stands by its e4m3
+    values (no dequantised copy is made for the anchor)."""
+    refs = tuple(r.q if isinstance(r, fp8.Fp8) else r for r in refs)
     return varying_like(
         jnp.broadcast_to(late_zero(jnp.zeros((), jnp.float32), refs[0]), shape), *refs
     )

@@ -196,9 +196,7 @@ def _expert_backward(cfg, tk, w, dy_th):
     # zeros made once the weights they pair with exist (`late_zero`): anchored to the home
     # weights, the last hop's partial would be allocated before the loop and live through it
     zeros = lambda w: jax.tree.map(
-        lambda a: zeros_f32(a.shape, a.q if isinstance(a, fp8.Fp8) else a, tk.x_th),
-        w,
-        is_leaf=lambda a: isinstance(a, fp8.Fp8),
+        lambda a: zeros_f32(a.shape, a, tk.x_th), w, is_leaf=lambda a: isinstance(a, fp8.Fp8)
     )  # an e4m3 matrix anchors its zeros by its values: no dequantised copy is made for them
 
     def visit(src, w, state):  # partial dW of the visiting w
@@ -211,21 +209,17 @@ def _expert_backward(cfg, tk, w, dy_th):
 
 
 def _send(cfg, a_th):
-    """A token matrix as it travels: with the FP8 recipe (its values already e4m3's, per 1 x 128
-    tile) as e4m3 and its tile scales, half the bytes; `_arrived` undoes it exactly."""
+    """A token matrix as it travels: with the FP8 recipe as e4m3 and its 1 x 128 tile scales, half
+    the bytes (dy's values are e4m3's already; x is rounded here to what the hop would round it
+    to), and the hop dequantises each chunk's rows of it (`Hop.rows`, exact)."""
     return fp8.quantize(a_th, fp8.TILE) if cfg.fp8_acts else a_th
-
-
-def _arrived(a_th):
-    return fp8.dequantize(a_th) if isinstance(a_th, fp8.Fp8) else a_th
 
 
 def _token_forward(cfg, tk, w):
     hop = Hop(cfg, tk)
     w_mm = hop.weights(w)  # the local experts, quantised once for every visitor
 
-    def visit(src, tk, state):
-        tk = tk._replace(x_th=_arrived(tk.x_th))
+    def visit(src, tk, state):  # an e4m3 x is dequantised per chunk in the hop (`Hop.rows`)
         return hop.forward(tk, hop.me, w_mm, zeros_f32(tk.x_th.shape, tk.x_th)), state
 
     zero = lambda: zeros_f32(tk.x_th.shape, tk.x_th)
@@ -238,8 +232,7 @@ def _token_backward(cfg, tk, w, dy_th):
     w_mm = hop.weights(w)
 
     def visit(src, travel, dw):  # (dx_th, dwts_p) of the visitor
-        tk, dy_th = travel
-        tk, dy_th = tk._replace(x_th=_arrived(tk.x_th)), _arrived(dy_th)
+        tk, dy_th = travel  # e4m3 x and dy dequantised per chunk in the hop (`Hop.rows`)
         dw, dx_th, dwts_p = hop.backward(tk, hop.me, w_mm, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
 
