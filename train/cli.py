@@ -374,9 +374,9 @@ def entry() -> None:
         with guards.quiet_background_errors(keep=True):
             code = main()
     except interrupt.Interrupted as e:
-        _exit(str(e), e.exit_code)
+        _exit(str(e), e.exit_code, signalled=True)
     except KeyboardInterrupt:  # Ctrl-C outside training (e.g. the plot): nothing to save
-        _exit("interrupted (SIGINT)", 130)
+        _exit("interrupted (SIGINT)", 130, signalled=True)
     except (guards.NonFiniteLossError, MissingExtraError, ValueError, WriteError) as e:
         _exit(f"error: {e}", 1)
     except OSError as e:  # FileNotFoundError, a metrics or plot write ...
@@ -385,10 +385,15 @@ def entry() -> None:
     sys.exit(code)
 
 
-def _exit(line: str, code: int) -> None:
+def _exit(line: str, code: int, signalled: bool = False) -> None:
     """`line` on stderr and exit with `code`; at once (`os._exit`, after flushing) while a
     compile a signal interrupted still runs in its helper thread (`interrupt.unless_stopped`):
-    the interpreter's shutdown would otherwise run beside it."""
+    the interpreter's shutdown would otherwise run beside it. A run a signal `signalled` to stop
+    ignores SIGINT from here on: a second Ctrl-C landing in this print (after the run gave its
+    handlers back) raised a KeyboardInterrupt here, whose traceback and the shutdown beside the
+    compile aborted the process (status -6, tests/test_train_kill.py, 2026-12-07)."""
+    if signalled:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(line, file=sys.stderr, flush=True)
     if interrupt.left_running():
         sys.stdout.flush()
