@@ -388,10 +388,9 @@ def entry() -> None:
 def _exit(line: str, code: int, signalled: bool = False) -> None:
     """`line` on stderr and exit with `code`; at once (`os._exit`, after flushing) while a
     compile a signal interrupted still runs in its helper thread (`interrupt.unless_stopped`):
-    the interpreter's shutdown would otherwise run beside it. A run a signal `signalled` to stop
-    ignores SIGINT from here on: a second Ctrl-C landing in this print (after the run gave its
-    handlers back) raised a KeyboardInterrupt here, whose traceback and the shutdown beside the
-    compile aborted the process (status -6, tests/test_train_kill.py, 2026-12-07)."""
+    the interpreter's shutdown would otherwise run beside it. `signalled`: SIGINT is ignored
+    from here on (a second Ctrl-C in this print, the handlers given back, aborted the process
+    beside the compile: status -6, tests/test_train_kill.py, 2026-12-07)."""
     if signalled:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(line, file=sys.stderr, flush=True)
