@@ -217,9 +217,8 @@ class Hop:
             dx_th, dwts_p, dw = carry
             gs = ch.gs
             x_ch, x_rows = self.x_rows(tk, ch)
-            dy_ch, dy_rows = self.rows(
-                dy_th if isinstance(dy_th, fp8.Fp8) else dy_th.astype(dt), ch
-            )
+            dy_src = dy_th if isinstance(dy_th, fp8.Fp8) else dy_th.astype(dt)  # cast before
+            dy_ch, dy_rows = self.rows(dy_src, ch)  # the gather; an e4m3 dy: its rows dequantised
             dy_ch = dy_ch.astype(dt)
             gate, up, group = gate_up(w, x_ch, *self._mlp_rows(ch), x_rows)
             act_f32, act_vjp = jax.vjp(self.cfg.activation, gate, up)
