@@ -49,42 +49,45 @@ ODD = (100, 48, 40, [90])
 
 
 def _operands(m, k, n, g, sizes, seed=0):
-    """bf16 x [m, k], w [g, k, n], its [g, n, k] transpose, y [m, n] and a float32 cotangent
-    [m, n]; every row past sum(sizes) NaN in x, y and the cotangent."""
+    """bf16 x [m, k], w [g, k, n], its [g, n, k] transpose, y [m, n], a float32 cotangent
+    [m, n] and a float32 sum [g, k, n] for tgmm; every row past sum(sizes) NaN in x, y and the
+    cotangent."""
     end = min(int(np.sum(sizes)), m)
     nan_rows = lambda a: a.at[end:].set(jnp.nan)
     x = nan_rows(rand(seed, (m, k), BF16))
     w = rand(seed + 1, (g, k, n), BF16)
     y = nan_rows(rand(seed + 2, (m, n), BF16))
     d = nan_rows(rand(seed + 3, (m, n), np.float32))
-    return x, w, jnp.swapaxes(w, 1, 2), y, d
+    return x, w, jnp.swapaxes(w, 1, 2), y, d, rand(seed + 4, (g, k, n), np.float32)
 
 
 def _kernels(interpret):
-    """One program: forward, transposed forward, tgmm, and the VJP of the forward (its dx and
-    dW: the transposed gmm and tgmm kernels) with a float32 cotangent (multiplied in bf16)."""
+    """One program: forward, transposed forward, tgmm into a float32 sum (`acc`, updated in
+    place: an input-output alias of the kernel), and the VJP of the forward (its dx and dW: the
+    transposed gmm and tgmm kernels) with a float32 cotangent (multiplied in bf16)."""
     kw = dict(impl="mosaic", interpret=interpret)
 
-    def f(x, w, w_t, y, d, gs):
+    def f(x, w, w_t, y, d, acc, gs):
         out, vjp = jax.vjp(
             lambda x, w: gmm(x, w, gs, preferred_element_type=jnp.float32, **kw), x, w
         )
         dx, dw = vjp(d)
         out_t = gmm(x, w_t, gs, transpose_rhs=True, preferred_element_type=jnp.float32, **kw)
-        dw_direct = tgmm(x, y, gs, preferred_element_type=jnp.float32, **kw)
+        dw_direct = tgmm(x, y, gs, preferred_element_type=jnp.float32, acc=acc, **kw)
         return dict(out=out, out_t=out_t, tgmm=dw_direct, dx=dx, dw=dw)
 
     return jax.jit(f)
 
 
-def _expected(x, w, y, d, sizes):
+def _expected(x, w, y, d, acc, sizes):
     """float64 numpy of the same bf16 inputs (padding rows read as 0: never used); the gradients
     with the cotangent rounded to bf16, as the kernels multiply it."""
     x64, y64 = (np.nan_to_num(np.asarray(a, np.float64)) for a in (x, y))
     d16 = np.nan_to_num(np.asarray(jnp.asarray(d, BF16), np.float64))
     out = ref.gmm(x64, w, sizes)
     dx, dw = ref.gmm_grads(x64, w, sizes, d16)
-    return dict(out=out, out_t=out, tgmm=ref.tgmm(x64, y64, sizes), dx=dx, dw=dw)
+    tgmm_acc = np.asarray(acc, np.float64) + ref.tgmm(x64, y64, sizes)
+    return dict(out=out, out_t=out, tgmm=tgmm_acc, dx=dx, dw=dw, acc=np.asarray(acc))
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +96,13 @@ def results():
     out = {}
     run = _kernels(plgpu.InterpretGPUParams(detect_races=True))
     for name, sizes in PATTERNS.items():
-        x, w, w_t, y, d = _operands(M, K, N, G, sizes)
-        got = run(x, w, w_t, y, d, jnp.asarray(sizes, jnp.int32))
-        out[name] = (got, _expected(x, w, y, d, sizes), int(np.sum(sizes)))
+        x, w, w_t, y, d, acc = _operands(M, K, N, G, sizes)
+        got = run(x, w, w_t, y, d, acc, jnp.asarray(sizes, jnp.int32))
+        out[name] = (got, _expected(x, w, y, d, acc, sizes), int(np.sum(sizes)))
     m, k, n, sizes = ODD
-    x, w, w_t, y, d = _operands(m, k, n, len(sizes), sizes)
-    got = run(x, w, w_t, y, d, jnp.asarray(sizes, jnp.int32))
-    out["odd-shape"] = (got, _expected(x, w, y, d, sizes), sum(sizes))
+    x, w, w_t, y, d, acc = _operands(m, k, n, len(sizes), sizes)
+    got = run(x, w, w_t, y, d, acc, jnp.asarray(sizes, jnp.int32))
+    out["odd-shape"] = (got, _expected(x, w, y, d, acc, sizes), sum(sizes))
     return out
 
 
@@ -123,11 +126,12 @@ def test_forward_and_transposed_forward(results, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_weight_gradient_kernel(results, case):
-    """tgmm: empty groups exact zeros, NaN padding rows of both operands never read."""
+    """tgmm into its float32 sum (in place): every group's product added once, an empty group's
+    sum kept exactly, NaN padding rows of both operands never read."""
     got, want, _ = results[case]
     assert_close(got["tgmm"], want["tgmm"], F32_RTOL)
-    empty = np.asarray([np.all(want["tgmm"][g] == 0) for g in range(want["tgmm"].shape[0])])
-    assert np.all(np.asarray(got["tgmm"])[empty] == 0.0)
+    empty = np.asarray(PATTERNS.get(case, ODD[3])) == 0
+    np.testing.assert_array_equal(np.asarray(got["tgmm"])[empty], want["acc"][empty])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -160,7 +164,7 @@ def _small_forward_and_tgmm(which=("gmm", "tgmm")):
     """((gmm, its reference), (tgmm, its reference)) on SMALL; a kernel not in `which` is not
     run (None): each sabotage runs only the kernel it breaks."""
     m, k, n, sizes = SMALL
-    x, w, _, y, _ = _operands(m, k, n, len(sizes), sizes)
+    x, w, _, y, *_ = _operands(m, k, n, len(sizes), sizes)
     gs = jnp.asarray(sizes, jnp.int32)
     x64, y64 = (np.nan_to_num(np.asarray(a, np.float64)) for a in (x, y))
     out = dw = None

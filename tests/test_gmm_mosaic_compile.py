@@ -10,6 +10,7 @@ multiplies 16-bit operands only (a float32 cotangent is cast down before it), th
 e4m3 ones. The kernels' values are tested in the interpreter (test_gmm_mosaic.py,
 test_gmm_fp8.py)."""
 
+import json
 import os
 import pathlib
 import re
@@ -33,7 +34,7 @@ pytestmark = [
 # kernel; dW: tgmm) with a float32 output and cotangent, the down projection's forward, and tgmm
 # accumulating into a float32 sum.
 SCRIPT = """
-import pathlib, sys, warnings
+import json, pathlib, sys, warnings
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from relaymoe_jax import XLA_OPTIONS, gpu_mesh
@@ -41,11 +42,11 @@ from relaymoe_jax.kernels.gmm import gmm, gmm_fp8, tgmm
 from relaymoe_jax.op import moe_ffn
 
 G, H, F, M, T = 16, 2048, 768, 8192, 4096
-bf = jnp.bfloat16
+bf, f32 = jnp.bfloat16, jnp.float32
 
 
 def kernels(x, w_gate, w_down, rows, gs, dout, acc):
-    f32 = jnp.float32  # a float32 output: its float32 cotangent meets the bf16 operands
+    # a float32 output: its float32 cotangent meets the bf16 operands
     mm = lambda x, w: gmm(x, w, gs, impl="mosaic", lhs_rows=rows, preferred_element_type=f32)
     gate, vjp = jax.vjp(mm, x, w_gate)
     gate = gate.astype(bf)
@@ -82,7 +83,16 @@ e = P("expert")
 t, h, f, k, n = 8 * 1024, 256, 128, 4, 16
 c2 = compile(layer(ep), ep, ((t, h), bf, e), ((t, k), jnp.int32, e), ((t, k), jnp.float32, e),
              ((n, h, f), bf, e), ((n, h, f), bf, e), ((n, f, h), bf, e))
+# the ring's weight-gradient sum: tgmm(acc=) in a loop over a donated float32 [G, F, H] sum
+step = lambda i, a, x, y, gs: tgmm(x, y, gs, impl="mosaic", preferred_element_type=f32, acc=a)
+dw_sum = lambda x, y, gs, acc: jax.lax.fori_loop(0, 4, lambda i, a: step(i, a, x, y, gs), acc)
+sum_args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(one, r))
+            for s, d in (((M, F), bf), ((M, H), bf), ((G,), jnp.int32), ((G, F, H), f32))]
+with jax.set_mesh(one):
+    c3 = jax.jit(dw_sum, donate_argnums=3).trace(*sum_args).lower().compile(XLA_OPTIONS)
 out = pathlib.Path(sys.argv[1])
+sums = {"temp": c3.memory_analysis().temp_size_in_bytes, "acc": G * F * H * 4}
+(out / "dw_sum.json").write_text(json.dumps(sums))
 (out / "kernels.txt").write_text(c1.as_text())
 (out / "layer.txt").write_text(c2.as_text())
 """
@@ -110,7 +120,8 @@ def dump(tmp_path_factory):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return kernels, {p: (hlo / f"{p}.txt").read_text() for p in PROGRAMS}
+    texts = {p: (hlo / f"{p}.txt").read_text() for p in PROGRAMS}
+    return kernels, texts, json.loads((hlo / "dw_sum.json").read_text())
 
 
 def test_every_kernel_call_takes_16_bit_operands(dump):
@@ -140,6 +151,15 @@ def _ptxas(path: pathlib.Path) -> dict:
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
     return {"registers": regs, "spill_bytes": sum(spills)}
+
+
+def test_tgmm_sums_into_its_accumulator_in_place(dump):
+    """The ring's weight-gradient sum, tgmm(acc=) over 4 chunks into a donated float32 [16, 768,
+    2048] sum (96 MiB): the kernel writes into the sum's own buffer (an input-output alias), so
+    the program's temporaries hold no second sum (before, each call wrote a new one: 96 MiB of
+    temporaries here, 640 MiB more for the E384 ring in BENCHMARKS)."""
+    sums = dump[2]
+    assert sums["temp"] < sums["acc"] // 8, sums
 
 
 def test_the_e4m3_kernel_multiplies_e4m3(dump):

@@ -537,11 +537,11 @@ def test_every_layer_kernel_takes_16_bit_operands(name):
     assert len(calls) >= 9, _kernel_report(calls)  # 3 forward, 6 backward at least
     wide = [c for c in calls if c.wide_floats]
     assert not wide, _kernel_report(wide)
-    if "ring" in name:  # the hop's dW sums into its f32 accumulator (Triton: in place)
+    if "ring" in name:  # the hop's dW sums into its f32 accumulator, in place
         tgmms = [c for c in calls if c.kernel == "relaymoe_tgmm"]
-        acc = [c.operands[c.aliased[0] if c.aliased else -1] for c in tgmms]
-        assert tgmms and all(a[0] == "f32" and len(a[1]) == 3 for a in acc), _kernel_report(tgmms)
-        assert all(bool(c.aliased) == (not mosaic) for c in tgmms), _kernel_report(tgmms)
+        assert tgmms and all(c.aliased for c in tgmms), _kernel_report(tgmms)
+        acc = [c.operands[c.aliased[0]] for c in tgmms]
+        assert all(a[0] == "f32" and len(a[1]) == 3 for a in acc), _kernel_report(tgmms)
 
 
 @needs_plugin
@@ -741,35 +741,40 @@ def test_mosaic_call_parser_reads_operands_and_leaves_out_row_statistics():
 
 def test_mosaic_grouped_matmul_calls_flag_every_multiplied_float32_operand():
     """Our Mosaic GPU grouped matmul as XLA:GPU prints it (abridged from the compiled ring): tgmm's
-    last operand, its float32 [G, K, N] accumulator, is added in the epilogue (not flagged, though
-    nothing is aliased); any other float32 operand of tgmm or gmm, of any rank, is multiplied
-    (flagged), unlike the attention's rank-3 statistics above."""
+    last operand, its float32 [G, K, N] accumulator, is aliased to the output (`tgmm(acc=)`
+    updates it in place) and added in the epilogue (not flagged); the same operand not aliased,
+    and any other float32 operand of tgmm or gmm, of any rank, is multiplied (flagged), unlike
+    the attention's rank-3 statistics above."""
     call = (
         '%mosaic.{i} = {out} custom-call({args}), custom_call_target="mosaic_gpu_v2", '
-        "operand_layout_constraints={{{ops}}}, api_version=API_VERSION_TYPED_FFI, "
+        "operand_layout_constraints={{{ops}}}, {alias}api_version=API_VERSION_TYPED_FFI, "
         'metadata={{op_name="jit(f)/transpose(jvp(relaymoe_{k}))/mpmd_map"}}'
     )
     tgmm = "s32[2]{{0}}, s32[2]{{0}}, {x}[512,256]{{1,0}}, bf16[512,128]{{1,0}}, "
     tgmm += "f32[2,256,128]{{2,1,0}}"
     gmm = "s32[10]{{0}}, s32[1]{{0}}, {x}[512,128]{{1,0}}, {w}[2,256,128]{{2,1,0}}"
+    in_place = "output_to_operand_aliasing={{}: (4, {})}, "
     text = "\n".join(
-        call.format(i=i, out="f32[2,256,128]", args="%a", k=k, ops=ops)
-        for i, (k, ops) in enumerate(
+        call.format(i=i, out="f32[2,256,128]", args="%a", k=k, ops=ops, alias=alias)
+        for i, (k, ops, alias) in enumerate(
             [
-                ("tgmm", tgmm.format(x="bf16")),
-                ("tgmm", tgmm.format(x="f32")),
-                ("gmm", gmm.format(x="bf16", w="bf16")),
-                ("gmm", gmm.format(x="f32", w="bf16")),
-                ("gmm", gmm.format(x="bf16", w="f32")),
+                ("tgmm", tgmm.format(x="bf16"), in_place),
+                ("tgmm", tgmm.format(x="f32"), in_place),
+                ("tgmm", tgmm.format(x="bf16"), ""),
+                ("gmm", gmm.format(x="bf16", w="bf16"), ""),
+                ("gmm", gmm.format(x="f32", w="bf16"), ""),
+                ("gmm", gmm.format(x="bf16", w="f32"), ""),
             ]
         )
     )
     calls = triton_calls.mosaic_calls(text)
-    kinds = ["tgmm"] * 2 + ["gmm"] * 3
+    kinds = ["tgmm"] * 3 + ["gmm"] * 3
     assert [c.kernel for c in calls] == [f"transpose(jvp(relaymoe_{k}))" for k in kinds]
+    assert [c.aliased for c in calls] == [(4,), (4,), (), (), (), ()]
     assert [c.wide_floats for c in calls] == [
         (),
         (("f32", (512, 256)),),
+        (("f32", (2, 256, 128)),),
         (),
         (("f32", (512, 128)),),
         (("f32", (2, 256, 128)),),

@@ -70,11 +70,10 @@ class TritonCall:
         )
 
     def _added(self, i: int) -> bool:
-        """Operand `i` is summed or kept, not multiplied: one aliased to the output (the Triton
-        tgmm's in-place accumulator, `tgmm(acc=)`); the Mosaic GPU tgmm's accumulator (its last
-        operand, [G, K, N], added in the epilogue: those kernels alias nothing); another Mosaic
-        GPU kernel's operand of rank below 4 (the attention's row statistics: the module doc).
-        The Mosaic GPU gmm multiplies every float operand it takes; its e4m3 form
+        """Operand `i` is summed or kept, not multiplied: one aliased to the output (either
+        backend's tgmm's in-place accumulator, `tgmm(acc=)`); another Mosaic GPU kernel's
+        operand of rank below 4 (the attention's row statistics: the module doc). The Mosaic
+        GPU gmm and tgmm multiply every other float operand they take; the gmm's e4m3 form
         (`relaymoe_gmm_fp8`) multiplies its e4m3 operands and applies its float32 ones, the block
         scales, to the float32 partial products in registers."""
         if i in self.aliased:
@@ -83,10 +82,7 @@ class TritonCall:
             return True
         if self.target != MOSAIC_TARGET or "relaymoe_gmm" in self.kernel:
             return False
-        rank = len(self.operands[i][1])
-        if "relaymoe_tgmm" in self.kernel:
-            return i == len(self.operands) - 1 and rank == 3
-        return rank < 4
+        return "relaymoe_tgmm" not in self.kernel and len(self.operands[i][1]) < 4
 
 
 def triton_calls(hlo_text: str, targets: tuple[str, ...] = (TRITON_TARGET,)) -> list[TritonCall]:

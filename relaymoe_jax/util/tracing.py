@@ -2,7 +2,8 @@
 have started, and where jax looks for CUDA's tools; and letting `jax.checkpoint` differentiate
 through the Pallas GPU interpreter.
 
-jax has no public API for these six, so they read `jax._src` (checked against jax 0.12);
+and a Pallas kernel over a mesh whose output is written into an input's buffer. jax has no
+public API for these seven, so they read `jax._src` (checked against jax 0.12);
 this module is the one place the library and the trainer do (`tests/test_house_rules.py`).
 """
 
@@ -12,6 +13,7 @@ from jax._src import effects as _effects
 from jax._src import lib as _lib
 from jax._src import mesh as _mesh
 from jax._src import xla_bridge as _xla_bridge
+from jax._src.pallas import mpmd as _mpmd
 
 
 def eager() -> bool:
@@ -50,3 +52,15 @@ def allow_ordered_io_in_remat() -> None:
     sound for those kernels, which are pure functions of their inputs: a recomputed checkpoint
     runs the kernel again. Idempotent; affects every ordered io_callback in the process."""
     _effects.remat_allowed_effects.add_type(_callback.OrderedIOEffect)
+
+
+def kernel_in_place(body, mesh, out_type, aliases: dict, *, interpret, name: str):
+    """`pl.kernel(body, out_type=out_type, mesh=mesh)` (what `plgpu.kernel` builds on) with
+    `aliases` {input index: output index}: each such output is written into that input's buffer,
+    an input-output alias of the custom call, as `pallas_call`'s `input_output_aliases`. The
+    public way, a `jax.new_ref` operand, is refused inside a `shard_map` that checks varying
+    axes (jax 0.12: "mpmd_map does not support Refs with varying manual axis types"), which is
+    where the ring calls its kernels."""
+    return _mpmd._mpmd_map(
+        [(mesh, body)], out_type, input_output_aliases=aliases, interpret=interpret, name=name
+    )

@@ -74,7 +74,7 @@ def tgmm(
     config=None,
 ) -> jax.Array:
     """Transposed grouped matmul by the Mosaic GPU kernel: out[g] = lhs[g rows].T @ rhs[g rows],
-    [G, K, N] (+ `acc`, a new buffer: Mosaic GPU kernels alias nothing in jax 0.12). Arguments as
+    [G, K, N] (+ `acc`, updated in place where XLA can give the output acc's buffer). Arguments as
     in `pallas.tgmm` and `gmm` above. Differentiable in lhs, rhs and acc."""
     return tgmm_entry(
         lhs,

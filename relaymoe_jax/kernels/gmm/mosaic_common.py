@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from relaymoe_jax.kernels.attention.mosaic_common import interpret_params  # one switch for both
+from relaymoe_jax.util import tracing
 from relaymoe_jax.util.typed import varying_like
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -284,7 +285,7 @@ def persistent(total, sms: int, tile_body) -> None:
     lax.fori_loop(0, my_tiles(total, sms), body, jnp.int32(0))
 
 
-def launch(name: str, body, sp, scratch, shape, dtype, interpret, *args):
+def launch(name: str, body, sp, scratch, shape, dtype, interpret, *args, inplace: bool = False):
     """`body(sp, *refs, **scratch(sp))` as a persistent warp-specialised Mosaic GPU kernel named
     `name` (its name in the HLO's op_name and the dumps): sp.sms programs of WARPGROUPS
     warpgroups, one output of `shape` and `dtype`. The output varies over the shard_map axes its
@@ -293,24 +294,47 @@ def launch(name: str, body, sp, scratch, shape, dtype, interpret, *args):
     The call is a jitted function of its static description (`_launch`): a program whose calls
     share a kernel (the ring's gate and up projections, a hop's forward and its recomputation in
     the backward) lowers it once, not once per call: Mosaic GPU's lowering of each kernel costs
-    about a quarter of a second of Python."""
-    return _launch(name, body, sp, scratch, shape, np.dtype(dtype), interpret, *args)
+    about a quarter of a second of Python.
+
+    `inplace`: the output is written into the last operand's buffer (of `shape` and `dtype`), an
+    input-output alias of the custom call (`tracing.kernel_in_place`), so a loop-carried sum
+    (the ring's float32 dW) is updated where it lies, not copied into a new buffer per call."""
+    if inplace and (args[-1].shape, args[-1].dtype) != (tuple(shape), np.dtype(dtype)):
+        raise ValueError(f"in place: the last operand must be {shape} {dtype}, got {args[-1]}")
+    return _launch(name, body, sp, scratch, shape, np.dtype(dtype), interpret, inplace, *args)
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(7)))
-def _launch(name, body, sp, scratch, shape, dtype, interpret, *args):
-    def kernel(*refs, **scratch_refs):
-        body(sp, *refs, **scratch_refs)
+@functools.partial(jax.jit, static_argnums=tuple(range(8)))
+def _launch(name, body, sp, scratch, shape, dtype, interpret, inplace, *args):
+    out_type = jax.ShapeDtypeStruct(shape, dtype)
+    if not inplace:
 
-    kernel.__name__ = kernel.__qualname__ = name
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(shape, dtype),
-        grid=(sp.sms,),
-        grid_names=("sm",),
-        num_threads=WARPGROUPS,
-        thread_name="wg",
-        scratch_types=scratch(sp),
+        def kernel(*refs, **scratch_refs):
+            body(sp, *refs, **scratch_refs)
+
+        kernel.__name__ = kernel.__qualname__ = name
+        call = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            grid=(sp.sms,),
+            grid_names=("sm",),
+            num_threads=WARPGROUPS,
+            thread_name="wg",
+            scratch_types=scratch(sp),
+            interpret=interpret_params(interpret),
+        )
+        return varying_like(call(*args), *args)
+
+    def kernel_in_place(*refs):  # plgpu.kernel's scratch, as it allocates it
+        pl.run_scoped(functools.partial(body, sp, *refs), collective_axes="wg", **scratch(sp))
+
+    mesh = plgpu.Mesh(grid=(sp.sms,), grid_names=("sm",), num_threads=WARPGROUPS, thread_name="wg")
+    call = tracing.kernel_in_place(
+        kernel_in_place,
+        mesh,
+        out_type.update(manual_axis_type=jax.typeof(args[-1]).manual_axis_type),
+        {len(args) - 1: 0},
         interpret=interpret_params(interpret),
+        name=name,
     )
     return varying_like(call(*args), *args)

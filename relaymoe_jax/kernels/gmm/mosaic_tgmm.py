@@ -14,8 +14,10 @@ Interior blocks go to wgmma as loaded. An empty group runs no step and stores ze
 
 `acc` (optional [G, K, N]): out = acc + the product; each tile's acc block is loaded by TMA at
 the tile's start and added in the epilogue, so every tile is written once (a group with no rows
-copies its acc block through). Mosaic GPU kernels have no input-output aliasing in jax 0.12, so
-out is a new buffer.
+copies its acc block through). out is acc's own buffer, updated in place (an input-output
+alias of the custom call, `mosaic_common.launch(inplace=True)`), so a loop-carried float32 sum
+(the ring's dW) keeps one buffer, as the Triton kernel's `input_output_aliases` do: each tile's
+acc block is read whole before the tile's store writes it, and no other tile touches it.
 """
 
 from typing import NamedTuple
@@ -221,7 +223,15 @@ def _launch(start_g, end_g, x, y, out_dtype, cfg: MosaicConfig, bn: int, acc):
     operands = (start_g, end_g, x, y, *(() if acc is None else (acc,)))
     shape = (groups, k, n)
     return launch(
-        "relaymoe_tgmm", _kernel, sp, _scratch, shape, out_dtype, cfg.interpret, *operands
+        "relaymoe_tgmm",
+        _kernel,
+        sp,
+        _scratch,
+        shape,
+        out_dtype,
+        cfg.interpret,
+        *operands,
+        inplace=acc is not None,
     )
 
 
