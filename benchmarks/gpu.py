@@ -58,7 +58,9 @@ compute rates instead of its assumed one); nothing is written without it. Sectio
    layers, bf16, moe_remat, attention and grouped matmul "auto") at 8,192, 32,768 and 131,072
    tokens: step ms, tokens/s, model TFLOP/s and MFU as the trainer's metrics line counts them,
    the compiled peak, and the planner's predicted step time (`train/planner/predict.py`, at the
-   cost model's rates) with measured / predicted: benchmarks/gpu_train.py.
+   cost model's rates) with measured / predicted: benchmarks/gpu_train.py. A length is skipped
+   (said so) when the budget left cannot hold its compile (the last length's) and timed steps at
+   the predicted step time (scaled by the last length's measured / predicted).
 5. `## Attention` -- causal grouped-query attention fwd and fwd+bwd (the loss sum(o * do), do a
    fixed bf16 normal) at Qwen3-30B-A3B's heads: N=32 query heads, K=4 kv heads, head_dim 128,
    bf16, batch 1, at 8,192, 32,768 and 131,072 tokens per device, each with packed documents of

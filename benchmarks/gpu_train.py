@@ -17,6 +17,11 @@ planner's predicted step ms at the cost model's rates (`predict`: measured ones 
 benchmarks/results/gpu.json exists, else 0.35 x the H100 peak) and measured / predicted. A
 cell whose compile or run fails says `error: ...` and the others go on.
 
+Before each length is built, its cost is estimated against the budget left, and the length is
+skipped (said so) when it cannot fit (`skip_reason`): a compile as long as the last length's
+(COMPILE_S before the first) plus `--warmup` + `--runs` + 1 steps at the predicted step time,
+scaled by the last length's measured / predicted (not with --interpret, whose times say nothing).
+
 `--tiny`: the tiny config (configs/tiny.yaml, one layer, 8 experts) at TINY_TRAIN["tokens"]; with
 `--interpret` the attention is "chunked" and the grouped matmul "xla" (no kernel interpreter in a
 whole step), float32.
@@ -24,6 +29,7 @@ whole step), float32.
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 from gpu_common import error_text, mib, num, print_head, print_row, timed
@@ -33,6 +39,7 @@ TRAIN = dict(
     config="configs/qwen3-30b-a3b.yaml", experts=16, layers=2, tokens=(8192, 32768, 131072)
 )
 TINY_TRAIN = dict(config="configs/tiny.yaml", experts=8, layers=1, tokens=(64,))
+COMPILE_S = 60.0  # the first length's compile, before one was measured (module doc)
 TRAIN_COLS = (
     "tokens",
     "step ms",
@@ -83,8 +90,43 @@ def step_config(tokens: int, cfg, opts):
     return TrainConfig(batch_size=1, seq_len=tokens, compute_dtype=dtype, warmup_steps=0)
 
 
+@dataclasses.dataclass
+class Pace:
+    """What the last length measured, for the next length's estimate: its compile seconds and
+    its measured / predicted step time."""
+
+    compile_s: float = COMPILE_S
+    ratio: float = 1.0
+
+
+def skip_reason(predicted_s: float, pace: Pace, budget, opts) -> str | None:
+    """Why a length whose step is predicted at `predicted_s` seconds is skipped (the budget is
+    spent or cannot hold its compile and timed steps: module doc), or None."""
+    if budget.over():
+        return f"skipped: time budget of {budget.minutes} min reached"
+    steps = opts.warmup + opts.runs + 1
+    need = 0.0 if opts.interpret else pace.compile_s + steps * predicted_s * pace.ratio
+    left = budget.end - time.monotonic()
+    if left < need:
+        return f"skipped: needs ~{need:.0f} s, {left:.0f} s of the budget left"
+    return None
+
+
+def abstract_params(cfg, tc):
+    """The parameters' shapes and dtypes (nothing allocated), for the prediction."""
+    import jax
+
+    from train.step import train_step
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        params = train_step.abstract_state(cfg, tc, mesh)[1].params
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
 def time_step(cfg, tc, opts):
-    """(seconds per step, the compiled step's peak bytes, the parameters) of the trainer's step."""
+    """(seconds per step, the compiled step's peak bytes, compile seconds) of the trainer's
+    step."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -99,11 +141,12 @@ def time_step(cfg, tc, opts):
         shape = (tc.batch_size, tc.seq_len)
         sharding = NamedSharding(mesh, rules.fit(shape, "batch", "seq"))
         step = train_step.make_step(graphdef, tx, tc.compute_dtype, tc.loss_chunk)
+        start = time.monotonic()
         compiled = train_step.compile_step(step, state, sharding, shape)
+        compile_s = time.monotonic() - start
         peak = footprint(compiled.memory_analysis())
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, shape, dtype=np.int32)
         batch = jax.device_put(Batch(tokens), sharding)
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
         box = [state]
 
         def run():
@@ -114,7 +157,7 @@ def time_step(cfg, tc, opts):
         loss = float(run())
     if not math.isfinite(loss):
         raise FloatingPointError(f"the step's loss is {loss}")
-    return seconds, peak, params
+    return seconds, peak, compile_s
 
 
 def train_section(opts, peak, budget, results):
@@ -137,26 +180,27 @@ def train_section(opts, peak, budget, results):
     for line in rates.report():
         print(f"# {line}")
     print_head(TRAIN_COLS)
+    params, pace = abstract_params(cfg, step_config(shp["tokens"][0], cfg, opts)), Pace()
     for tokens in shp["tokens"]:
         row = TrainTiming(tokens, shp["layers"], shp["experts"], *[None] * 5)
-        if budget.over():
-            print_row([f"{tokens:,}", f"skipped: time budget of {budget.minutes} min reached"])
-            row.error = "skipped: time budget reached"
-            results.train.append(row)
-            continue
         tc = step_config(tokens, cfg, opts)
-        try:
-            seconds, peak_bytes, params = time_step(cfg, tc, opts)
-        except Exception as e:
-            row.error = error_text(e)
-            print_row([f"{tokens:,}", f"error: {row.error}"])
+        want = predict.predict(cfg, tc, {"data": 1}, ("full",) * shp["layers"], params, kind, rates)
+        why = skip_reason(want.seconds, pace, budget, opts)
+        if why is None:
+            try:
+                seconds, peak_bytes, pace.compile_s = time_step(cfg, tc, opts)
+            except Exception as e:
+                why = f"error: {error_text(e)}"
+        if why:
+            row.error = why.removeprefix("error: ")
+            print_row([f"{tokens:,}", why])
             results.train.append(row)
             continue
+        pace.ratio = seconds / want.seconds
         flops = flops_mod.StepFlops.of(cfg, params, kind)
         model = flops.step(tokens, tokens * (tokens + 1) // 2)  # one row, one document
         tflops = model / seconds / 1e12
         mfu = tflops / peak if peak else None
-        want = predict.predict(cfg, tc, {"data": 1}, ("full",) * shp["layers"], params, kind, rates)
         row.step_ms, row.model_tflops, row.mfu = seconds * 1e3, tflops, mfu
         row.peak_bytes, row.predicted_ms = peak_bytes, want.seconds * 1e3
         print_row(

@@ -306,3 +306,23 @@ def test_interpret_needs_tiny(gpu, capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--interpret"])
     assert "add --tiny" in capsys.readouterr().err
+
+
+def test_a_train_length_the_budget_cannot_hold_is_skipped(gpu):
+    """`gpu_train.skip_reason`, before a length is built: it needs the last length's compile
+    (COMPILE_S before the first) plus warm-up + runs + 1 steps at its predicted step time scaled
+    by the last length's measured / predicted; skipped when the budget left is less (the cell says
+    both), and once the budget is spent; with --interpret nothing is estimated."""
+    from gpu_common import Budget
+    from gpu_train import COMPILE_S, Pace, skip_reason
+
+    opts = gpu.parse_args([])  # 2 warm-ups and 10 runs: 13 steps
+    pace = Pace(compile_s=30.0, ratio=2.0)  # needs 30 + 13 * 1.0 * 2 = 56 s
+    assert skip_reason(1.0, pace, Budget(1.0), opts) is None  # 60 s left
+    why = skip_reason(1.0, pace, Budget(0.9), opts)  # 54 s left
+    assert re.fullmatch(r"skipped: needs ~56 s, 5[34] s of the budget left", why), why
+    first = skip_reason(1.0, Pace(), Budget(COMPILE_S / 60), opts)  # COMPILE_S + 13 s
+    assert first is not None and first.startswith(f"skipped: needs ~{COMPILE_S + 13:.0f} s"), first
+    tiny = gpu.parse_args(["--tiny", "--interpret"])
+    assert skip_reason(1e6, pace, Budget(0.01), tiny) is None
+    assert skip_reason(1.0, pace, Budget(-1), tiny) == "skipped: time budget of -1 min reached"
