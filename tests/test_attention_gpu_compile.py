@@ -4,10 +4,7 @@ Hopper wgmma on bf16 operands, the train step calls it in every layer (alone or 
 context-parallel shard_map), and its forward + backward keeps no [S, N, block] buffer: the
 compiled temporaries against the chunked XLA path's at 131,072 tokens per device."""
 
-import os
 import re
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -19,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 from relaymoe_jax.analysis import gpu_mesh, triton_calls
 from relaymoe_jax.models.attention import blockwise_attention
 from relaymoe_jax.xla_options import XLA_OPTIONS
-from scripts import ROOT
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -29,6 +25,7 @@ pytestmark = [
 ]
 BF16 = jnp.bfloat16
 N, K, D = 32, 4, 128  # Qwen3-30B-A3B's heads
+S_LONG = 131_072  # tokens per device of the memory test
 
 
 def _attention_fwd_bwd(kernel, block_k=512):
@@ -53,7 +50,25 @@ def _compiled_attention(kernel, s, d=D):
         return jax.jit(_attention_fwd_bwd(kernel)).trace(*args).lower().compile(XLA_OPTIONS)
 
 
-def test_no_sequence_sized_temporaries_beyond_the_statistics():
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """(PTX dump directory, {head_dim: compiled}): the kernel's forward + backward at head_dim
+    128 and `S_LONG` tokens (the memory test's program) and at head_dim 64 and 1,024 tokens,
+    compiled in this process with the Mosaic GPU compile's PTX dumped. jax 0.12 reads
+    `MOSAIC_GPU_DUMP_TO` at each Mosaic GPU compile, not when the plugin starts: set for these
+    two only, it dumps nothing later and slows no later compile (the tiny train step after them,
+    2026-12-07). A subprocess compiled them at 1,024 tokens before: with its start-up, 7 CPU
+    seconds more than this (of the file's 88). A kernel compiled earlier in the process is not
+    compiled, nor dumped, again: no other test compiles these shapes for a GPU."""
+    ptx = tmp_path_factory.mktemp("ptx")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOSAIC_GPU_DUMP_TO", str(ptx))
+        env.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+        compiled = {d: _compiled_attention("pallas", s, d) for d, s in ((128, S_LONG), (64, 1024))}
+    return ptx, compiled
+
+
+def test_no_sequence_sized_temporaries_beyond_the_statistics(kernels):
     """At 131,072 tokens per device (Qwen3-30B-A3B's heads, head_dim 128): the kernel's forward
     + backward holds, beyond its inputs and outputs, only the float32 row statistics (lse and
     rowsum(dO * O), [1, 32, S] each, 32 MiB) and less than 1 MiB more (the block ranges, int32
@@ -61,8 +76,7 @@ def test_no_sequence_sized_temporaries_beyond_the_statistics():
     took 16.5 MiB): no [S, N, block] buffer (512 MiB in bf16 at block 64), no S x S one, and no
     [S/64, S/64] one anywhere in the program. The chunked XLA path keeps its float32 dq and
     blocks of scores: far more (4.2 GiB when written)."""
-    s = 131_072
-    compiled = _compiled_attention("pallas", s)
+    s, compiled = S_LONG, kernels[1][128]
     pallas = compiled.memory_analysis().temp_size_in_bytes
     chunked = _compiled_attention("xla", s).memory_analysis().temp_size_in_bytes
     stats = 2 * N * s * 4
@@ -75,45 +89,13 @@ def test_no_sequence_sized_temporaries_beyond_the_statistics():
     assert pallas * 20 < chunked, (pallas, chunked)
 
 
-# One subprocess (the PTX dump is configured when the CUDA plugin starts) compiles the kernel's
-# forward + backward at head_dim 128 and 64 and writes each program's HLO text beside the PTX.
-PTX_SCRIPT = """
-import pathlib, sys
-from test_attention_gpu_compile import _compiled_attention
-for d in (128, 64):
-    text = _compiled_attention("pallas", 1024, d).as_text()
-    pathlib.Path(sys.argv[1], f"hlo_{d}.txt").write_text(text)
-"""
-
-
-@pytest.fixture(scope="module")
-def kernel_dump(tmp_path_factory):
-    """(PTX dump directory, {head_dim: HLO text}) of the subprocess above."""
-    ptx, hlo = tmp_path_factory.mktemp("ptx"), tmp_path_factory.mktemp("hlo")
-    env = {
-        **os.environ,
-        "MOSAIC_GPU_DUMP_TO": str(ptx),
-        "MOSAIC_GPU_DUMP_PTX": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", PTX_SCRIPT, str(hlo)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return ptx, {d: (hlo / f"hlo_{d}.txt").read_text() for d in (128, 64)}
-
-
 @pytest.mark.parametrize("d", [128, 64])
-def test_every_kernel_call_takes_16_bit_tiles(kernel_dump, d):
+def test_every_kernel_call_takes_16_bit_tiles(kernels, d):
     """Forward + backward, head_dim 128 and 64: three Mosaic GPU calls (the forward, dq, dk/dv),
     each with bf16 q/k/v/o/dO tiles and only its float32 row statistics wider (the grouped
     matmul's Triton calls: none here). Read from the programs whose PTX the test below reads
-    (1,024 tokens; this test compiled its own at 4,096 before: the same kernels)."""
-    text = kernel_dump[1][d]
+    (`kernels`; this test compiled its own at 4,096 tokens before: the same kernels)."""
+    text = kernels[1][d].as_text()
     calls = triton_calls.mosaic_calls(text)
     assert len(calls) == 3, [c.kernel for c in calls]
     assert not triton_calls.wide_float_calls(text), calls
@@ -121,14 +103,13 @@ def test_every_kernel_call_takes_16_bit_tiles(kernel_dump, d):
     assert tiles and {t for t, _ in tiles} == {"bf16"}, tiles
 
 
-def test_ptx_issues_wgmma_on_bf16_operands(kernel_dump):
-    """The CUDA plugin's Mosaic GPU compile, its PTX dumped (`MOSAIC_GPU_DUMP_TO`, read when
-    the process starts: a subprocess): each of the 6 kernels (forward, dq, dk/dv at head_dim
-    128 and 64) issues `wgmma.mma_async` with bf16 operands accumulating in f32, and none any
-    other wgmma."""
-    kernels = triton_calls.mosaic_wgmma_kernels(kernel_dump[0])
-    assert len(kernels) == 6, kernels
-    for name, shapes in kernels.items():
+def test_ptx_issues_wgmma_on_bf16_operands(kernels):
+    """The CUDA plugin's Mosaic GPU compile, its PTX dumped (`kernels`): each of the 6 kernels
+    (forward, dq, dk/dv at head_dim 128 and 64) issues `wgmma.mma_async` with bf16 operands
+    accumulating in f32, and none any other wgmma."""
+    dumped = triton_calls.mosaic_wgmma_kernels(kernels[0])
+    assert len(dumped) == 6, dumped
+    for name, shapes in dumped.items():
         assert shapes and all(sh.endswith(".f32.bf16.bf16") for sh in shapes), (name, shapes)
 
 
@@ -159,12 +140,15 @@ def test_train_step_calls_the_kernel_in_every_layer(name):
     compiled for 8 H100s with the trainer's options: the scanned layer calls the three Mosaic
     GPU attention kernels (forward, dq, dk/dv), all on 16-bit tiles, and the experts' grouped
     matmuls (gmm_impl="auto": our Mosaic GPU kernels on H100s, no Triton call left); no kernel
-    takes a wider float it multiplies.
+    takes a wider float it multiplies; the step takes the packed batch's three arrays (tokens,
+    segment ids, positions).
 
-    [tiny-expert8-auto] is the ring's step with the layer scan and `moe_remat` (each layer's
-    weights cast to bf16 inside the MoE block's checkpoint, its gradient leaving it in
-    float32): it also covers what test_gpu_compile.py's
-    test_train_step_kernels_take_16_bit_operands[ring-False-True] checked (its kernel calls)."""
+    [tiny-expert8-auto] is the ring's step on packed documents with the layer scan and
+    `moe_remat` (each layer's weights cast to bf16 inside the MoE block's checkpoint, its
+    gradient leaving it in float32): it also covers what test_gpu_compile.py's
+    test_train_step_kernels_take_16_bit_operands[ring-False-True] and [ring-True] (the ring's
+    packed step with the chunked XLA attention, unscanned) checked: their kernel calls and
+    batch arrays (the weights cast before unscanned layers: that test's all-to-all step)."""
     from relaymoe_jax.models.config_files import load_config
     from train.settings import TrainConfig
     from train.step import mesh as train_mesh
@@ -184,7 +168,9 @@ def test_train_step_calls_the_kernel_in_every_layer(name):
     )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
-        text = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=True).as_text()
+        compiled = train_step.compile_abstract(cfg, tc, mesh, memo=False, packed=True)
+        text = compiled.as_text()
+    assert len(jax.tree.leaves(compiled.input_shardings[0][1])) == 3  # None fields: no arrays
     every = triton_calls.mosaic_calls(text)
     grouped = [c for c in every if "relaymoe_" in c.kernel]  # relaymoe_gmm, relaymoe_tgmm
     calls = [c for c in every if c not in grouped]  # the attention's

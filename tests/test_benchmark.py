@@ -11,7 +11,13 @@ def table():
 
 
 def test_tiny_table_with_time(table, capsys):
-    table.main(["-E", "16", "-k", "2", "-H", "32", "-F", "32", "-T", "64", "--time", "--runs", "1"])
+    """Both ring modes (routing="auto" picks one: the "x auto" columns) and one all-to-all, each
+    compiled for the memory columns and run for the time. Also covers what the [a2a-dropless] row
+    did: the script's all-to-all rows are one code path (no ring columns) whatever the variant's
+    capacity, and every variant's memory is tests/test_memory.py's."""
+    variants = ["ring-expert", "ring-token", "a2a-cap1.0"]
+    argv = ["-E", "16", "-k", "2", "-H", "32", "-F", "32", "-T", "64", "--time", "--runs", "1"]
+    table.main([*argv, "--variants", *variants])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# reproduce: python ") and "-E 16" in out[0]
     head = next(line for line in out if line.startswith("| E |"))
@@ -24,7 +30,8 @@ def test_tiny_table_with_time(table, capsys):
             if line.startswith("| 16 |")
         )
     }
-    assert set(rows) == {"ring-expert", "ring-token", "a2a-dropless", "a2a-cap1.0"}
+    assert set(rows) == set(variants)
+    assert rows["a2a-cap1.0"]["hop fwd KiB"] == rows["a2a-cap1.0"]["Table 2 fwd"] == ""
     # float32: what the expert ring sends forward is exactly Table 2's E/EP * W.
     assert rows["ring-expert"]["hop fwd KiB"] == rows["ring-expert"]["Table 2 fwd"]
     expert_kib = 16 // 8 * 3 * 32 * 32 * 4 / 1024

@@ -155,23 +155,6 @@ class DispatcherParity(Mode):
         assert sorted(caught) == ["drop", "duplicate", "misweight"]
 
 
-def test_auto_mesh_and_eager_call():
-    """An Auto-typed mesh, unsharded inputs, no jit: the op places the inputs itself. Was a test
-    of each class: the two ring classes ran the one program (routing left to auto), and the
-    placement is the op's front door, before any dispatcher; the all-to-all's own code runs on
-    every layout in its class above."""
-    m = mesh("ep8", explicit=False)
-    inp = make_inputs(ids_of("uniform", 16, 4, seed=8), 16)
-    testing.assert_moe_parity(
-        functools.partial(relaymoe_jax.moe_ffn, mesh=m, dispatcher="ring"),
-        functools.partial(relaymoe_jax.moe_ffn, mesh=m, dispatcher="reference"),
-        *args(inp),
-        argnums=(),
-        jit=False,
-        rtol=1e-5,
-    )
-
-
 class TestRingExpertRouting(DispatcherParity):
     dispatcher = "ring"
     routing = "expert"
@@ -298,29 +281,43 @@ def test_token_routing_equals_expert_routing(pattern):
     check_parity("ring", inp, m, 2e-6, ref=expert, routing="token", **ta, **kw)
 
 
-@pytest.mark.parametrize("t_local,want", [(8, "token"), (256, "expert")])
-def test_auto_routing_logs_its_choice_and_matches_the_reference(caplog, t_local, want):
+def test_auto_routing_logs_its_choice_and_matches_the_reference(caplog):
     """E16 H16 F24 k4 f32 over EP=8: expert routing moves 2 experts x 3*16*24*4 B = 9216 B per
-    hop, token routing t_local x (16*4 + 4*(4+4)) B = 96 B per token: token below 96 tokens."""
-    m = mesh("ep8")
-    ids = testing.routing_case("uniform", 8 * t_local, 4, 16, 8, seed=13)
-    a = args(place(make_inputs(ids, 16), m, ("expert",)))
-    plan_ = relaymoe_jax.routing_plan(*a, mesh=m)
-    assert (plan_.expert_fwd, plan_.token_fwd, plan_.choice) == (
-        2 * 3 * 16 * 24 * 4,
-        t_local * (16 * 4 + 4 * 8),
-        want,
-    )
-    with caplog.at_level("INFO", logger="relaymoe_jax"):  # eager: logged when called
-        testing.assert_moe_parity(
-            functools.partial(relaymoe_jax.moe_ffn, mesh=m, routing="auto"),
-            functools.partial(relaymoe_jax.moe_ffn, mesh=m, dispatcher="reference"),
-            *a,
-            argnums=(),
-            jit=False,
-            rtol=1e-5,
+    hop, token routing t_local x (16*4 + 4*(4+4)) B = 96 B per token: token below 96 tokens.
+    At 8 tokens per device the op picks token routing, says so and matches the reference; at
+    256 it picks expert routing and says so, read from a trace (`jax.eval_shape`: the choice and
+    its line are the trace's). Also covers the former [256-expert] parity run: what auto runs
+    then is the ring with expert routing, TestRingExpertRouting's.
+
+    On an Auto-typed mesh, unsharded inputs, no jit: the op places the inputs itself. This also
+    covers the former test_auto_mesh_and_eager_call (the ring, routing left to auto, on the
+    same mesh and shapes; the placement is the op's front door, before any dispatcher, and the
+    all-to-all's own code runs on every layout in its class)."""
+    m = mesh("ep8", explicit=False)
+    auto = functools.partial(relaymoe_jax.moe_ffn, mesh=m, dispatcher="ring", routing="auto")
+    for t_local, want in ((8, "token"), (256, "expert")):
+        ids = testing.routing_case("uniform", 8 * t_local, 4, 16, 8, seed=13)
+        a = args(make_inputs(ids, 16))
+        plan_ = relaymoe_jax.routing_plan(*a, mesh=m)
+        assert (plan_.expert_fwd, plan_.token_fwd, plan_.choice) == (
+            2 * 3 * 16 * 24 * 4,
+            t_local * (16 * 4 + 4 * 8),
+            want,
         )
-    assert f"routing '{want}'" in caplog.text
+        caplog.clear()
+        with caplog.at_level("INFO", logger="relaymoe_jax"):  # eager: logged when called
+            if want == "expert":
+                jax.eval_shape(auto, *a)
+            else:
+                testing.assert_moe_parity(
+                    auto,
+                    functools.partial(relaymoe_jax.moe_ffn, mesh=m, dispatcher="reference"),
+                    *a,
+                    argnums=(),
+                    jit=False,
+                    rtol=1e-5,
+                )
+        assert f"routing '{want}'" in caplog.text, t_local
 
 
 def test_routing_plan_counts_tokens_gathered_over_the_expert_tensor_axis():

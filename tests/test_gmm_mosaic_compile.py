@@ -2,8 +2,9 @@
 `relaymoe_jax.gpu_mesh`; nothing runs): its three kernels and the e4m3 gmm (`gmm_fp8`) at
 Qwen3-30B-A3B's expert shapes and moe_ffn's ring fwd+bwd on 8 H100s with gmm_impl="mosaic"
 (Qwen3-30B-A3B's train step with them: test_attention_gpu_compile.py). Read from what the CUDA
-plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read when the process starts: one
-subprocess compiles both programs): every kernel's PTX issues wgmma on bf16 operands (the e4m3
+plugin's Mosaic GPU compile dumps (`MOSAIC_GPU_DUMP_TO`, read at each Mosaic GPU compile: one
+subprocess compiles both programs, so that no kernel compiled earlier in a test process goes
+undumped): every kernel's PTX issues wgmma on bf16 operands (the e4m3
 kernel: on e4m3) accumulating in f32 and no other wgmma, ptxas spills nothing, and each kernel's
 registers and shared memory are printed (`-s` shows them). The HLO: every Mosaic GPU call
 multiplies 16-bit operands only (a float32 cotangent is cast down before it), the e4m3 kernel

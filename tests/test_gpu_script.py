@@ -8,10 +8,18 @@ tests/test_fp8_op.py checks the FP8 hop's numbers); the layer runs with gmm_impl
 cost model's loader must read back.
 
 The grouped-matmul section runs at one of the script's three tiny kernel shapes (its first,
-`gpu.TINY_SHAPES[:1]`, set for this module): every kernel, block config, pass and group pattern
-(balanced, and skewed with empty groups) still runs and is checked against the float64
-reference; the other two shapes differed only in K, N and G, and each cost a compile of every
-kernel's three passes and two runs of the Mosaic GPU interpreter per pass and pattern.
+`gpu.TINY_SHAPES[:1]`, set for this module): every kernel, pass and group pattern (balanced, and
+skewed with empty groups) still runs and is checked against the float64 reference; the other two
+shapes differed only in K, N and G, and each cost a compile of every kernel's three passes and
+two runs of the Mosaic GPU interpreter per pass and pattern.
+
+Three more cuts, set by the `gpu` fixture, halve what the interpreters run without changing
+what a row checks: that shape has M=128 rows (the script's 256; the balanced groups are 32
+rows, the skewed ones still have an empty group); the Pallas kernel runs one block config,
+"16,32,32" (the script's `--pallas-configs` parsing and labels; its "default" is
+`gmm(impl="pallas")`, which the kernel tests call); the attention section has N=2 query heads
+over K=1 kv head (still grouped-query; the script's 4 over 2 ran twice the heads' blocks). Each
+kernel, pass, pattern and attention case still runs and is checked against its reference.
 """
 
 import contextlib
@@ -31,13 +39,18 @@ from scripts import load_script
 
 @pytest.fixture(scope="module")
 def gpu():
-    """The script, with its kernel section cut to the first tiny shape (see the module doc) for
-    this module: the section's module is shared by the process, so the shape list is put back
-    afterwards."""
+    """The script, with its tiny kernel and attention shapes and Pallas configs cut (see the
+    module doc) for this module: the sections' modules are shared by the process, so they are
+    put back afterwards."""
     script = load_script("benchmarks/gpu.py", "gpu_bench")
+    name, _, k, n, g = script.TINY_SHAPES[0]
+    attn = dict(script.TINY_ATTN, heads=2, kv_heads=1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(script, "TINY_SHAPES", script.TINY_SHAPES[:1])
-        mp.setattr(sys.modules["gpu_kernel_section"], "TINY_SHAPES", script.TINY_SHAPES)
+        for mod in (script, sys.modules["gpu_kernel_section"]):
+            mp.setattr(mod, "TINY_SHAPES", [(name, 128, k, n, g)])
+        for mod in (script, sys.modules["gpu_attention"]):
+            mp.setattr(mod, "TINY_ATTN", attn)
+        mp.setattr(script, "TINY_PALLAS_CONFIGS", ["16,32,32"])
         yield script
 
 

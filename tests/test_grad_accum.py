@@ -1,21 +1,25 @@
 """Gradient accumulation, `grad_accum=N` (`train/step/accumulate.py`).
 
-- One and two optimizer steps of grad_accum=4, batch_size=2 equal those of batch_size=8 (the same
-  rows: packed documents of a multi-document corpus, read by the trainer's loader), with the
+- One and two optimizer steps of grad_accum=4, batch_size=8 equal those of batch_size=32 (the
+  same rows: packed documents of a multi-document corpus, read by the trainer's loader), with the
   router's aux loss off and the aux-loss-free expert bias on: losses, gradient norm, expert load
-  and bias exactly, the parameters (float32, 1e-6 relative), and the summed gradient itself.
+  and bias exactly, the parameters (float32, 1e-6 relative); and the summed gradient itself of
+  grad_accum=4, batch_size=2 equals batch_size=8's.
 - With the aux loss (and the z-loss) on, the step equals an independent reference: each
   micro-batch's gradients by the ordinary batch_size=2 loss (no scan), combined as documented (LM
   part by token weights, router part 1/N each), then one AdamW update; and that differs from
   batch_size=8 (the aux loss is averaged per micro-batch, not computed on the whole batch).
-- The trainer runs grad_accum=2 (reading the rows batch_size=16 reads), resumes bitwise, refuses
-  a resume that changes grad_accum, and refuses grad_accum=0 in one line; two processes of 4
-  devices train as that one process of 8 (its run, shared: `accum_runs`).
-- The accumulated step's temporaries are one micro-batch's plus the float32 accumulator.
+- The trainer runs grad_accum=4 (reading the rows batch_size=32 reads), resumes bitwise, refuses
+  a resume that changes grad_accum, and refuses grad_accum=0 in one line (its runs, shared:
+  `accum_runs`, train the first point's programs); two processes of 4 devices with grad_accum=2,
+  each reading its rows of every micro-batch, train as one process of 8: tests/test_multihost.py.
+- The accumulated step's temporaries are one micro-batch's plus the float32 accumulator (the
+  first point's programs again).
 
 The model is the tiny config with one layer (`num_hidden_layers=1`): each layer is the same
 program, and one already drops, duplicates or misweights a (token, expert) pair visibly; the
-compiled programs are built once per module and shared by the tests (`vg`, `accum_runs`).
+compiled programs are built once per module and shared by the tests (`vg`, `accum_runs`, the
+memoised steps of `_setup`).
 
 Why the parameters are compared to 1e-6 where the gradient is >= 1e-5 (about 80% of them here):
 AdamW's first update of an element is lr * g / (|g| + 1e-8), whose derivative in g is large
@@ -24,9 +28,10 @@ the update of an element with |g| ~ 1e-8 by O(lr). The summed gradient itself is
 1e-6 (`test_summed_gradient_equals_one_batch`).
 """
 
+import contextlib
+import io
 import json
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +50,9 @@ from train.state import identity
 from train.step import accumulate, objective, train_step
 from train.step import mesh as tm
 
-S = 16
+S = 32
 LR = 3e-3
+HORIZON = 10  # the cosine's horizon, fixed: the trainer's runs of 1 and 2 steps share one step
 TIMING = ("tokens_per_s", "step_time", "data_time", "model_tflops_per_device", "mfu")
 
 
@@ -58,19 +64,30 @@ def _cfg(**over):
 
 def _tc(b: int, n: int = 1) -> TrainConfig:
     return TrainConfig(
-        batch_size=b, grad_accum=n, seq_len=S, lr=LR, warmup_steps=0, weight_decay=0.0
+        batch_size=b,
+        grad_accum=n,
+        seq_len=S,
+        lr=LR,
+        warmup_steps=0,
+        weight_decay=0.0,
+        schedule_steps=HORIZON,
     )
 
 
 def _setup(cfg, b: int, n: int, packed: bool):
-    """(graphdef, initial state, tx, compiled step, its batch sharding and shape)."""
+    """(graphdef, initial state, tx, compiled step, its batch sharding and shape); the step
+    compiled as the trainer compiles it, memoised by its key (`train_step.compile_abstract`
+    finds it: `test_peak_is_one_micro_batch_plus_the_accumulator`)."""
     tc = _tc(b, n)
     mesh = tm.make_mesh(tc.mesh)
     graphdef, state, tx, rules = train_step.init_state(cfg, tc, mesh)
     ids = NamedSharding(mesh, rules.fit((b, S), "batch", "seq"))
     sharding, shape = accumulate.step_batch(ids, b, S, n)
-    step = train_step.make_step(graphdef, tx, packed=packed, grad_accum=n)
-    compiled = train_step.compile_step(step, state, sharding, shape, packed=packed)
+    step = train_step.make_step(
+        graphdef, tx, tc.compute_dtype, tc.loss_chunk, packed=packed, grad_accum=n
+    )
+    key = train_step.step_key(cfg, tc, shape, mesh, packed)
+    compiled = train_step.compile_step(step, state, sharding, shape, key=key, packed=packed)
     return graphdef, state, tx, compiled, sharding, shape
 
 
@@ -110,10 +127,10 @@ def _assert_update_close(p0, want, got):
     assert determined >= 0.6 * moved, (determined, moved)
 
 
-def _rows(ds, steps: int):
-    """The first `steps` global batches of 8 rows the trainer's loader reads from `ds`."""
+def _rows(ds, steps: int, rows: int):
+    """The first `steps` global batches of `rows` rows the trainer's loader reads from `ds`."""
     source = data_mod.make_source(
-        [str(ds)], synthetic=False, seq_len=S, batch_size=8, seed=0, vocab_size=256
+        [str(ds)], synthetic=False, seq_len=S, batch_size=rows, seed=0, vocab_size=256
     )
     assert source.packed  # several documents per row: segment ids
     return [next(source) for _ in range(steps)]
@@ -121,7 +138,8 @@ def _rows(ds, steps: int):
 
 @pytest.fixture(scope="module")
 def packed_rows(tmp_path_factory):
-    return _rows(word_corpus(tmp_path_factory.mktemp("docs"), 60, max_words=6), 2)
+    """Two global batches of 32 rows (the tests of one step of 8 rows take the first 8)."""
+    return _rows(word_corpus(tmp_path_factory.mktemp("docs"), 200, max_words=6), 2, 32)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +170,11 @@ def _micro(rows, n: int, b: int):
 
 
 def test_accumulated_steps_equal_one_batch(packed_rows):
+    """Micro-batches of 8 rows, one per device (a micro-batch of 2 would be replicated: the memory
+    test reads these programs)."""
     cfg = _cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, expert_bias=True)
-    ref = _train(cfg, 8, 1, packed_rows, packed=True)
-    acc = _train(cfg, 2, 4, packed_rows, packed=True)
+    ref = _train(cfg, 32, 1, packed_rows, packed=True)
+    acc = _train(cfg, 8, 4, packed_rows, packed=True)
     for (s_ref, m_ref), (s_acc, m_acc) in zip(ref[1:], acc[1:]):
         for k in ("loss", "lm_loss", "z_loss", "grad_norm"):
             assert float(getattr(m_acc, k)) == pytest.approx(float(getattr(m_ref, k)), rel=1e-6)
@@ -178,7 +198,7 @@ def test_summed_gradient_equals_one_batch(packed_rows, vg):
     summed = jax.jit(accumulate.accumulated_value_and_grad(graphdef, jnp.float32, 1024, True, 4))
     ids2 = NamedSharding(mesh, rules.fit((2, S), "batch", "seq"))
     sharding, shape = accumulate.step_batch(ids2, 2, S, 4)
-    b = packed_rows[0]
+    (b,) = _micro(packed_rows[0], 1, 8)  # its first 8 rows
     micro = _micro(b, 4, 2)
     w = np.array([_target_weight(mb) for mb in micro]) / _target_weight(b)
     assert len(set(w)) > 1  # the micro-batches weigh differently: a plain mean would be off
@@ -229,10 +249,11 @@ def test_aux_loss_is_averaged_per_micro_batch(packed_rows, vg):
     """The accumulated step with the aux and z losses on equals the documented combination of
     per-micro-batch gradients of the ordinary step's loss, and not batch_size=8's (that one the
     ordinary loss's gradient of the 8 rows and the same update: it ran the trainer's batch_size=8
-    step before, which computes the same, `test_accumulated_steps_equal_one_batch` shows)."""
+    step before, which computes the same, as `test_accumulated_steps_equal_one_batch` shows for
+    batch_size=32)."""
     n, b = 4, 2
     cfg = _cfg(router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
-    rows = packed_rows[0]
+    (rows,) = _micro(packed_rows[0], 1, 8)  # its first 8 rows
     s0, (s_acc, m_acc) = _train(cfg, b, n, [rows], packed=True)
     # the reference: the B=2 micro-batches one by one through the ordinary loss (no scan), with
     # the router losses and without (the same weights: the LM part alone)
@@ -287,10 +308,14 @@ def test_micro_batches_are_consecutive_rows_of_the_global_batch():
 
 # --------------------------------------------------------------------------- the trainer
 
-# test_multihost's trainer arguments (tiny, seq_len=32, batch_size=8) with one layer, a fixed
-# schedule (runs of 1 and 2 steps share it, and their compiled step), grad_accum=2 on the
-# two-process mesh; `accum_runs` adds --data
-ACCUM = ["schedule_steps=10", "num_hidden_layers=1", "mesh=node=2,expert=4", "grad_accum=2"]
+# the trainer's arguments for `_cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0,
+# expert_bias=True)` and `_tc(8, 4)`: its runs train test_accumulated_steps_equal_one_batch's
+# programs (memoised, `_setup`), with batch_size=32 and grad_accum=1 too; `accum_runs` adds --data
+TRAIN = (
+    f"--config configs/tiny.yaml --quiet seq_len={S} batch_size=8 grad_accum=4 num_hidden_layers=1 "
+    f"dispatcher=ring router_aux_loss_coef=0.0 router_z_loss_coef=0.0 expert_bias=true lr={LR} "
+    f"warmup_steps=0 weight_decay=0.0 schedule_steps={HORIZON}"
+).split()
 
 
 def _metrics(out) -> list[dict]:
@@ -304,62 +329,54 @@ def _meta(out, step: int) -> dict:
 
 @pytest.fixture(scope="module")
 def accum_runs(tmp_path_factory):
-    """The trainer with grad_accum=2 (8-row micro-batches, 16 rows per optimizer step) on a
-    packed word corpus: in this process of 8 devices 2 steps ("whole"), 1 step then resumed to
-    2 ("cut"), batch_size=16 without accumulation ("b16"); and as two processes of 4 devices
-    (`test_multihost`'s set-up, started first, run alongside: "multi", 2 steps, logs p0/p1).
+    """The trainer with grad_accum=4 (8-row micro-batches, 32 rows per optimizer step) on a
+    packed word corpus, in this process of 8 devices: 2 steps ("whole"), 1 step (its output
+    printed: "cut_out") then resumed to 2 ("cut"), batch_size=32 without accumulation ("b32").
     Two steps show all they did with three before: the resume restores the step-1 state and
-    data position and repeats step 2 bitwise, and step 2's loss depends on step 1's update."""
-    from test_multihost import ARGS, TIMEOUT_S, free_port, start_process, wait_all
-
+    data position and repeats step 2 bitwise, and step 2's loss depends on step 1's update.
+    (Two processes with grad_accum=2, the aux loss on, against one: tests/test_multihost.py.)"""
     tmp = tmp_path_factory.mktemp("accum")
-    args = [*ARGS, *ACCUM, "--data", str(word_corpus(tmp / "docs", 400))]
-    dist = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-    multi = ["--out", str(tmp / "multi"), *dist, "--steps", "2"]
-    procs = [
-        start_process(f"p{i}", tmp, 4, [*multi, "--process-id", str(i), *args[len(ARGS) :]], True)
-        for i in range(2)
+    args = [*TRAIN, "--data", str(word_corpus(tmp / "docs", 400))]
+    whole, cut, b32 = tmp / "whole", tmp / "cut", tmp / "b32"
+    assert cli.main([*args, "--steps", "2", "--out", str(whole)]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        loud = [a for a in args if a != "--quiet"]
+        assert cli.main([*loud, "--steps", "1", "--out", str(cut)]) == 0
+    cut_position = _meta(cut, 1)["data_position"]
+    assert cli.main([*args, "--steps", "2", "--out", str(cut)]) == 0
+    single = [
+        {"grad_accum=4": "grad_accum=1", "batch_size=8": "batch_size=32"}.get(a, a) for a in args
     ]
-    try:
-        whole, cut, b16 = tmp / "whole", tmp / "cut", tmp / "b16"
-        assert cli.main([*args, "--steps", "2", "--out", str(whole)]) == 0
-        assert cli.main([*args, "--steps", "1", "--out", str(cut)]) == 0
-        cut_position = _meta(cut, 1)["data_position"]
-        assert cli.main([*args, "--steps", "2", "--out", str(cut)]) == 0
-        single = [
-            {"grad_accum=2": "grad_accum=1", "batch_size=8": "batch_size=16"}.get(a, a)
-            for a in args
-        ]
-        assert cli.main([*single, "--steps", "2", "--out", str(b16)]) == 0
-    except BaseException:
-        for p in procs:
-            p.kill()
-            p.wait()
-        raise
-    wait_all(procs, tmp, TIMEOUT_S)
-    return dict(tmp=tmp, args=args, whole=whole, cut=cut, b16=b16, cut_position=cut_position)
+    assert cli.main([*single, "--steps", "2", "--out", str(b32)]) == 0
+    return dict(
+        args=args,
+        whole=whole,
+        cut=cut,
+        b32=b32,
+        cut_position=cut_position,
+        cut_out=printed.getvalue(),
+    )
 
 
 def test_trainer_accumulates_resumes_and_refuses_a_change(accum_runs):
     whole, cut = accum_runs["whole"], accum_runs["cut"]
-    assert accum_runs["cut_position"] == 1 * 16  # rows: optimizer steps x 16
+    assert accum_runs["cut_position"] == 1 * 32  # rows: optimizer steps x 32
     assert _metrics(cut) == _metrics(whole)  # bitwise: the same floats
     assert [m["step"] for m in _metrics(whole)] == [1, 2]  # one line per optimizer step
-    # the same rows as batch_size=16, in the same order: the same losses
-    for a, b in zip(_metrics(whole), _metrics(accum_runs["b16"]), strict=True):
+    # the same rows as batch_size=32, in the same order: the same losses
+    for a, b in zip(_metrics(whole), _metrics(accum_runs["b32"]), strict=True):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-6)
     # grad_accum changes the math (the aux loss's averaging, the rows per step)
-    argv = [{"grad_accum=2": "grad_accum=4"}.get(a, a) for a in accum_runs["args"]]
-    with pytest.raises(identity.ResumeRefusedError, match=r"grad_accum 2 -> 4 would change"):
+    argv = [{"grad_accum=4": "grad_accum=2"}.get(a, a) for a in accum_runs["args"]]
+    with pytest.raises(identity.ResumeRefusedError, match=r"grad_accum 4 -> 2 would change"):
         cli.main([*argv, "--steps", "3", "--out", str(cut)])
 
 
-def test_progress_line_shows_tokens_per_optimizer_step(accum_runs, tmp_path, capsys):
-    argv = [a for a in accum_runs["args"] if a != "--quiet"]  # the step "whole" compiled
-    assert cli.main([*argv, "--steps", "1", "--out", str(tmp_path / "run")]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert any("grad_accum 2 (16 rows, 512 tokens per optimizer step)" in x for x in lines)
-    assert any(" 512 tok/step " in x and "step 1/1" in x for x in lines)
+def test_progress_line_shows_tokens_per_optimizer_step(accum_runs):
+    """The output of `accum_runs`' first "cut" run (1 step, without --quiet)."""
+    lines = accum_runs["cut_out"].splitlines()
+    assert any("grad_accum 4 (32 rows, 1,024 tokens per optimizer step)" in x for x in lines)
+    assert any(" 1,024 tok/step " in x and "step 1/1" in x for x in lines)
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
@@ -372,45 +389,22 @@ def test_grad_accum_below_1_is_refused(tmp_path, value):
     )
 
 
-def test_two_processes_read_their_rows_of_every_micro_batch(accum_runs):
-    """Two processes of 4 devices (`test_multihost.py`'s set-up) with grad_accum=2 train as one
-    process of 8 (`accum_runs`' in-process "whole" run, the same arguments: it stands for the
-    third subprocess the test started before): each reads, of every micro-batch, the rows its
-    devices hold."""
-    from test_multihost import row_set
-
-    tmp = accum_runs["tmp"]
-    read = {}
-    for name in ("p0", "p1"):
-        (found,) = re.findall(
-            r"reads (\d+) of the 16 rows of each batch: ([\d, -]+)",
-            (tmp / f"{name}.err").read_text(),
-        )
-        read[name] = row_set(found[1])
-    assert read["p0"] | read["p1"] == set(range(16))
-    for name in ("p0", "p1"):  # 4 rows of each micro-batch of 8, the same ones in both
-        first = {r for r in read[name] if r < 8}
-        assert len(first) == 4 and read[name] == first | {r + 8 for r in first}
-    got, want = _metrics(tmp / "multi"), _metrics(accum_runs["whole"])
-    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2]
-    for a, b in zip(got, want):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-
-
 # --------------------------------------------------------------------------- memory
 
 
 def test_peak_is_one_micro_batch_plus_the_accumulator():
-    """Temporaries of the grad_accum=4 step (micro-batch 8) against the batch 32 and 8 steps
-    (compile only): below batch 32's, and at most batch 8's plus the float32 accumulator (the
-    parameters' device shards) plus 5% of batch 8's (the per-micro-batch losses, the step's
-    target count, the scan's bookkeeping)."""
-    cfg = load_config("configs/tiny.yaml").replace(num_hidden_layers=1)
+    """Temporaries of the grad_accum=4 step (micro-batch 8) against the batch 32 and 8 steps:
+    below batch 32's, and at most batch 8's plus the float32 accumulator (the parameters' device
+    shards) plus 5% of batch 8's (the per-micro-batch losses, the step's target count, the
+    scan's bookkeeping). The grad_accum=4 and batch 32 steps are the programs
+    `test_accumulated_steps_equal_one_batch` ran (memoised by `_setup`; compiled here when it
+    did not run first), the batch 8 step is compiled only."""
+    cfg = _cfg(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, expert_bias=True)
     temp = {}
     for b, n in [(8, 1), (32, 1), (8, 4)]:
-        tc = TrainConfig(batch_size=b, grad_accum=n, seq_len=64)
+        tc = _tc(b, n)
         mesh = tm.make_mesh(tc.mesh)
-        compiled = train_step.compile_abstract(cfg, tc, mesh, memo=False)
+        compiled = train_step.compile_abstract(cfg, tc, mesh, packed=True)
         temp[b, n] = compiled.memory_analysis().temp_size_in_bytes
     _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
     shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * 4  # float32

@@ -1,20 +1,24 @@
 """`python -m train` on JAX's own multi-process runtime: two processes with 4 CPU devices each,
 joined by `jax.distributed` over localhost (gloo collectives), train the same steps as one
-process with 8 devices, with the same losses (up to float32 reduction order: relative 1e-6).
-Each process reads only the rows of the global batch its devices hold (half each, its INFO
-line says which). Only process 0 writes metrics.jsonl and prints; both take part in the orbax
+process with 8 devices, with the same losses (up to float32 reduction order: relative 1e-6),
+with gradient accumulation on (`grad_accum=2`: the accumulated step's scan over micro-batches
+runs the same collectives as the plain step, once per micro-batch). Each process reads only the
+rows of the global batch its devices hold (half of every micro-batch each, its INFO line says
+which). Only process 0 writes metrics.jsonl and prints; both take part in the orbax
 checkpoint. The mesh is
 `node=2,expert=4`: over the two processes `ring="auto"` picks the hierarchical ring (one process
 per `node` index; said in its INFO log line), in one process the flat ring, so the losses also
 compare the two rings across real processes. A SIGTERM to one of the two processes stops both
 after the same step, checkpointed.
 
-The three processes run at the same time, each as a subprocess with its own device count (one
-run: every process pays jax's start-up and a compile). Inconsistent distributed flags are
+The two processes run as subprocesses of 4 devices each (every process pays jax's start-up and
+a compile), then the one process of 8 devices runs in this one (pytest's 8 devices, as the
+trainer's: `cli.main`, its INFO lines through `caplog`). Inconsistent distributed flags are
 checked in-process: a ValueError before jax is touched.
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -71,28 +75,6 @@ def start_process(name: str, logs: Path, devices: int, argv: list[str], log_info
     return proc
 
 
-def wait_all(procs, logs: Path, timeout: float) -> None:
-    """Wait for every process; kill them all as soon as one fails or the time is up, and fail
-    with each one's exit status and the end of its stderr."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = any(p.poll() not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-            break
-        time.sleep(0.2)
-    if any(p.returncode != 0 for p in procs):
-        report = "\n".join(
-            f"--- {p.name}: rc={p.returncode}\n{(logs / f'{p.name}.err').read_text()[-3000:]}"
-            for p in procs
-        )
-        raise AssertionError(f"a trainer process failed or timed out ({timeout} s):\n{report}")
-
-
 def _losses(out: Path) -> list[tuple[int, float]]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
@@ -124,20 +106,27 @@ def _stop_line(err: str) -> str:
 
 def _check_rows_and_rings(logs: Path) -> None:
     """The hierarchical ring over the two processes, the flat one in one; each of the two
-    reads only the rows of the batch its devices hold: half each, disjoint."""
+    reads only the rows of the batch its devices hold: half each, disjoint, and of each of the
+    two micro-batches of 8 rows the same half."""
     for name in ("p0", "p1"):
         assert HIERARCHICAL in (logs / f"{name}.err").read_text(), name
+    # the one process's INFO lines (`caplog`: the data line below shows they were captured; the
+    # op's own lines are its trace's, and an earlier test of this process may have traced the
+    # same step, memoised): no hierarchical ring
     assert "hierarchical ring" not in (logs / "single.err").read_text()
     read = {}
     for name in ("p0", "p1", "single"):
         found = re.findall(
-            r"data: process (\d) of (\d) reads (\d+) of the 8 rows of each batch: ([\d, -]+)",
+            r"data: process (\d) of (\d) reads (\d+) of the 16 rows of each batch: ([\d, -]+)",
             (logs / f"{name}.err").read_text(),
         )
         assert len(found) == 1, name
         read[name] = row_set(found[0][3])
-    assert len(read["p0"]) == len(read["p1"]) == 4 and read["p0"] | read["p1"] == read["single"]
-    assert read["single"] == set(range(8))
+    assert len(read["p0"]) == len(read["p1"]) == 8 and read["p0"] | read["p1"] == read["single"]
+    assert read["single"] == set(range(16))
+    for name in ("p0", "p1"):  # 4 rows of each micro-batch of 8, the same ones in both
+        first = {r for r in read[name] if r < 8}
+        assert len(first) == 4 and read[name] == first | {r + 8 for r in first}
 
 
 _GLOO_WORDS = re.compile(
@@ -145,38 +134,47 @@ _GLOO_WORDS = re.compile(
 )
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, caplog, capsys):
     """On a prepared dataset of many documents: the batches carry segment ids, and each process
     puts only its rows (tokens, segment ids, positions) into the global batch. The two
     processes run towards step 60 (the same cosine horizon as the one process's 5 steps:
     schedule_steps=60) and get a SIGTERM, to process 1 only, once 5 steps are logged; their
-    first 5 losses are compared (the model with one decoder layer, as test_grad_accum's runs of
-    this set-up: every layer runs the same ring, and one drops or misweights a (token, expert)
-    pair visibly; it shortens each of the three processes' tracing and compiles). Also covers what
+    first 5 losses are compared (the model with one decoder layer: every layer runs the same
+    ring, and one drops or misweights a (token, expert) pair visibly; it shortens each
+    process's tracing and compiles). Also covers what
     test_sigterm_to_one_process_stops_both_after_the_same_step did in two processes of its own:
     SIGTERM to process 1 only (jax.distributed's preemption notifier would swallow it: the
     trainer's handler is installed after it), both processes stop after the same step, save it
-    together and exit 143."""
+    together and exit 143. Also covers what
+    test_grad_accum.py::test_two_processes_read_their_rows_of_every_micro_batch did with two
+    processes of its own (grad_accum=2, 2 steps, against that file's one-process run): each
+    process reads, of every micro-batch, the rows its devices hold, and the two train as one."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     args = ["--data", str(word_corpus(tmp_path, 400)), "mesh=node=2,expert=4", "schedule_steps=60"]
     args += ["num_hidden_layers=1"]  # each layer is the same ring: one compares the two rings
+    args += ["grad_accum=2"]  # 16 rows per step: 2 micro-batches of batch_size=8
     dist = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     dist += ["--steps", "60", "--save-every", "50", "--out", str(multi)]
     procs = [
         start_process(f"p{i}", tmp_path, 4, [*dist, "--process-id", str(i), *args], log_info=True)
         for i in range(2)
     ]
-    procs.append(start_process("single", tmp_path, 8, ["--out", str(single), *args], log_info=True))
     try:
-        _wait_for_steps(procs[:2], multi / "metrics.jsonl", 5, tmp_path)
+        _wait_for_steps(procs, multi / "metrics.jsonl", 5, tmp_path)
         procs[1].send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in procs[:2]]
-        wait_all(procs[2:], tmp_path, TIMEOUT_S)
+        codes = [p.wait(timeout=120) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    # the one process, in this one, after the two (alongside, it would hold up their SIGTERM:
+    # they could reach step 60 first)
+    caplog.set_level(logging.INFO)
+    capsys.readouterr()
+    assert cli.main([*ARGS, "--out", str(single), *args]) == 0
+    (tmp_path / "single.err").write_text("\n".join(caplog.messages))
+    (tmp_path / "single.out").write_text(capsys.readouterr().out)
     errs = [(tmp_path / f"p{i}.err").read_text() for i in range(2)]
     assert codes == [143, 143], [e[-2000:] for e in errs]
     lines = [_stop_line(e) for e in errs]

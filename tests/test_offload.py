@@ -1,10 +1,12 @@
 """The train state over every device and in host memory (issue 36): `offload_optimizer`, the model's
-`offload_layer_inputs`, and the state stored sharded over `context` as over `fsdp`.
+`offload_layer_inputs`, and the state stored sharded over `context` as over `fsdp`; bf16 compute
+with float32 master weights.
 
 References: the same trainer without offload (float32 compute: the offloaded step's arithmetic is
 the same, so the losses are bitwise equal and two statistics equal to float32 rounding, `NEAR`;
 bfloat16: the gradients are rounded to bf16 before their reduction, so close, not equal), the
-uninterrupted run for resumes, and the state's own byte count for its storage.
+float32 run for bf16 compute, the uninterrupted run for resumes, and the state's own byte count
+for its storage.
 """
 
 import dataclasses
@@ -25,7 +27,9 @@ from train.step import optimizer, train_step
 REMAT = ["scan_layers=true", "moe_remat=true", "attention_remat=full"]
 ARGS = ["--config", "configs/tiny.yaml", "seq_len=32", "batch_size=8", "--quiet", *REMAT]
 BOTH = ["offload_optimizer=true", "offload_layer_inputs=true"]
-MESHES = ["context=8", "fsdp=2,context=4"]
+# the meshes of the state's storage test, each with the compute dtype of this file's plain run on
+# it (the f32 baseline on context=8, the bf16 reference on fsdp=2,context=4)
+STORED = {"context=8": [], "fsdp=2,context=4": ["compute_dtype=bfloat16"]}
 METRICS = ("loss", "lm_loss", "aux_loss", "router_loss", "dropped_pairs")
 # Two statistics are compared to float32 rounding, not bitwise (`NEAR_RTOL`):
 # - the z-loss (its coefficient is 0 in configs/tiny.yaml: it is in no loss or gradient): its
@@ -120,9 +124,18 @@ def test_offload_switched_at_resume_keeps_the_math_and_the_files(tmp_path, basel
     _assert_same(switched_off, baseline("context=8"))
 
 
-def test_bfloat16_offload_differs_only_by_the_gradients_rounding(tmp_path):
+def test_bfloat16_offload_differs_only_by_the_gradients_rounding(tmp_path, baseline):
     """bf16 compute: the offloaded gradients are bf16 before their reduction (float32 without
-    offload), so the losses are close, not bitwise; step 1's loss (no update yet) is equal."""
+    offload), so the losses are close, not bitwise; step 1's loss (no update yet) is equal. (The
+    plain run's step is the one test_the_train_state_is_stored_over_every_device reads on this
+    mesh.)
+
+    Also covers what tests/test_train_mesh.py::test_bf16_compute_keeps_f32_master_weights did
+    (its own bf16 run, unscanned, on expert=8): the plain bf16 run is within 2e-2 of the float32
+    run (`baseline`: the meshes agree to 2e-6 in float32) and not equal to it (it really
+    computed in bf16); the master weights stay float32 (the storage test, on this run's step).
+    The cast is the same function scanned or not (`train.step.objective`'s `cast`: here on the
+    embedding, final norm and LM head before the model runs, and on each layer inside the scan)."""
     bf16 = ["mesh=fsdp=2,context=4", "compute_dtype=bfloat16"]
     plain = _run(tmp_path / "plain", 3, *bf16)
     off = _run(tmp_path / "off", 3, *bf16, "offload_optimizer=true")
@@ -130,28 +143,37 @@ def test_bfloat16_offload_differs_only_by_the_gradients_rounding(tmp_path):
     for a, b in zip(off, plain, strict=True):
         np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-3)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=2e-2)
+    f32 = baseline("context=8")
+    for a, b in zip(plain, f32, strict=True):
+        np.testing.assert_allclose(a["lm_loss"], b["lm_loss"], rtol=2e-2)
+    assert plain[0]["lm_loss"] != f32[0]["lm_loss"]  # it really computed in bf16
 
 
 def _state_bytes(state) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", STORED)
 def test_the_train_state_is_stored_over_every_device(tmp_path, mesh):
     """With no `expert` axis the state was stored sharded over `fsdp` only: `mesh=context=8`
     held the dense weights and their moments on every device. Now each device's share of the
-    state (the step's arguments, from `memory_analysis`) is within 5% of total / 8. The step is
-    `baseline`'s (the trainer's settings, read by `cli.parse`, with the schedule's horizon the
-    run resolves; the layers scanned, as in every run here): on context=8 the program its run
-    (made by the tests before) compiled, memoised, not compiled again; on fsdp=2,context=4, which
-    no other test here trains without offload, compiled here against the abstract state (no
-    run: only the compiled program's arguments are read)."""
-    run = cli.parse([*ARGS, "--out", str(tmp_path / "x"), "--steps", "3", f"mesh={mesh}"])
+    state (the step's arguments, from `memory_analysis`) is within 5% of total / 8; and the
+    weights the step takes and returns are float32 master weights, bf16 compute or not. The
+    step is a plain run's of this file (the trainer's settings, read by `cli.parse`, with the
+    schedule's horizon the run resolves; the layers scanned, as in every run here), memoised by
+    the tests before, not compiled again: `baseline`'s on context=8, the bf16 run of
+    test_bfloat16_offload_differs_only_by_the_gradients_rounding on fsdp=2,context=4 (the state
+    is the same float32 arrays whatever the compute dtype; a float32 step compiled here for it
+    alone was a seventh of this file's time)."""
+    argv = [*ARGS, "--out", str(tmp_path / "x"), "--steps", "3", f"mesh={mesh}", *STORED[mesh]]
+    run = cli.parse(argv)
     cfg, tc = run.model, run.train
     tc = dataclasses.replace(tc, schedule_steps=optimizer.schedule_horizon(tc, run.steps))
     m = tm.make_mesh(mesh)
     compiled = train_step.compile_abstract(cfg, tc, m)
     _, state, _, _ = train_step.abstract_state(cfg, tc, m)
+    f32 = {np.dtype("float32")}  # the master weights, whatever the compute dtype, in and out
+    assert {x.dtype for x in jax.tree.leaves((state.params, compiled.out_info[0].params))} == f32
     per_device = compiled.memory_analysis().argument_size_in_bytes
     assert abs(per_device / (_state_bytes(state) / 8) - 1) < 0.05, per_device
 

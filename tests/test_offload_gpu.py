@@ -69,10 +69,12 @@ def test_offloaded_optimizer_lowers_the_gpu_peak_not_only_the_arguments():
     the bf16 compute copy that the step fetches to the device (2 bytes): 10 bytes per parameter,
     taken at 3/4 for the rest of the step's noise; the host holds at least the moved bytes. (A
     naive fetch of the whole state inside the step moves it from arguments to temporaries and
-    leaves the peak where it was.) The model without checkpoints: with each layer one
-    checkpoint (`moe_remat`, attention `full`) the offloaded step took XLA:GPU 274 s to compile
-    on 2 cores (the suite's slowest test, 2026-12-06), against seconds for this one."""
-    cfg, tc, mesh = _gpu_dense_scanned()
+    leaves the peak where it was.) Each layer one checkpoint (`FULL`), so the plain step is the
+    program test_the_scanned_step_gathers_and_casts_one_layer_of_weights_at_a_time[full] reads
+    (memoised: one compile less). The model had no checkpoints here before: the offloaded step
+    with them took 274 s to compile in a suite run (2026-12-06), the dump options' leak of the
+    module doc; 13 CPU seconds alone (2026-12-07), as without them."""
+    cfg, tc, mesh = _gpu_dense_scanned(**FULL)
     _, state, _, _ = train_step.abstract_state(cfg, tc, mesh)
     params_per_device = _state_bytes(state.params) // 4 // 8
     plain = _gpu_memory(cfg, tc, mesh)

@@ -409,9 +409,10 @@ def hf_reference(name):
 @pytest.mark.parametrize("name", ["qwen2_moe_shared", "qwen3_moe_topk_raw_tied"])
 def test_hf_import_and_export(name, tmp_path):
     """A Hugging Face checkpoint loads into the scanned model (each layer's tensors stacked)
-    with the transformers logits, and exports the very same tensors."""
+    with the transformers logits, and exports the very same tensors (the reference dispatcher
+    compiles faster; the ring and the all-to-all in the scan: test_scanned_matches_unscanned)."""
     src = os.path.join(HF, name)
-    model = from_pretrained(src, mesh=mesh(), dispatcher="ring", scan_layers=True)
+    model = from_pretrained(src, mesh=mesh(), dispatcher="reference", scan_layers=True)
     assert model.layers.mlp.w_gate.get_value().shape[0] == model.config.num_hidden_layers
     ref = hf_reference(name)
     ids = jnp.asarray(ref["input_ids"], jnp.int32)

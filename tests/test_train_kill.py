@@ -1,7 +1,9 @@
 """Crash safety of the trainer: `python -m train` run as a subprocess, interrupted and killed.
 
 Every scenario restarts the same command and must log exactly (bitwise, on CPU) the metrics of
-one uninterrupted run, shared by the tests (and by pytest-xdist workers, under a file lock).
+one uninterrupted run, shared by the tests (`reference`: run in this process by `cli.main`, on
+pytest's 8 devices as the trainer's, so the same programs: the trainer processes read them back
+from the compilation cache this process wrote, tests/conftest.py).
 
 The scenarios run as one chain of trainer processes on one run directory (`chain`, a module
 fixture; each process pays the interpreter's and jax's start-up, so one process per scenario),
@@ -28,7 +30,6 @@ The in-process tests check `train.state.checkpoint.restore` on a toy state: sile
 caught by the checksums, a wrong structure is refused, and all-corrupt runs fail clearly.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -47,6 +48,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train import cli
 from train.state import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,14 +108,11 @@ def _held_cmd(out: Path, mode: str, step: int) -> list[str]:
     return [sys.executable, "-c", _HELD, mode, str(step), *ARGS, "--out", str(out)]
 
 
-# every trainer process compiles the same step: a persistent compilation cache shared by the
-# session's processes (set by the `reference` fixture, which every scenario uses) halves each one
-_CACHE: dict[str, str] = {}
-
-
 def _env(fault: str | None = None) -> dict:
+    """This process's environment (with its compilation cache, tests/conftest.py: the trainer
+    processes compile the same step and read it back), with `fault` as the trainer's fault
+    hook."""
     env = {k: v for k, v in os.environ.items() if k != ckpt.FAULT_ENV}
-    env.update(_CACHE)
     if fault:
         env[ckpt.FAULT_ENV] = fault
     return env
@@ -176,35 +175,14 @@ def _assert_checkpoints_intact(out: Path, steps: list[int]) -> None:
             assert ckpt.checksums(leaves) == got["meta"]["checksums"], s
 
 
-def _shared_root(tmp_path_factory) -> Path:
-    """The session's temporary directory, one for all xdist workers."""
-    root = tmp_path_factory.getbasetemp()
-    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-
-
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> None:
-    """The persistent compilation cache shared by the session's trainer processes (`_env`)."""
-    root = _shared_root(tmp_path_factory)
-    _CACHE.update(
-        JAX_COMPILATION_CACHE_DIR=str(root / "kill_jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, compile_cache) -> tuple[Path, list[dict]]:
-    """One uninterrupted run (its directory, which tests must not modify, and its metrics),
-    made once per session even across xdist workers."""
-    root = _shared_root(tmp_path_factory)
-    out = root / "kill_reference"
-    with open(root / "kill_reference.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "kill_reference.done").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            _run_ok(out)
-            (root / "kill_reference.done").touch()
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One uninterrupted run (its directory, which tests must not modify, and its metrics), in
+    this process: the command's run without its process start-up (the module docstring). It
+    also fills the compilation cache before a trainer process with a file size limit starts
+    (`test_disk_full_is_one_line`: a cache entry it wrote would fail)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert cli.main([*ARGS, "--out", str(out), "--quiet"]) == 0
     values = _values(out)
     assert [r["step"] for r in values] == list(range(1, STEPS + 1))
     return out, values
@@ -426,7 +404,7 @@ def test_sigint_during_the_first_compile_stops_at_once(tmp_path):
     after the run gave the handlers back), never about a step or a checkpoint to finish."""
     out = tmp_path / "run"
     cmd = ["seq_len=24" if a == "seq_len=32" else a for a in _cmd(out) if a != ONE_LAYER]
-    env = {k: v for k, v in _env().items() if k not in _CACHE}
+    env = {k: v for k, v in _env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
     with open(tmp_path / "out.log", "w") as so, open(tmp_path / "err.log", "w") as se:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=so, stderr=se)
         try:
@@ -457,7 +435,7 @@ def test_sigint_during_the_first_compile_stops_at_once(tmp_path):
     assert not (out / "metrics.jsonl").exists() or not _lines(out / "metrics.jsonl")
 
 
-def test_a_second_signal_stops_a_hung_step_at_once(tmp_path, compile_cache):
+def test_a_second_signal_stops_a_hung_step_at_once(tmp_path):
     """A step that never ends (blocked inside XLA by a host callback that never returns, as by a
     deadlocked kernel, `_HELD`): the first SIGTERM waits for it, as for any step; the second ends
     the process at once, exit status 143, with one line naming the newest committed checkpoint,

@@ -55,13 +55,18 @@ def _losses(out):
 def test_tiny_model_trains_and_resumes_bitwise(tmp_path, variant):
     """[deepseek_v3_router+gpt_oss_experts] covers what the former [deepseek_v3_router] and
     [gpt_oss_experts] cases did, in one run; the refusal to resume with the defaults names the
-    key whose parameters the defaults drop (the math-change refusal: tests/test_train_resume.py)."""
-    args = [*SMALL, *VARIANTS[variant]]
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert cli.main([*args, "--steps", "3", "--out", str(a)]) == 0
+    key whose parameters the defaults drop (the math-change refusal: tests/test_train_resume.py).
+
+    The resume is from the uninterrupted run's own step-3 checkpoint, its step-6 one removed (a
+    run stopped after logging steps past its last checkpoint): two runs, not a 3-step run, its
+    resume and a 6-step run."""
+    args = [*SMALL, *VARIANTS[variant], "save_every=3"]
+    a = tmp_path / "a"
     assert cli.main([*args, "--steps", "6", "--out", str(a)]) == 0
-    assert cli.main([*args, "--steps", "6", "--out", str(b)]) == 0
-    resumed, straight = _losses(a), _losses(b)
+    straight = _losses(a)
+    shutil.rmtree(a / "checkpoints" / "6")
+    assert cli.main([*args, "--steps", "6", "--out", str(a)]) == 0
+    resumed = _losses(a)
     assert len(resumed) == 6 and resumed == straight  # bitwise on CPU
     assert resumed[-1] < resumed[0]
     meta = json.loads((a / "checkpoints" / "6" / "meta" / "metadata").read_text())

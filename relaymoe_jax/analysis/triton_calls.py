@@ -19,8 +19,9 @@ The lowered Triton IR says the same from the other side: compiled with the XLA d
 `xla_dump_to=DIR` and `xla_dump_emitter_re=.*` (they work deviceless), each kernel's pass pipeline
 is dumped to `DIR/*.triton-to-llvm.txt`, and `tensor_core_kernels(DIR)` tells, per file, whether
 its lowered code issues Hopper `wgmma` instructions. A Mosaic GPU kernel is compiled by the CUDA
-plugin from the environment variables `MOSAIC_GPU_DUMP_TO=DIR` and `MOSAIC_GPU_DUMP_PTX=1` (read
-by the plugin when the process starts: set them before jax starts) to `DIR/*.ptx`, and
+plugin from the environment variables `MOSAIC_GPU_DUMP_TO=DIR` and `MOSAIC_GPU_DUMP_PTX=1` (jax
+0.12 reads them at each Mosaic GPU compile; a kernel the process compiled before is not compiled,
+nor dumped, again) to `DIR/*.ptx`, and
 `mosaic_wgmma_kernels(DIR)` gives, per kernel, its wgmma instruction shapes (e.g.
 `m64n128k16.f32.bf16.bf16`: bf16 operands accumulated in f32).
 """
