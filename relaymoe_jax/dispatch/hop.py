@@ -98,9 +98,9 @@ class Hop:
 
     def weights(self, w: Experts) -> Experts:
         """The expert matrices as the hop's grouped matmuls take them: for the e4m3 kernel each
-        an `Oriented` pair of `fp8.Fp8` records (quantised here unless they travelled so, and
-        transposed: once per visit, not per chunk), else plain arrays (relayed e4m3
-        dequantised: exact)."""
+        an `Oriented` pair of `fp8.Fp8` records (the ring quantised them at its entry, or here
+        if given plain; transposed once per visit, not per chunk), else plain arrays (e4m3
+        records dequantised: exact)."""
         if not self.fp8_kernel:
             return w.dequantized()
         q = w.quantized()

@@ -67,7 +67,9 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
     Returns (y [T, H], dropped pairs summed over the token axes).
     """
     etp, gather = spec.etp, spec.gather_etp
-    if spec.expert_fp8:  # this device's blocks: the global ones, as F / ETP is whole blocks
+    # this device's blocks: the global ones, as F / ETP is whole blocks (the ring quantises them
+    # itself, to e4m3 records that it relays or keeps: `RingConfig.fp8_acts`)
+    if spec.expert_fp8 and spec.dispatcher != "ring":
         experts = experts.fake_quantized()
     if experts.has_biases and etp is not None:
         experts = experts._replace(b_down=jnp.where(lax.axis_index(etp) == 0, experts.b_down, 0))
@@ -86,7 +88,9 @@ def local_moe(spec: LocalSpec, x_th, ids_tk, wts_tk, experts: Experts):
     else:
         y_th, dropped = _alltoall(spec, x_th, ids_tk, wts_tk, experts)
         dropped = dropped // (spec.etp_size if gather else 1)  # each ETP rank counted the same
-    if spec.expert_fp8:  # its gradient, rounded per token, reaches the down projection's GEMMs
+    # its gradient, rounded per token, reaches the down projection's GEMMs (the ring rounds it
+    # itself, to an e4m3 record: `ring_moe`'s backward)
+    if spec.expert_fp8 and spec.dispatcher != "ring":
         y_th = fp8.quantize_grad(y_th)
     if etp is not None:
         y_th = (
@@ -108,7 +112,6 @@ def _ring(spec: LocalSpec, *args):
         poison=spec.poison,
         hierarchical=spec.hierarchical,
         activation=spec.activation,
-        fp8_relay=spec.expert_fp8 and spec.routing == "expert",  # the weights travel
         fp8_acts=spec.expert_fp8,
     )
     return ring_moe(cfg, *args)

@@ -93,11 +93,12 @@ class RingConfig:
     poison: bool = False  # fill padding rows with NaN (tests)
     hierarchical: bool = False  # rounds of an inner ring over axis[-1], rounds over axis[:-1]
     activation: Activation = SWIGLU  # the experts' gated activation
-    # the weights, already e4m3's values (`Experts.fake_quantized`), travel as e4m3 and block
-    # scales (`Experts.quantized`): half the bytes, the same numbers (the rounding is idempotent)
-    fp8_relay: bool = False
-    # the FP8 recipe's activation side (`experts.expert_mlp`, `Hop`); token routing relays x and
-    # dy (already e4m3's values per 1 x 128 tile) as e4m3 and tile scales (`_send`)
+    # the FP8 recipe (docs/precision.md): the weights are quantised once, at the ring's entry, to
+    # e4m3 and 128 x 128 block scales (`Experts.quantized`): what expert routing relays (half the
+    # bytes), what token routing's hops multiply, and the backward's residual either way (their
+    # gradient passes straight through, as `Experts.fake_quantized`'s); the activation side is
+    # `experts.expert_mlp`'s and `Hop`'s, and token routing relays x and dy (already e4m3's
+    # values per 1 x 128 tile) as e4m3 and tile scales (`_send`)
     fp8_acts: bool = False
 
 
@@ -191,13 +192,18 @@ def _expert_forward(cfg, tk, w):
     return relay(_rings(cfg, hop), w, visit, zeros_f32(tk.x_th.shape, tk.x_th))[0]
 
 
+def _zero_grads(w: Experts, like):
+    """float32 zeros shaped as each of w's arrays, anchored to it (`zeros_f32`); an e4m3 matrix
+    anchors its zeros by its values: no dequantised copy is made for them."""
+    is_fp8 = lambda a: isinstance(a, fp8.Fp8)
+    return jax.tree.map(lambda a: zeros_f32(a.shape, a, like), w, is_leaf=is_fp8)
+
+
 def _expert_backward(cfg, tk, w, dy_th):
     hop = Hop(cfg, tk)
     # zeros made once the weights they pair with exist (`late_zero`): anchored to the home
     # weights, the last hop's partial would be allocated before the loop and live through it
-    zeros = lambda w: jax.tree.map(
-        lambda a: zeros_f32(a.shape, a, tk.x_th), w, is_leaf=lambda a: isinstance(a, fp8.Fp8)
-    )  # an e4m3 matrix anchors its zeros by its values: no dequantised copy is made for them
+    zeros = lambda w: _zero_grads(w, tk.x_th)
 
     def visit(src, w, state):  # partial dW of the visiting w
         dw, dx_th, dwts_p = hop.backward(tk, src, hop.weights(w), dy_th, *state, zeros(w))
@@ -212,7 +218,9 @@ def _send(cfg, a_th):
     """A token matrix as it travels: with the FP8 recipe as e4m3 and its 1 x 128 tile scales, half
     the bytes (dy's values are e4m3's already; x is rounded here to what the hop would round it
     to), and the hop dequantises each chunk's rows of it (`Hop.rows`, exact)."""
-    return fp8.quantize(a_th, fp8.TILE) if cfg.fp8_acts else a_th
+    if isinstance(a_th, fp8.Fp8) or not cfg.fp8_acts:  # dy: quantised already (`bwd`)
+        return a_th
+    return fp8.quantize(a_th, fp8.TILE)
 
 
 def _token_forward(cfg, tk, w):
@@ -236,8 +244,12 @@ def _token_backward(cfg, tk, w, dy_th):
         dw, dx_th, dwts_p = hop.backward(tk, hop.me, w_mm, dy_th, *zeros(tk), dw)
         return (dx_th, dwts_p), dw
 
-    dw = jax.tree.map(lambda a: zeros_f32(a.shape, a, tk.x_th), w)
-    travel = (tk._replace(x_th=_send(cfg, tk.x_th)), _send(cfg, dy_th))
+    dw = _zero_grads(w, tk.x_th)
+    # x rounded for its trip again, behind a barrier: XLA would otherwise merge this rounding
+    # with the forward's (the same op on the same x) and keep that e4m3 x from the forward to
+    # the backward, which cost 545 MiB of peak at the paper shape (BENCHMARKS, the E128 FP8 rows)
+    x_th = tk.x_th if not cfg.fp8_acts else lax.optimization_barrier(tk.x_th)
+    travel = (tk._replace(x_th=_send(cfg, x_th)), _send(cfg, dy_th))
     dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), travel, visit, dw, lambda: zeros(tk))
     return dw, dx_th, dwts_p
 
@@ -251,11 +263,13 @@ def _ring_op(cfg: RingConfig):
 
     def fwd(x_th, ids_tk, wts_tk, w):
         tk = make_tokens(cfg, x_th, ids_tk, wts_tk)
-        w = w.quantized() if cfg.fp8_relay else w  # what travels, and the residual
+        w = w.quantized() if cfg.fp8_acts else w  # what travels or stays, and the residual
         return forward(cfg, tk, w).astype(x_th.dtype), (tk, w)
 
     def bwd(res, dy_th):
         (tk, w), dy_th = first_order((res, dy_th))
+        if cfg.fp8_acts:  # rounded per 1 x 128 tile once: e4m3 and scales, half the bytes of
+            dy_th = fp8.quantize(dy_th, fp8.TILE)  # bf16; the hops dequantise a chunk's rows
         dw, dx_th, dwts_p = backward(cfg, tk, w, dy_th)
         if cfg.reduce_axes:
             dw = lax.psum(dw, cfg.reduce_axes)
