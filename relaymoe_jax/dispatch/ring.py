@@ -247,8 +247,12 @@ def _token_backward(cfg, tk, w, dy_th):
     dw = _zero_grads(w, tk.x_th)
     # x rounded for its trip again, behind a barrier: XLA would otherwise merge this rounding
     # with the forward's (the same op on the same x) and keep that e4m3 x from the forward to
-    # the backward, which cost 545 MiB of peak at the paper shape (BENCHMARKS, the E128 FP8 rows)
-    x_th = tk.x_th if not cfg.fp8_acts else lax.optimization_barrier(tk.x_th)
+    # the backward, which cost 545 MiB of peak at the paper shape (BENCHMARKS, the E128 FP8
+    # rows). Tied to dy, so that neither it nor the backward's first permute of it can run
+    # beside the forward's ring: XLA:CPU's in-process collectives mix up the participants of two
+    # permutes in flight at once ("Unexpected number of participants", an abort: 1 run in 6 of
+    # tests/test_fp8_op.py with x alone behind the barrier, 2026-12-08)
+    x_th = tk.x_th if not cfg.fp8_acts else lax.optimization_barrier((tk.x_th, dy_th))[0]
     travel = (tk._replace(x_th=_send(cfg, x_th)), _send(cfg, dy_th))
     dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), travel, visit, dw, lambda: zeros(tk))
     return dw, dx_th, dwts_p
