@@ -483,6 +483,50 @@ def test_the_tokenizer_travels_with_the_export(runs, tmp_path, capsys):
         assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_a_run_from_a_config_exports_the_tokenizer_of_its_data(tmp_path, capsys):
+    """A run from a config (no --init-from-hf) whose text was tokenized with `--tokenizer FILE`
+    (here not named tokenizer.json): the export carries FILE as tokenizer.json, byte for byte,
+    and tokenizes a text as FILE does (before: no tokenizer file; the run's own record of its
+    data says which file, `data.tokenizer`). FILE changed since the run (another sha256) or
+    gone: the export is written without it, with one warning line."""
+    from tokenizers import Tokenizer
+
+    mine = tmp_path / "words.json"
+    shutil.copyfile(_tokenizer_dir(tmp_path / "ck") / "tokenizer.json", mine)
+    text = tmp_path / "text.txt"
+    text.write_text((TEXT + "\n") * 64)
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    tiny = ["--config", "configs/tiny.yaml", "num_hidden_layers=1", *SMALL[:2], "--quiet"]
+    data = ["--data", str(text), "--tokenizer", str(mine), "--steps", "1", "--out", str(run)]
+    assert cli.main([*tiny, *data]) == 0
+    capsys.readouterr()
+    assert ex.main([str(run), "--out", str(hf)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"; tokenizer.json from {mine}")
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (hf / "tokenizer.json").read_bytes() == mine.read_bytes()
+    ids = lambda path: Tokenizer.from_file(str(path)).encode(TEXT).ids
+    assert ids(hf / "tokenizer.json") == ids(mine) and len(set(ids(mine))) == 8
+
+    mine.write_text(mine.read_text() + "\n")  # the same tokenizer, but not the same file
+    assert ex.main([str(run), "--out", str(tmp_path / "hf2")]) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"warning: {mine} changed since the run's data was tokenized with it (another sha256): "
+        "no tokenizer file copied"
+    )
+    mine.unlink()
+    assert ex.main([str(run), "--out", str(tmp_path / "hf3")]) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"warning: the run's --tokenizer {mine} is gone: the export has no tokenizer; copy that "
+        "file into --out as tokenizer.json"
+    )
+    for out in (tmp_path / "hf2", tmp_path / "hf3"):
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 @pytest.mark.usefixtures("entry_hooks")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_the_export_is_one_line(runs, tmp_path, monkeypatch, capsys, signum):

@@ -6,8 +6,10 @@ transformers writes them) that transformers' Qwen3MoeForCausalLM / Qwen2MoeForCa
 `relaymoe_jax.models.from_pretrained` too. A run started with `--init-from-hf DIR` (recorded in
 its checkpoints' `init`) gets DIR's tokenizer and generation files (`tokenizer_files.COPIED`:
 tokenizer.json, tokenizer_config.json, ...) copied beside the weights, so
-`AutoTokenizer.from_pretrained` reads the export; a warning line says why not when DIR is gone or
-its tokenizer.json is not the one the run's data was prepared with.
+`AutoTokenizer.from_pretrained` reads the export; a run from a config whose data was tokenized
+with `--tokenizer FILE` (recorded in its checkpoints' `data`) gets FILE as tokenizer.json. A
+warning line says why not when the source is gone or is not the tokenizer the run's data was
+prepared with.
 
 Streaming: the checkpoint is opened read-only (orbax's `PyTreeCheckpointer` on the step's `state`
 directory, no `CheckpointManager`: nothing is cleaned up or written there) and only `params` is
@@ -80,7 +82,7 @@ class Exported:
     tensors: int
     total_bytes: int
     copied: tuple[str, ...] = ()  # the tokenizer and generation files copied
-    source: Path | None = None  # from this --init-from-hf directory
+    source: Path | None = None  # from this --init-from-hf directory (or --tokenizer file)
 
 
 def _param_key(entry: Entry, scan_layers: bool) -> tuple[str, int | None]:
@@ -237,8 +239,8 @@ def export(
     tmp = _new_dir_beside(out)
     try:
         write_config(str(tmp), cfg, dtype)
-        for name in copied:
-            shutil.copyfile(source / name, tmp / name)
+        for name, path in copied:
+            shutil.copyfile(path, tmp / name)
         writer = ShardWriter(str(tmp), limit, on_flush=on_flush)
         np_dtype = jnp.dtype(dtype)
         check = check or (lambda: None)
@@ -261,7 +263,8 @@ def export(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     sizes = [n for f in writer.files for n in f.values()]
-    return Exported(out, step, dtype, tuple(files), len(sizes), sum(sizes), tuple(copied), source)
+    names = tuple(name for name, _ in copied)
+    return Exported(out, step, dtype, tuple(files), len(sizes), sum(sizes), names, source)
 
 
 def build_parser() -> argparse.ArgumentParser:
