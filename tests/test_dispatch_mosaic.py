@@ -47,7 +47,7 @@ def test_the_fp8_ring_runs_the_e4m3_kernel(monkeypatch):
     what one dropped or misweighted pair moves. (The dense reference dispatcher keeps its
     intermediates in float32, so its recipe rounds a few activations differently: up to 5% of a
     router weight's gradient here, for either matmul; test_fp8_op.py compares the recipes.) The
-    all-to-all keeps the 16-bit kernel under expert_fp8 (docs/precision.md). Token routing's hop
+    all-to-all's: `test_the_fp8_alltoall_runs_the_e4m3_kernel`. Token routing's hop
     is the same code (`dispatch/hop`), its weights quantised once for every visitor instead of
     relayed: on one device it would run these same calls (module doc)."""
     calls, in_backward = [], []  # (in the hop's backward, transpose_rhs) per traced call
@@ -83,3 +83,36 @@ def test_the_fp8_ring_runs_the_e4m3_kernel(monkeypatch):
     fwd, bwd = (sum(1 for b, _ in calls if b == part) for part in (False, True))
     assert fwd and fwd % 3 == 0 and bwd and bwd % 5 == 0, calls
     assert all(t for _, t in calls), calls
+
+
+def test_the_fp8_alltoall_runs_the_e4m3_kernel(monkeypatch):
+    """The all-to-all with expert_fp8=True and the Mosaic GPU kernel: every grouped matmul of the
+    forward (gate, up, and the down projection with each row's router weight inside it:
+    `dispatch.weighted_down`) and of the dgrads (dx of gate and up, d act of down, on the
+    rounded dy itself) is the e4m3 kernel (`gmm_fp8`, counted as it is traced: 16-bit before),
+    and y and the five gradients match the all-to-all's FP8 recipe through the blocked XLA
+    matmul (16-bit products of the same rounded values) to a bf16 output's rounding; y also
+    matches the dense reference dispatcher's recipe to bf16's 2% (a dropped or doubled pair
+    moves its token's output by about its weight)."""
+    calls = []
+    real = mosaic_fp8.gmm_fp8_call
+
+    def counted(*a):
+        calls.append(a[3])
+        return real(*a)
+
+    monkeypatch.setattr(mosaic_fp8, "gmm_fp8_call", counted)
+    ids = uniform_ids(np.random.default_rng(2), 16, 4, 2)
+    ids[::5, 0] = 3
+    m = mesh("ep1")
+    inp = place(make_inputs(ids, 4, h=64, f=64, dtype="bfloat16"), m, ("expert",))
+    xla = moe_fn("alltoall", m, gmm_impl="xla", expert_fp8=True)
+    got, _ = check_parity(
+        "alltoall", inp, m, rtol=1e-2, ref=xla, gmm_impl="mosaic-interpret", expert_fp8=True
+    )
+    dense = np.asarray(run("reference", inp, m, expert_fp8=True)[0], np.float64)
+    err = np.max(np.abs(np.asarray(got.y, np.float64) - dense))
+    assert err <= 2e-2 * np.max(np.abs(dense)), err
+    # 3 per trace of the forward, 3 dgrads (transpose_rhs) per trace of the backward
+    dgrads = calls.count(True)
+    assert dgrads and dgrads % 3 == 0 and (len(calls) - dgrads) % 3 == 0, calls

@@ -281,3 +281,25 @@ def test_moe_ffn_local_refuses_biases_sharded_unlike_their_weights():
     ):
         run(replicated, (b_gate[: E // 4], b_up, b_down))
     run(good, (b_gate, b_up, b_down))  # the right layout traces
+
+
+def test_fp8_alltoall_with_biases_matches_the_ring():
+    """expert_fp8 with all three biases: the all-to-all, whose router weight sits inside the
+    down projection with b_down (`dispatch.weighted_down`: a custom VJP; the biases' and the
+    weights' gradients around it by autodiff), against the ring, whose hop writes every
+    gradient by hand (`dispatch.hop`): two implementations of the one recipe
+    (docs/precision.md). The recipe without biases is checked against float64 in
+    tests/test_fp8_op.py; a bias added outside the weight, or its gradient unweighted, moves y
+    or d b_down by a whole router weight's share."""
+    m = mesh("ep8")
+    a = CASES["gpt_oss_clamped"]
+    run = lambda d, **kw: with_biases(
+        functools.partial(
+            moe_ffn, mesh=m, dispatcher=d, activation=a, expert_fp8=True, gmm_impl=GMM, **kw
+        )
+    )
+    ids = testing.routing_case("ragged", T, K, E, 8, seed=7)
+    inp = testing.moe_inputs(ids, E, seed=7)
+    testing.assert_moe_parity(
+        run("alltoall"), run("ring", routing="expert"), *inp.args, *biases(E, H, F), rtol=1e-4
+    )

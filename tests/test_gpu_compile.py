@@ -362,11 +362,12 @@ def test_fp8_tokens_travel_as_e4m3():
     """expert_fp8=True, where tokens travel: the token ring relays x (forward) and x and dy
     (backward) as e4m3 values and float32 scales per 1 x 128 tile, the rest of the payload (router
     weights, pair order, float32 accumulators) as before; the all-to-all dispatches its rows the
-    same way and combines in bf16 (DeepSeek-V3's choice). Each of those token matrices is then
-    0.5 + 4 / 256 = 0.52x its bf16 bytes. tests/test_fp8_op.py checks the numbers. And the FP8
-    token ring holds less than bf16's (10.28 against 11.33 MiB): it held 11.52 before 2026-12-07,
-    when each visiting partition's e4m3 x and dy were dequantised whole, not a chunk's rows at a
-    time."""
+    same way, each with its router weight, and combines in bf16 (DeepSeek-V3's choice), and
+    on H100s its expert GEMMs but the weight gradients are the e4m3 kernel. Each of those
+    token matrices is then 0.5 + 4 / 256 = 0.52x its bf16 bytes. tests/test_fp8_op.py checks
+    the numbers. And the FP8 token ring holds less than bf16's (10.28 against 11.33 MiB): it
+    held 11.52 before 2026-12-07, when each visiting partition's e4m3 x and dy were dequantised
+    whole, not a chunk's rows at a time."""
     tiles = T_DEV * -(-H // 128)
     saved = T_DEV * H * 2 - (T_DEV * H + 4 * tiles)  # one [T, H] matrix: bf16 -> e4m3 + scales
     assert T_DEV * H + 4 * tiles <= 0.52 * (T_DEV * H * 2)
@@ -378,12 +379,17 @@ def test_fp8_tokens_travel_as_e4m3():
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     assert temp(c8) < temp(c16), (temp(c8), temp(c16))
     a2a16 = hlo.all_to_alls(_compiled_layer(dispatcher="alltoall", gmm_impl="pallas").as_text())
-    a2a8 = hlo.all_to_alls(
-        _compiled_layer(dispatcher="alltoall", gmm_impl="xla", expert_fp8=True).as_text()
-    )
+    text8 = _compiled_layer(dispatcher="alltoall", gmm_impl="auto", expert_fp8=True).as_text()
     rows = EP * T_DEV * min(K, E // EP)  # the dropless receive buffer (what is sent, padded)
-    rows_saved = rows * H * 2 - (rows * H + 4 * rows * -(-H // 128))
-    assert sum(a.bytes for a in a2a16) - sum(a.bytes for a in a2a8) == rows_saved
+    # e4m3 rows and tile scales, and each row's float32 router weight with it (applied in the
+    # down projection: `dispatch.weighted_down`) and that weight's gradient back
+    rows_saved = rows * H * 2 - (rows * H + 4 * rows * -(-H // 128)) - 2 * 4 * rows
+    assert sum(a.bytes for a in a2a16) - sum(a.bytes for a in hlo.all_to_alls(text8)) == rows_saved
+    # on H100s the all-to-all's forward and dgrads are the e4m3 kernel (gate, up, down; dx of
+    # gate and up, d act of down), its weight gradients the 16-bit tgmm, and nothing else
+    names = sorted(c.kernel.split(".")[0] for c in triton_calls.mosaic_calls(text8))
+    assert names == ["relaymoe_gmm_fp8"] * 6 + ["relaymoe_tgmm"] * 3, names
+    assert not triton_calls.wide_float_calls(text8)  # the tgmms' operands are 16-bit
 
 
 @needs_plugin

@@ -14,6 +14,11 @@ stages in order, each under a `jax.named_scope` (in brackets):
      unpermute: scale by the router weight and scatter-add into [T, H].
 Autodiff gives the backward (as in Megatron, the expanded intermediates are kept for it).
 
+With the FP8 recipe (`fp8_acts`, docs/precision.md) the rows are dispatched as e4m3 and tile
+scales (`fp8_all_to_all`), each pair's router weight travels with its row (4 bytes, float32) and
+is applied inside the down projection (`dispatch.weighted_down`: the e4m3 kernel's dgrad then
+reads the rounded dy itself, as the ring's hop does), and the combine only sums.
+
 Static sizing (XLA:CPU has no ragged all-to-all, so every block has a fixed size B):
 - dropless (capacity_factor=None): B = T * min(k, E_l). A token picks at most min(k, E_l) experts
   of one device when its k ids are distinct (what a top-k router gives), so nothing is dropped.
@@ -35,8 +40,9 @@ from jax import lax
 
 from relaymoe_jax.dispatch import pairs
 from relaymoe_jax.dispatch.activation import SWIGLU, Activation
-from relaymoe_jax.dispatch.experts import Experts, expert_mlp
-from relaymoe_jax.kernels.gmm import gmm, impl_kwargs
+from relaymoe_jax.dispatch.experts import Experts, act_operand, expert_mlp, gate_up, row_bias
+from relaymoe_jax.dispatch.weighted_down import Gemms, weighted_down
+from relaymoe_jax.kernels.gmm import gmm, impl_kwargs, resolve_impl
 from relaymoe_jax.quant import fp8
 from relaymoe_jax.util.sorted_search import count_at_most
 
@@ -93,6 +99,7 @@ class Sent(NamedTuple):
     slot_pair: jax.Array  # [N * B] int32 the pair in each row (clamped for padding rows)
     slot_ok: jax.Array  # [N * B] bool: the row holds a pair
     dropped: jax.Array  # int32 pairs dropped on this device (over capacity or overflow)
+    send_w: jax.Array | None = None  # [N * B] float32 router weights (FP8: sent with the rows)
 
 
 class Sorted(NamedTuple):
@@ -102,6 +109,7 @@ class Sorted(NamedTuple):
     group_sizes: jax.Array  # [E_l] int32 received rows per local expert
     dst: jax.Array  # [N * B] int32 each received row's sorted row (N * B: padding)
     row_ok: jax.Array  # [N, B] bool: the received row holds a pair
+    wts_r: jax.Array | None = None  # [N * B] float32 each sorted row's router weight (FP8)
 
 
 def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, experts: Experts):
@@ -110,12 +118,13 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, experts: Experts):
     n = lax.axis_size(cfg.axis)
     b = block_rows(*ids_tk.shape, cfg.num_experts, n, cfg.capacity_factor)
     with jax.named_scope("a2a_permute"):
-        sent = permute(cfg, x_th, ids_tk, n, b)
+        sent = permute(cfg, x_th, ids_tk, wts_tk, n, b)
     with jax.named_scope("a2a_dispatch"):
         recv_rh = (fp8_all_to_all if cfg.fp8_acts else _all_to_all)(sent.send_rh, cfg.axis)
         recv_counts = lax.all_to_all(sent.send_counts, cfg.axis, 0, 0, tiled=True)  # [src, E_l]
+        recv_w = None if sent.send_w is None else _all_to_all(sent.send_w, cfg.axis)
     with jax.named_scope("a2a_sort_local"):
-        local = sort_local(cfg, recv_rh, recv_counts, b)
+        local = sort_local(cfg, recv_rh, recv_counts, b, recv_w)
     with jax.named_scope("a2a_experts"):
         ys_rh = expert_compute(cfg, experts, local, x_th.dtype)
     with jax.named_scope("a2a_combine"):
@@ -126,9 +135,9 @@ def alltoall_moe(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, experts: Experts):
     return out_th.astype(x_th.dtype), dropped
 
 
-def permute(cfg: AllToAllConfig, x_th, ids_tk, n, b) -> Sent:
+def permute(cfg: AllToAllConfig, x_th, ids_tk, wts_tk, n, b) -> Sent:
     """Stage 1: pairs sorted by global expert (capacity applied), token rows gathered into the
-    send buffer."""
+    send buffer (and, FP8, their router weights into `send_w`)."""
     t, k = ids_tk.shape
     num_e = cfg.num_experts
     e_local, rows = num_e // n, n * b
@@ -159,11 +168,18 @@ def permute(cfg: AllToAllConfig, x_th, ids_tk, n, b) -> Sent:
     slot_ok = slot_pair < t * k
     slot_pair = jnp.minimum(slot_pair, t * k - 1)
     send_rh = pairs.take_rows(x_th, slot_pair // k, slot_ok, cfg.poison)  # pads: never read
-    return Sent(send_rh, send_counts, slot_pair, slot_ok, dropped)
+    send_w = _slot_weights(wts_tk, slot_pair, slot_ok) if cfg.fp8_acts else None
+    return Sent(send_rh, send_counts, slot_pair, slot_ok, dropped, send_w)
 
 
-def sort_local(cfg: AllToAllConfig, recv_rh, recv_counts, b) -> Sorted:
-    """Stage 3: the received rows ([src, E_l] blocks) sorted by local expert (one gather)."""
+def _slot_weights(wts_tk, slot_pair, slot_ok):
+    """[N * B] float32: the router weight of each slot's pair (0 in padding slots)."""
+    return jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
+
+
+def sort_local(cfg: AllToAllConfig, recv_rh, recv_counts, b, recv_w=None) -> Sorted:
+    """Stage 3: the received rows ([src, E_l] blocks) sorted by local expert (one gather), and
+    their router weights `recv_w` with them where given."""
     rows = recv_rh.shape[0]
     e_local = recv_counts.shape[1]
     group_sizes = recv_counts.sum(0)
@@ -187,10 +203,10 @@ def sort_local(cfg: AllToAllConfig, recv_rh, recv_counts, b) -> Sorted:
     )
     sorted_ok = src_of < rows
     # the padding rows' gradient comes back unwritten from the kernels (zero_padding=False)
-    xs_rh = pairs.take_rows_masked_grad(
-        recv_rh, jnp.minimum(src_of, rows - 1), sorted_ok, cfg.poison
-    )
-    return Sorted(xs_rh, group_sizes, dst, row_ok)
+    src = jnp.minimum(src_of, rows - 1)
+    xs_rh = pairs.take_rows_masked_grad(recv_rh, src, sorted_ok, cfg.poison)
+    wts_r = None if recv_w is None else pairs.take_rows_masked_grad(recv_w, src, sorted_ok, False)
+    return Sorted(xs_rh, group_sizes, dst, row_ok, wts_r)
 
 
 def expert_compute(cfg: AllToAllConfig, experts: Experts, local: Sorted, dtype):
@@ -198,7 +214,13 @@ def expert_compute(cfg: AllToAllConfig, experts: Experts, local: Sorted, dtype):
 
     Padding rows (past the received pairs: ~7/8 of a dropless buffer at EP=8) get no kernel work
     and stay unwritten (`zero_padding=False`); every read of them after is a select (`where`),
-    never a product. Their expert is past the last one, so a bias adds 0 there."""
+    never a product. Their expert is past the last one, so a bias adds 0 there.
+
+    The FP8 recipe (`cfg.fp8_acts`): each row's router weight is applied here, inside the down
+    projection (`weighted_down`: its dgrad runs on the rounded dy itself, the e4m3 kernel on
+    Hopper, as the ring's hop), and the combine only sums."""
+    if cfg.fp8_acts:
+        return _expert_compute_fp8(cfg, experts, local, dtype)
     mm = lambda a, w, a_rows=None: gmm(
         a,
         w,
@@ -212,14 +234,31 @@ def expert_compute(cfg: AllToAllConfig, experts: Experts, local: Sorted, dtype):
     return y.astype(dtype)
 
 
+def _expert_compute_fp8(cfg: AllToAllConfig, experts: Experts, local: Sorted, dtype):
+    """`expert_compute` under the FP8 recipe: `expert_mlp`'s formula with the router weight inside
+    the down projection (and its bias), on the e4m3 kernel where it runs (`Gemms`)."""
+    kw = impl_kwargs(cfg.gmm_impl)
+    gemms = Gemms(tuple(sorted(kw.items())), resolve_impl(**kw) == "mosaic")
+    gs, wts_r = local.group_sizes, local.wts_r
+    mm = lambda a, w, a_rows=None: gemms.mm(a, w, gs)
+    rows = lambda: pairs.group_of_rows(gs, local.xs_rh.shape[0])
+    gate, up, expert_r = gate_up(experts, local.xs_rh, mm, rows, fp8_grads=True)
+    act = act_operand(cfg.activation(gate, up), dtype, True)
+    y = weighted_down(act, experts.w_down, wts_r, gs, gemms)
+    if expert_r is not None:
+        y = y + wts_r[:, None] * row_bias(experts.b_down, expert_r)
+    return y.astype(dtype)
+
+
 def combine(cfg: AllToAllConfig, ys_rh, local: Sorted, sent: Sent, wts_tk, shape):
     """Stages 5-7: unsort to the receive layout, all-to-all back, scale by the router weights and
     scatter-add into the tokens ([T, H] float32)."""
     rows, k = ys_rh.shape[0], wts_tk.shape[1]
     dst, ok = jnp.minimum(local.dst, rows - 1), local.row_ok.reshape(-1)
     yr_rh = pairs.take_rows(ys_rh, dst, ok, cfg.poison)
-    yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True)
+    yb_rh = lax.all_to_all(yr_rh, cfg.axis, 0, 0, tiled=True).astype(jnp.float32)
     slot_pair, slot_ok = sent.slot_pair, sent.slot_ok
-    w_slot = jnp.where(slot_ok, wts_tk.reshape(-1)[slot_pair], 0).astype(jnp.float32)
-    contrib = jnp.where(slot_ok[:, None], yb_rh.astype(jnp.float32) * w_slot[:, None], 0.0)
+    if sent.send_w is None:  # FP8: weighted already (`expert_compute`)
+        yb_rh = yb_rh * _slot_weights(wts_tk, slot_pair, slot_ok)[:, None]
+    contrib = jnp.where(slot_ok[:, None], yb_rh, 0.0)
     return jnp.zeros(shape, jnp.float32).at[slot_pair // k].add(contrib)
