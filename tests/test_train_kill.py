@@ -605,3 +605,30 @@ def test_all_checkpoints_corrupt_or_mismatched_raise(tmp_path):
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"steps \[2, 1\] all failed"):
         _restore_toy(tmp_path, states[1])
     assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved
+
+
+# `python -m train ARGS` with the signal `argv[1]` arriving while train/__main__.py imports the
+# trainer: the process sends it to itself from an import hook, as `from .cli import entry` starts
+_SIGNAL_IN_IMPORT = """
+import builtins, os, runpy, signal, sys
+real, signum = builtins.__import__, getattr(signal, sys.argv.pop(1))
+def hook(name, globals=None, locals=None, fromlist=(), level=0):
+    if name == "cli" and level == 1 and (globals or {}).get("__package__") == "train":
+        os.kill(os.getpid(), signum)
+    return real(name, globals, locals, fromlist, level)
+builtins.__import__ = hook
+sys.argv[0] = "train"
+runpy.run_module("train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_the_trainer_imports_is_one_line(tmp_path, name, code):
+    """Ctrl-C or SIGTERM while `python -m train` imports jax and the trainer (its first second;
+    a scheduler's SIGTERM can land there): one line, exit status 128 + the signal's number,
+    nothing written (before: SIGTERM ended the process silently, exit status -15)."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-c", _SIGNAL_IN_IMPORT, name, *ARGS, "--out", str(out)]
+    run = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stderr.strip(), run.stdout) == (code, f"interrupted ({name})", "")
+    assert not out.exists()
