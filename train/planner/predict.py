@@ -15,9 +15,10 @@ parameters (`train.step.flops`), A_mlp those of the MLP/MoE blocks, A_exp the ro
                      kept at save_attn_out or save_all)                     at the attention rates
     attention bwd    2.5 x 4 D N L P (FlashAttention's count: the scores recomputed)
 
-With `expert_fp8` in the ring on Hopper (its grouped matmul "auto" or "mosaic": the e4m3 kernel,
-`kernels/gmm/fp8.py`), the routed experts' forward 2 A_exp T (twice with `moe_remat`), the ring's
-recomputed gate and up 4/3 A_exp T and their dgrads 2 A_exp T run at E4M3_SPEEDUP times their
+With `expert_fp8` in the ring or the all-to-all on Hopper (its grouped matmul "auto" or "mosaic":
+the e4m3 kernel, `kernels/gmm/fp8.py`), the routed experts' forward 2 A_exp T (twice with
+`moe_remat`), the ring's recomputed gate and up 4/3 A_exp T and the dgrads 2 A_exp T run at
+E4M3_SPEEDUP times their
 rate (the tensor cores' e4m3 / bf16 ratio, assumed until a GPU times the kernel); the wgrads
 2 A_exp T stay at the bf16 rate. FLOPs and MFU are counted as without FP8 (MFU against the bf16
 peak).
@@ -46,17 +47,19 @@ E4M3_SPEEDUP = 2.0  # Hopper's dense e4m3 tensor-core peak over its bf16 one
 
 def e4m3_flops(cfg, device_kind: str, a_exp: float, t: float) -> tuple[float, float]:
     """(forward, backward) expert FLOPs of T tokens that the e4m3 kernel runs (module doc): zero
-    unless `expert_fp8`, the ring and its e4m3 grouped matmul on a Hopper `device_kind`."""
+    unless `expert_fp8`, the ring or the all-to-all, and its e4m3 grouped matmul on a Hopper
+    `device_kind`. The backward's: the dgrads, and the ring's recomputed gate and up."""
     opts = cfg.moe.options
     on = (
         opts.expert_fp8
-        and opts.dispatcher == "ring"
+        and opts.dispatcher in ("ring", "alltoall")
         and opts.gmm_impl in ("auto", "mosaic")
         and HOPPER_KINDS.search(device_kind) is not None
     )
     if not on:
         return 0.0, 0.0
-    return 2.0 * a_exp * t * (2 if cfg.moe_remat else 1), (4.0 / 3.0 + 2.0) * a_exp * t
+    recomputed = 4.0 / 3.0 if opts.dispatcher == "ring" else 0.0
+    return 2.0 * a_exp * t * (2 if cfg.moe_remat else 1), (recomputed + 2.0) * a_exp * t
 
 
 @dataclasses.dataclass(frozen=True)
