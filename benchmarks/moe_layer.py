@@ -247,7 +247,7 @@ def layer_options(args) -> dict:
 
 
 def _fp8_note(args) -> str:
-    return ", expert_fp8 (the ring's matmuls: gmm_fp8's e4m3 kernel)" if args.expert_fp8 else ""
+    return ", expert_fp8 (the experts' matmuls: gmm_fp8's e4m3 kernel)" if args.expert_fp8 else ""
 
 
 def main(argv=None):

@@ -216,11 +216,9 @@ def _expert_backward(cfg, tk, w, dy_th):
 
 def _send(cfg, a_th):
     """A token matrix as it travels: with the FP8 recipe as e4m3 and its 1 x 128 tile scales, half
-    the bytes (dy's values are e4m3's already; x is rounded here to what the hop would round it
-    to), and the hop dequantises each chunk's rows of it (`Hop.rows`, exact)."""
-    if isinstance(a_th, fp8.Fp8) or not cfg.fp8_acts:  # dy: quantised already (`bwd`)
-        return a_th
-    return fp8.quantize(a_th, fp8.TILE)
+    the bytes (x rounded here to what the hop would round it to; dy is rounded so by the ring's
+    backward itself), and the hop dequantises each chunk's rows of it (`Hop.rows`, exact)."""
+    return fp8.quantize(a_th, fp8.TILE) if cfg.fp8_acts else a_th
 
 
 def _token_forward(cfg, tk, w):
@@ -253,7 +251,7 @@ def _token_backward(cfg, tk, w, dy_th):
     # permutes in flight at once ("Unexpected number of participants", an abort: 1 run in 6 of
     # tests/test_fp8_op.py with x alone behind the barrier, 2026-12-08)
     x_th = tk.x_th if not cfg.fp8_acts else lax.optimization_barrier((tk.x_th, dy_th))[0]
-    travel = (tk._replace(x_th=_send(cfg, x_th)), _send(cfg, dy_th))
+    travel = (tk._replace(x_th=_send(cfg, x_th)), dy_th)  # dy: an e4m3 record already (`bwd`)
     dw, (dx_th, dwts_p) = relay(_rings(cfg, hop), travel, visit, dw, lambda: zeros(tk))
     return dw, dx_th, dwts_p
 
